@@ -1,0 +1,1 @@
+"""Benchmark scripts for gpubudget (run them with ``python -m benchmarks.NAME``)."""

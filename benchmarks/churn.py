@@ -1,0 +1,216 @@
+"""Churn benchmark on the host backend: ``Budget.allocate``/``free`` against a bare
+pure-Python bisect best-fit written here, on the same trace, side by side in one run.
+
+    python -m benchmarks.churn [--steps N] [--repeat R]
+
+Prints microseconds per free+allocate pair (median of R runs) and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from bisect import bisect_left, insort
+from collections.abc import Callable
+
+from gpubudget import gpu_budget
+
+from .traces import Trace, churn
+
+ALIGN = 256
+CAPACITY = 8 * 2**30
+SHIFT = 64
+MASK = (1 << SHIFT) - 1
+
+
+class TextbookBestFit:
+    """Best-fit with coalescing as it is usually written: free blocks in a list of
+    ``(size, offset)`` tuples sorted by size, and a sorted list of free offsets in which
+    ``bisect`` finds a freed block's neighbours."""
+
+    def __init__(self, capacity: int) -> None:
+        self.by_size: list[tuple[int, int]] = [(capacity, 0)]
+        self.offsets: list[int] = [0]
+        self.free_size: dict[int, int] = {0: capacity}
+        self.used: dict[int, int] = {}
+
+    def allocate(self, size: int) -> int | None:
+        size = (size + ALIGN - 1) & -ALIGN
+        i = bisect_left(self.by_size, (size, 0))
+        if i == len(self.by_size):
+            return None
+        block, offset = self.by_size.pop(i)
+        self._unlink(offset)
+        if block > size:
+            self._link(offset + size, block - size)
+        self.used[offset] = size
+        return offset
+
+    def free(self, offset: int) -> bool:
+        size = self.used.pop(offset, 0)
+        if not size:
+            return False
+        i = bisect_left(self.offsets, offset)
+        if i < len(self.offsets) and self.offsets[i] == offset + size:
+            following = self.free_size[offset + size]
+            self.by_size.remove((following, offset + size))
+            self._unlink(offset + size)
+            size += following
+        if i > 0:
+            start = self.offsets[i - 1]
+            if start + self.free_size[start] == offset:
+                preceding = self.free_size[start]
+                self.by_size.remove((preceding, start))
+                self._unlink(start)
+                offset, size = start, size + preceding
+        self._link(offset, size)
+        return True
+
+    def _link(self, offset: int, size: int) -> None:
+        insort(self.by_size, (size, offset))
+        insort(self.offsets, offset)
+        self.free_size[offset] = size
+
+    def _unlink(self, offset: int) -> None:
+        del self.offsets[bisect_left(self.offsets, offset)]
+        del self.free_size[offset]
+
+
+class BareBestFit:
+    """The arena's own structure with nothing around it: free blocks as packed
+    ``size << 64 | offset`` ints in one sorted list, and start/end maps for coalescing."""
+
+    def __init__(self, capacity: int) -> None:
+        self.keys = [capacity << SHIFT]
+        self.free_at = {0: capacity}
+        self.free_end = {capacity: 0}
+        self.used: dict[int, int] = {}
+
+    def allocate(self, size: int) -> int | None:
+        size = (size + ALIGN - 1) & -ALIGN
+        keys = self.keys
+        i = bisect_left(keys, size << SHIFT)
+        if i == len(keys):
+            return None
+        key = keys.pop(i)
+        block, address = key >> SHIFT, key & MASK
+        del self.free_at[address]
+        del self.free_end[address + block]
+        if block > size:
+            self._add(address + size, block - size)
+        self.used[address] = size
+        return address
+
+    def free(self, address: int) -> bool:
+        size = self.used.pop(address, 0)
+        if not size:
+            return False
+        end = address + size
+        following = self.free_at.pop(end, 0)
+        if following:
+            del self.keys[bisect_left(self.keys, following << SHIFT | end)]
+            del self.free_end[end + following]
+            size += following
+        start = self.free_end.pop(address, None)
+        if start is not None:
+            preceding = self.free_at.pop(start)
+            del self.keys[bisect_left(self.keys, preceding << SHIFT | start)]
+            address, size = start, size + preceding
+        self._add(address, size)
+        return True
+
+    def _add(self, address: int, size: int) -> None:
+        insort(self.keys, size << SHIFT | address)
+        self.free_at[address] = size
+        self.free_end[address + size] = address
+
+
+def run_trace(
+    allocate: Callable[[int], int | None],
+    free: Callable[[int], bool],
+    warmup: Trace,
+    timed: Trace,
+) -> float:
+    """Seconds for the timed steps; every step must succeed."""
+    slots: dict[int, int] = {}
+    for slot, size in warmup:
+        address = allocate(size)
+        assert address is not None, "warm-up allocation denied"
+        slots[slot] = address
+    start = time.perf_counter()
+    for slot, size in timed:
+        free(slots[slot])
+        address = allocate(size)
+        if address is None:
+            raise RuntimeError(f"allocation of {size} bytes denied during the trace")
+        slots[slot] = address
+    elapsed = time.perf_counter() - start
+    for address in slots.values():
+        free(address)
+    return elapsed
+
+
+def time_textbook(warmup: Trace, timed: Trace) -> float:
+    textbook = TextbookBestFit(CAPACITY)
+    return run_trace(textbook.allocate, textbook.free, warmup, timed)
+
+
+def time_bare(warmup: Trace, timed: Trace) -> float:
+    bare = BareBestFit(CAPACITY)
+    return run_trace(bare.allocate, bare.free, warmup, timed)
+
+
+def time_budget(warmup: Trace, timed: Trace) -> float:
+    with gpu_budget(CAPACITY, align=ALIGN, name="churn", backend="host") as budget:
+        return run_trace(budget.allocate, budget.free, warmup, timed)
+
+
+def time_child_budget(warmup: Trace, timed: Trace) -> float:
+    with gpu_budget(CAPACITY, align=ALIGN, name="pool", backend="host"):
+        with gpu_budget(CAPACITY // 2, name="model") as child:
+            return run_trace(child.allocate, child.free, warmup, timed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    warmup, timed = churn(steps=args.steps)
+    for row in table(args.steps, args.repeat):
+        print(row)
+
+
+def table(steps: int = 20_000, repeat: int = 3) -> list[str]:
+    """Run every allocator ``repeat`` times, interleaved; return the printed table."""
+    warmup, timed = churn(steps=steps)
+    runs: dict[str, Callable[[Trace, Trace], float]] = {
+        "textbook bisect best-fit": time_textbook,
+        "packed bisect best-fit": time_bare,
+        "Budget (root)": time_budget,
+        "Budget (child of root)": time_child_budget,
+    }
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeat):  # interleaved, so drift hits every row alike
+        for label, run in runs.items():
+            times[label].append(run(warmup, timed))
+    us = {label: statistics.median(t) / len(timed) * 1e6 for label, t in times.items()}
+    textbook, packed = us["textbook bisect best-fit"], us["packed bisect best-fit"]
+    rows = [
+        f"churn trace: 1000 live blocks, log-uniform 256 B-16 MiB, {len(timed)} steps, "
+        f"median of {repeat} runs, microseconds per free+allocate pair",
+        "",
+        f"| {'allocator':<26} | {'us/pair':>8} | {'vs textbook':>11} | {'vs packed':>9} |",
+        f"| {'-' * 26} | {'-' * 8}:| {'-' * 10}:| {'-' * 8}:|",
+    ]
+    for label, value in us.items():
+        rows.append(
+            f"| {label:<26} | {value:>8.2f} | {value / textbook:>10.2f}x | "
+            f"{value / packed:>8.2f}x |"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

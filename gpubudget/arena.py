@@ -1,0 +1,308 @@
+"""Best-fit sub-allocation of one address range, with coalescing; host bookkeeping only.
+
+An :class:`Arena` manages ``[base, base + capacity)``. Every block size is a multiple of the
+arena's ``granularity`` and every block starts at a multiple of it, so a free block can always
+be split on granularity boundaries. The arena never touches the memory it manages.
+
+Data structures (every operation is a few dictionary look-ups and one or two binary
+searches; nothing scans the blocks):
+
+- ``_free_keys``: a sorted list of ``size << 64 | address`` for every free block, so that
+  ``bisect`` finds the smallest free block of at least ``n`` bytes (lowest address on ties);
+- ``_free_at``: free block start -> size, and ``_free_end``: free block end -> start, to find
+  the neighbours of a freed block in O(1) and coalesce;
+- ``_used_at``: allocated block start -> size.
+
+Invariants, checked by :meth:`Arena.check`:
+
+``TILED``
+    Blocks, walked by address, tile ``[base, base + capacity)`` with no gap and no overlap.
+``COALESCED``
+    No two free blocks are adjacent.
+``ALIGNED``
+    Every block starts at a multiple of ``granularity`` and its size is one.
+``INDEXED``
+    ``_free_keys``, ``_free_at`` and ``_free_end`` describe the same free blocks, and
+    ``_free_keys`` is sorted.
+
+``used_bytes`` and ``free_bytes`` are computed on demand (they cost a pass over the free
+blocks) rather than kept up to date on every allocation.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterator
+from typing import Final, NamedTuple
+
+__all__ = ["Arena", "ArenaCorruption", "Block"]
+
+_SHIFT: Final = 64
+_MASK: Final = (1 << _SHIFT) - 1
+
+
+class Block(NamedTuple):
+    """One block of an arena as :meth:`Arena.walk` reports it."""
+
+    address: int
+    size: int
+    free: bool
+
+
+class ArenaCorruption(AssertionError):
+    """An arena invariant does not hold; ``invariant`` names it."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"arena invariant {invariant} violated: {detail}")
+        self.invariant = invariant
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+class Arena:
+    """Best-fit allocator over ``[base, base + capacity)``.
+
+    Parameters
+    ----------
+    base
+        First address of the range; a multiple of ``granularity``.
+    capacity
+        Size of the range in bytes; a positive multiple of ``granularity``.
+    granularity
+        A power of two: the unit of block sizes and the minimum alignment of blocks.
+
+    Examples
+    --------
+    >>> arena = Arena(0x10000, 4096, granularity=256)
+    >>> a = arena.allocate(1024)
+    >>> b = arena.allocate(512, alignment=1024)
+    >>> (a, b, arena.used_bytes)
+    (65536, 66560, 1536)
+    >>> arena.free(a), arena.largest_free
+    (1024, 2560)
+    >>> arena.check()
+    """
+
+    __slots__ = (
+        "base",
+        "capacity",
+        "granularity",
+        "_free_keys",
+        "_free_at",
+        "_free_end",
+        "_used_at",
+    )
+
+    def __init__(self, base: int, capacity: int, granularity: int = 256) -> None:
+        if not _is_power_of_two(granularity):
+            raise ValueError(f"granularity must be a power of two, got {granularity!r}")
+        if base < 0 or base % granularity:
+            raise ValueError(f"base {base:#x} is not a multiple of granularity {granularity}")
+        if capacity <= 0 or capacity % granularity:
+            raise ValueError(
+                f"capacity {capacity!r} is not a positive multiple of granularity {granularity}"
+            )
+        self.base: Final = base
+        self.capacity: Final = capacity
+        self.granularity: Final = granularity
+        self._free_keys: list[int] = [capacity << _SHIFT | base]
+        self._free_at: dict[int, int] = {base: capacity}
+        self._free_end: dict[int, int] = {base + capacity: base}
+        self._used_at: dict[int, int] = {}
+
+    # -- allocation ------------------------------------------------------------------------
+
+    def allocate(self, size: int, alignment: int = 0) -> int | None:
+        """Return the address of a block of ``size`` bytes, or ``None`` if none fits.
+
+        ``size`` must be a positive multiple of ``granularity``; ``alignment`` 0 or a power of
+        two (the block starts at a multiple of ``max(granularity, alignment)``).
+        """
+        # The helpers _add_free/_remove_free are inlined in allocate and free: they are the
+        # hot path of every budget, and a method call costs as much as a dictionary update.
+        keys = self._free_keys
+        i = bisect_left(keys, size << _SHIFT)
+        if i == len(keys):
+            return None
+        key = keys[i]
+        address = key & _MASK
+        pad = 0
+        if alignment > self.granularity and address & (alignment - 1):
+            pad = -address & (alignment - 1)
+            if (key >> _SHIFT) < size + pad:
+                # Any block of size + alignment - granularity bytes can hold an aligned block.
+                i = bisect_left(keys, (size + alignment - self.granularity) << _SHIFT)
+                if i == len(keys):
+                    return None
+                key = keys[i]
+                address = key & _MASK
+                pad = -address & (alignment - 1)
+        block = key >> _SHIFT
+        del keys[i]
+        free_at = self._free_at
+        free_end = self._free_end
+        del free_at[address]
+        end = address + block
+        if pad:
+            insort(keys, pad << _SHIFT | address)
+            free_at[address] = pad
+            free_end[address + pad] = address
+            address += pad
+        rest = block - pad - size
+        if rest:
+            start = address + size
+            insort(keys, rest << _SHIFT | start)
+            free_at[start] = rest
+            free_end[end] = start
+        else:
+            del free_end[end]
+        self._used_at[address] = size
+        return address
+
+    def free(self, address: int) -> int:
+        """Free the block at ``address``; return its size, or 0 if no block starts there."""
+        size = self._used_at.pop(address, 0)
+        if not size:
+            return 0
+        released = size
+        keys = self._free_keys
+        free_at = self._free_at
+        free_end = self._free_end
+        end = address + size
+        following = free_at.pop(end, 0)
+        if following:
+            del keys[bisect_left(keys, following << _SHIFT | end)]
+            end += following
+            size += following
+        start = free_end.pop(address, None)
+        if start is not None:
+            preceding = free_at[start]
+            del keys[bisect_left(keys, preceding << _SHIFT | start)]
+            address = start
+            size += preceding
+        insort(keys, size << _SHIFT | address)
+        free_at[address] = size
+        free_end[end] = address
+        return released
+
+    def size_of(self, address: int) -> int:
+        """Size of the allocated block at ``address``, 0 if none starts there."""
+        return self._used_at.get(address, 0)
+
+    def resize(self, address: int, new_size: int) -> bool:
+        """Grow or shrink the allocated block at ``address`` in place.
+
+        Shrinking always succeeds; growing succeeds when the block that follows is free and
+        large enough. ``new_size`` must be a positive multiple of ``granularity``. Returns
+        ``False`` (and changes nothing) when the block cannot be resized in place.
+        """
+        size = self._used_at.get(address, 0)
+        if not size:
+            return False
+        if new_size < size:
+            self._used_at[address] = new_size
+            self._release(address + new_size, size - new_size)
+            return True
+        if new_size == size:
+            return True
+        end = address + size
+        following = self._free_at.get(end, 0)
+        if following < new_size - size:
+            return False
+        self._remove_free(end, following)
+        remainder = following - (new_size - size)
+        if remainder:
+            self._add_free(address + new_size, remainder)
+        self._used_at[address] = new_size
+        return True
+
+    # -- inspection ------------------------------------------------------------------------
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in free blocks."""
+        return sum(self._free_at.values())
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in allocated blocks."""
+        return self.capacity - self.free_bytes
+
+    @property
+    def largest_free(self) -> int:
+        """Size of the largest free block (0 when full)."""
+        keys = self._free_keys
+        return keys[-1] >> _SHIFT if keys else 0
+
+    @property
+    def live_blocks(self) -> int:
+        """Number of allocated blocks."""
+        return len(self._used_at)
+
+    def walk(self) -> Iterator[Block]:
+        """Yield every block, free and allocated, in address order."""
+        blocks = [Block(a, s, True) for a, s in self._free_at.items()]
+        blocks += [Block(a, s, False) for a, s in self._used_at.items()]
+        blocks.sort()
+        yield from blocks
+
+    def check(self) -> None:
+        """Raise :class:`ArenaCorruption` naming the first invariant that does not hold."""
+        expected = self.base
+        previous_free = False
+        for block in self.walk():
+            if block.address != expected:
+                raise ArenaCorruption(
+                    "TILED", f"block at {block.address:#x}, previous block ends at {expected:#x}"
+                )
+            if block.address % self.granularity or block.size % self.granularity or block.size <= 0:
+                raise ArenaCorruption("ALIGNED", f"block {block}")
+            if block.free and previous_free:
+                raise ArenaCorruption("COALESCED", f"free block {block} follows a free block")
+            previous_free = block.free
+            expected = block.address + block.size
+        if expected != self.base + self.capacity:
+            raise ArenaCorruption("TILED", f"blocks end at {expected:#x}, not at the range end")
+        keys = self._free_keys
+        if keys != sorted(keys) or {k & _MASK: k >> _SHIFT for k in keys} != self._free_at:
+            raise ArenaCorruption("INDEXED", "sorted free index disagrees with the free map")
+        if len(keys) != len(self._free_at) or self._free_end != {
+            a + s: a for a, s in self._free_at.items()
+        }:
+            raise ArenaCorruption("INDEXED", "free-end map disagrees with the free map")
+
+    def __repr__(self) -> str:
+        return (
+            f"Arena(base={self.base:#x}, capacity={self.capacity}, used={self.used_bytes}, "
+            f"blocks={len(self._used_at)}, free_blocks={len(self._free_at)})"
+        )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _add_free(self, address: int, size: int) -> None:
+        insort(self._free_keys, size << _SHIFT | address)
+        self._free_at[address] = size
+        self._free_end[address + size] = address
+
+    def _remove_free(self, address: int, size: int) -> None:
+        keys = self._free_keys
+        del keys[bisect_left(keys, size << _SHIFT | address)]
+        del self._free_at[address]
+        del self._free_end[address + size]
+
+    def _release(self, address: int, size: int) -> None:
+        """Return ``[address, address + size)`` to the free blocks, merging neighbours."""
+        end = address + size
+        following = self._free_at.get(end, 0)
+        if following:
+            self._remove_free(end, following)
+            size += following
+        start = self._free_end.get(address)
+        if start is not None:
+            preceding = self._free_at[start]
+            self._remove_free(start, preceding)
+            address = start
+            size += preceding
+        self._add_free(address, size)

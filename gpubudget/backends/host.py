@@ -1,0 +1,77 @@
+"""Host backend: budgets backed by real host memory, for machines without a GPU.
+
+Each reservation is an anonymous private ``mmap`` (page-aligned, committed lazily by the
+kernel), so blocks can be written and read with ``ctypes``. Streams are plain integers and
+all work is complete at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Final
+
+__all__ = ["HostBackend", "HostReservation"]
+
+
+class HostReservation:
+    """An anonymous mapping of ``nbytes`` bytes at ``address``."""
+
+    __slots__ = ("_map", "address", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.address: Final = ctypes.addressof(anchor)
+        del anchor  # drop the buffer export so that the map can be closed
+        self.nbytes: Final = nbytes
+
+    def release(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    @property
+    def released(self) -> bool:
+        return self._map is None
+
+
+class _DoneEvent:
+    """Host work is synchronous: every event is already complete."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DONE: Final = _DoneEvent()
+
+
+class HostBackend:
+    """Budgets simulated in host memory (see the module docstring)."""
+
+    name = "host"
+
+    def reserve(self, nbytes: int) -> HostReservation:
+        try:
+            return HostReservation(nbytes)
+        except (OSError, OverflowError, ValueError) as exc:
+            raise MemoryError(str(exc)) from exc
+
+    def mem_info(self) -> tuple[int, int] | None:
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (OSError, ValueError):  # pragma: no cover - platforms without sysconf names
+            return None
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        ctypes.memmove(dst, src, nbytes)
+
+    def record_event(self, stream: int) -> _DoneEvent:
+        return _DONE

@@ -1,0 +1,150 @@
+"""PyCUDA backend: one ``cuMemAlloc`` per root budget, in the device's primary context.
+
+The primary context is the one the CUDA runtime, TensorRT, CuPy and PyTorch use; a context
+made with ``make_context()`` would be a different one, and its pointers would belong to it.
+Events on raw stream handles (TensorRT passes ``cudaStream_t`` values as integers) go
+through the driver API with ``ctypes``, since PyCUDA's ``Event.record`` wants a PyCUDA
+``Stream``. At interpreter exit, reservations still held are freed while the context is
+alive, and later releases become no-ops, so exit with live blocks is silent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import threading
+import weakref
+from typing import Final
+
+import pycuda.driver as cuda
+
+__all__ = ["PyCudaBackend", "PyCudaReservation"]
+
+_CUDA_SUCCESS: Final = 0
+_CUDA_ERROR_NOT_READY: Final = 600
+_CU_EVENT_DISABLE_TIMING: Final = 2
+
+
+def _load_driver() -> ctypes.CDLL:
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    lib = ctypes.CDLL(name)
+    lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+    lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+    lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+class PyCudaReservation:
+    """A device allocation owned by a root budget."""
+
+    __slots__ = ("_allocation", "_backend", "address", "nbytes", "__weakref__")
+
+    def __init__(self, backend: PyCudaBackend, allocation: cuda.DeviceAllocation, nbytes: int):
+        self._backend = backend
+        self._allocation: cuda.DeviceAllocation | None = allocation
+        self.address: Final = int(allocation)
+        self.nbytes: Final = nbytes
+
+    def release(self) -> None:
+        allocation, self._allocation = self._allocation, None
+        if allocation is not None and not self._backend.closed:
+            self._backend.ensure_context()
+            allocation.free()
+
+
+class PyCudaEvent:
+    """A CUDA event recorded on a raw stream handle."""
+
+    __slots__ = ("_backend", "_handle")
+
+    def __init__(self, backend: PyCudaBackend, stream: int) -> None:
+        self._backend = backend
+        handle = ctypes.c_void_p()
+        driver = backend.driver
+        backend.ensure_context()
+        backend.check(driver.cuEventCreate(ctypes.byref(handle), _CU_EVENT_DISABLE_TIMING))
+        self._handle: int | None = handle.value
+        backend.check(driver.cuEventRecord(self._handle, stream or None))
+
+    def query(self) -> bool:
+        if self._handle is None or self._backend.closed:
+            return True
+        status = int(self._backend.driver.cuEventQuery(self._handle))
+        if status == _CUDA_ERROR_NOT_READY:
+            return False
+        self._backend.check(status)
+        return True
+
+    def synchronize(self) -> None:
+        if self._handle is not None and not self._backend.closed:
+            self._backend.check(self._backend.driver.cuEventSynchronize(self._handle))
+
+    def __del__(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None and not self._backend.closed:
+            self._backend.driver.cuEventDestroy_v2(handle)
+
+
+class PyCudaBackend:
+    """Device memory through PyCUDA, in the primary context of ``device``."""
+
+    name = "pycuda"
+
+    def __init__(self, device: int = 0) -> None:
+        cuda.init()
+        self.device: Final = cuda.Device(device)
+        self._context = self.device.retain_primary_context()
+        self.driver: Final = _load_driver()
+        self.closed = False
+        self._lock = threading.Lock()
+        self._live: weakref.WeakSet[PyCudaReservation] = weakref.WeakSet()
+        atexit.register(self._close)
+
+    def ensure_context(self) -> None:
+        """Make the primary context current on this thread if no context is."""
+        if cuda.Context.get_current() is None:
+            self._context.push()
+
+    def check(self, status: int) -> None:
+        if status != _CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed with error {status}")
+
+    def reserve(self, nbytes: int) -> PyCudaReservation:
+        self.ensure_context()
+        try:
+            allocation = cuda.mem_alloc(nbytes)
+        except cuda.Error as exc:
+            raise MemoryError(str(exc)) from exc
+        reservation = PyCudaReservation(self, allocation, nbytes)
+        with self._lock:
+            self._live.add(reservation)
+        return reservation
+
+    def mem_info(self) -> tuple[int, int] | None:
+        try:
+            self.ensure_context()
+            free, total = cuda.mem_get_info()
+        except cuda.Error:
+            return None
+        return int(free), int(total)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        self.ensure_context()
+        cuda.memcpy_dtod(dst, src, nbytes)
+
+    def record_event(self, stream: int) -> PyCudaEvent:
+        return PyCudaEvent(self, stream)
+
+    def _close(self) -> None:
+        """At exit: free what is still reserved while the context lives, then go quiet."""
+        with self._lock:
+            live = list(self._live)
+        for reservation in live:
+            try:
+                reservation.release()
+            except Exception:  # noqa: BLE001 - exit must be silent
+                pass
+        self.closed = True

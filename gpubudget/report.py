@@ -1,0 +1,167 @@
+"""``BudgetReport``: a frozen snapshot of a budget tree, with text and JSON forms."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .units import format_size
+
+__all__ = ["BudgetReport", "Denial", "LiveBlock"]
+
+
+@dataclass(frozen=True)
+class LiveBlock:
+    """A block still allocated when the report was taken."""
+
+    address: int
+    size: int
+    """Aligned size in bytes: what the budget is charged."""
+    tag: str | None
+    stack: tuple[str, ...] | None
+    """``"file:line in function"`` frames, outermost first (``track_stacks=True`` only)."""
+
+
+@dataclass(frozen=True)
+class Denial:
+    """Allocations refused for one reason by one budget."""
+
+    reason: str
+    """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``, ``inactive``,
+    ``released`` or ``internal_error``."""
+    refused_by: str
+    """Name of the budget whose limit or arena refused (this budget or an ancestor)."""
+    count: int
+    largest: int
+    """Largest refused request, in aligned bytes (raw bytes for invalid requests)."""
+
+
+_REASONS = {
+    "over_limit": "over the limit of",
+    "fragmented": "no free block large enough in",
+    "invalid_size": "invalid size, asked of",
+    "invalid_alignment": "alignment not 0 or a power of two, asked of",
+    "inactive": "not entered yet:",
+    "released": "already released:",
+    "internal_error": "internal error in",
+}
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    """What a budget (and its children) used, refused and still holds.
+
+    Every size is in bytes. ``str(report)`` renders an indented tree; :meth:`as_dict` and
+    :meth:`to_json` give machine-readable forms.
+
+    Examples
+    --------
+    >>> from gpubudget import gpu_budget
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     block = pool.allocate(1000, tag="weights")
+    ...     pool.allocate(2**21) is None
+    True
+    >>> report = pool.report()
+    >>> report.used, report.peak, report.denied, report.live_blocks[0].tag
+    (1024, 1024, 1, 'weights')
+    """
+
+    name: str
+    state: str
+    """``new``, ``open``, ``exited`` (scope left, memory still held) or ``released``."""
+    backend: str | None
+    limit: int
+    reserve: int
+    align: int
+    used: int
+    """Aligned bytes charged now, including children's (and their reserves)."""
+    peak: int
+    available: int
+    """Bytes this budget could still allocate by its own and its ancestors' limits."""
+    allocations: int
+    frees: int
+    invalid_frees: int
+    """Frees of addresses this budget did not own, or double frees."""
+    denied: int
+    largest_denied: int
+    denials: tuple[Denial, ...]
+    free_bytes: int
+    """Free bytes in the arena(s) this budget draws from."""
+    largest_free_block: int
+    live_blocks: tuple[LiveBlock, ...]
+    """Blocks this budget itself holds (children's are in their reports)."""
+    callback_errors: tuple[str, ...]
+    """Internal errors caught inside allocator callbacks (answered with ``None``)."""
+    children: tuple[BudgetReport, ...]
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes held by this budget's own live blocks."""
+        return sum(block.size for block in self.live_blocks)
+
+    def walk(self) -> tuple[BudgetReport, ...]:
+        """This report and every descendant's, depth first."""
+        found: list[BudgetReport] = [self]
+        for child in self.children:
+            found.extend(child.walk())
+        return tuple(found)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as plain dicts, lists, strings and ints."""
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON text."""
+        return json.dumps(self.as_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+        self._render(lines, "", "")
+        return "\n".join(lines)
+
+    def _render(self, lines: list[str], first: str, rest: str) -> None:
+        backend = f" [{self.backend}]" if self.backend else ""
+        reserve = f", reserve {format_size(self.reserve)}" if self.reserve else ""
+        lines.append(
+            f"{first}{self.name}{backend} ({self.state}): used {format_size(self.used)} "
+            f"of {format_size(self.limit)}{reserve}, peak {format_size(self.peak)}"
+        )
+        detail = (
+            f"{rest}  allocations {self.allocations}, frees {self.frees}, "
+            f"denied {self.denied}"
+        )
+        if self.denied:
+            detail += f" (largest {format_size(self.largest_denied)})"
+        if self.invalid_frees:
+            detail += f", invalid frees {self.invalid_frees}"
+        lines.append(detail)
+        if not first:  # a root: children share its arena
+            lines.append(
+                f"{rest}  free in arena {format_size(self.free_bytes)}, "
+                f"largest free block {format_size(self.largest_free_block)}"
+            )
+        for denial in self.denials:
+            words = _REASONS.get(denial.reason, denial.reason)
+            lines.append(
+                f"{rest}  denied {denial.count}x, {words} '{denial.refused_by}' "
+                f"(largest {format_size(denial.largest)})"
+            )
+        if self.live_blocks:
+            lines.append(
+                f"{rest}  live blocks: {len(self.live_blocks)} "
+                f"({format_size(self.live_bytes)})"
+            )
+            for block in self.live_blocks[:20]:
+                tag = f"  {block.tag}" if block.tag else ""
+                lines.append(f"{rest}    {block.address:#x}  {format_size(block.size)}{tag}")
+                for frame in (block.stack or ())[-3:]:
+                    lines.append(f"{rest}        {frame}")
+            if len(self.live_blocks) > 20:
+                lines.append(f"{rest}    ... {len(self.live_blocks) - 20} more")
+        for error in self.callback_errors:
+            lines.append(f"{rest}  callback error: {error}")
+        for index, child in enumerate(self.children):
+            last = index == len(self.children) - 1
+            child._render(lines, rest + ("└─ " if last else "├─ "), rest + ("   " if last else "│  "))
