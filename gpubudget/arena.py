@@ -132,13 +132,18 @@ class Arena:
         if alignment > self.granularity and address & (alignment - 1):
             pad = -address & (alignment - 1)
             if (key >> _SHIFT) < size + pad:
-                # Any block of size + alignment - granularity bytes can hold an aligned block.
-                i = bisect_left(keys, (size + alignment - self.granularity) << _SHIFT)
-                if i == len(keys):
-                    return None
-                key = keys[i]
-                address = key & _MASK
-                pad = -address & (alignment - 1)
+                # Walk up the sizes to the first block that fits with its padding: the walk
+                # ends at the latest at a block of size + alignment - granularity bytes.
+                n = len(keys)
+                while True:
+                    i += 1
+                    if i == n:
+                        return None
+                    key = keys[i]
+                    address = key & _MASK
+                    pad = -address & (alignment - 1)
+                    if (key >> _SHIFT) >= size + pad:
+                        break
         block = key >> _SHIFT
         del keys[i]
         free_at = self._free_at

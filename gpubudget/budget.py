@@ -302,10 +302,13 @@ class Budget:
             if self in chain:
                 scope.ACTIVE.set(tuple(b for b in chain if b is not self))
         else:
-            assert self._token is not None
+            token = self._token
+            assert token is not None
             try:
-                scope.ACTIVE.reset(self._token)
-            except ValueError:  # exited in another context than it was entered in
+                if token.old_value != chain[:-1]:  # an outer budget was mis-exited meanwhile
+                    raise ValueError("stale token")
+                scope.ACTIVE.reset(token)
+            except ValueError:  # stale, or exited in another context than it was entered in
                 scope.ACTIVE.set(chain[:-1])
         self._token = None
         with self._root._lock:
@@ -617,7 +620,7 @@ class Budget:
             return self._report()
 
     def _report(self) -> BudgetReport:
-        arena = self._arena if self._state != "released" else None
+        arena = self._arena if self._state in ("open", "exited") else None
         live = tuple(
             LiveBlock(address, nbytes, tag, stack)
             for address, (owner, nbytes, tag, stack) in self._root._live.items()

@@ -63,4 +63,17 @@ def bind(fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Callable[..., R]
     """
     if not callable(fn):
         raise TypeError(f"bind() needs a callable, got {fn!r}")
-    return bind_to_snapshot_context(fn, *args, **kwargs)
+    # contextvars_extras 0.7's wrapper forwards the bind-time positional arguments a second
+    # time and drops the call-time ones; call-time keyword arguments do pass through, so
+    # everything travels as keywords to a fixed trampoline.
+    snapshot = bind_to_snapshot_context(_call)
+
+    def bound(*call_args: Any, **call_kwargs: Any) -> R:
+        result: R = snapshot(fn=fn, args=args + call_args, kwargs={**kwargs, **call_kwargs})
+        return result
+
+    return bound
+
+
+def _call(*, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+    return fn(*args, **kwargs)
