@@ -92,6 +92,6 @@ def get_backend(spec: Backend | str | None = None) -> Backend:
             "gpubudget: no usable CUDA device or PyCUDA; budgets are simulated in host memory "
             "(pass backend='host' or set GPUBUDGET_BACKEND=host to silence this)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user's `with` line
         )
     return _named("host")

@@ -1,0 +1,238 @@
+"""The TensorRT adapter, driven through NVIDIA's own trampoline (TensorRT-RTX wheels)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+
+from gpubudget import BudgetError, gpu_budget
+from gpubudget import tensorrt as gbt
+from tests.helpers import fill, holds
+from tests.trampoline import Trampoline, verify_slots
+
+trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
+KiB = 1024
+LOGGER = trt.Logger(trt.Logger.ERROR)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _slots_verified() -> None:
+    verify_slots(trt, "IGpuAsyncAllocator")
+    verify_slots(trt, "IGpuAllocator")
+
+
+def test_allocator_is_a_real_igpuallocator_one_per_budget() -> None:
+    with gpu_budget("1MiB") as budget:
+        alloc = gbt.allocator(trt_module=trt)
+        assert isinstance(alloc, trt.IGpuAllocator)
+        assert gbt.allocator(budget, trt_module="tensorrt_rtx_bindings") is alloc
+        assert alloc.budget is budget
+
+
+def test_allocation_through_the_trampoline_charges_and_aligns() -> None:
+    with gpu_budget("64KiB", name="model") as budget:
+        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        address = cpp.allocate(1000, 0, 0)
+        assert address is not None and budget.size_of(address) == 1024
+        fill(address, 1000, 0x11)
+        aligned = cpp.allocate_async(100, 4096, 0, 5)
+        assert aligned is not None and aligned % 4096 == 0
+        assert budget.used == 1024 + 4096
+        assert cpp.deallocate(address) is True
+        assert cpp.deallocate(address) is False  # double free
+        assert cpp.deallocate_async(aligned, 5) is True
+        assert budget.used == 0
+
+
+def test_denials_are_null_pointers_and_only_tensorrt_prints(capfd: pytest.CaptureFixture[str]) -> None:
+    with gpu_budget("8KiB", name="tiny") as budget:
+        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        assert cpp.allocate(16 * KiB) is None  # over the limit
+        assert cpp.allocate(0) is None  # size 0
+        assert cpp.allocate(100, 3) is None  # alignment not a power of two
+        assert cpp.deallocate(0xDEAD000) is False
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and all("could not be interpreted as an int" in line for line in lines), err
+    reasons = {d.reason for d in budget.report().denials}
+    assert reasons == {"over_limit", "invalid_size", "invalid_alignment"}
+
+
+def test_routing_one_runtime_two_sibling_models() -> None:
+    with gpu_budget("1MiB", name="shared") as pool:
+        runtime = gbt.Runtime(LOGGER, trt_module=trt)
+        cpp = Trampoline(gbt.allocator_of(runtime))
+        with gpu_budget("256KiB", name="detector") as detector:
+            a = cpp.allocate(100 * KiB)
+        with gpu_budget("128KiB", name="classifier") as classifier:
+            b = cpp.allocate(50 * KiB)
+            assert cpp.allocate(100 * KiB) is None  # over the classifier's cap
+        c = cpp.allocate(10 * KiB)  # no child active: the bound budget
+    assert None not in (a, b, c)
+    assert (detector.used, classifier.used) == (100 * KiB, 50 * KiB)
+    assert pool.used == 160 * KiB
+    assert classifier.report().denials[0].refused_by == "classifier"
+    for address in (a, b, c):
+        assert address is not None and cpp.deallocate(address)
+    assert pool.used == 0
+    del runtime, cpp
+    gc.collect()
+    assert pool.state == "released"
+
+
+def test_unrelated_inner_budget_does_not_capture_calls() -> None:
+    with gpu_budget("1MiB", name="a") as a:
+        runtime = gbt.Runtime(LOGGER, trt_module=trt)  # keeps "a" serving after its block
+        cpp = Trampoline(gbt.allocator_of(runtime))
+    with gpu_budget("1MiB", name="elsewhere") as elsewhere:
+        block = cpp.allocate(KiB)  # the bound budget, not the unrelated active one
+        assert block is not None and a.used == KiB and elsewhere.used == 0
+        assert cpp.deallocate(block)
+
+
+def test_calls_from_threads_without_context_route_to_the_bound_budget() -> None:
+    results: list[int | None] = []
+    with gpu_budget("1MiB", name="pool") as pool:
+        with gpu_budget("256KiB", name="child") as child:
+            cpp = Trampoline(gbt.allocator(trt_module=trt))
+
+            def tensorrt_thread() -> None:  # a thread that never saw the caller's context
+                for _ in range(50):
+                    results.append(cpp.allocate(KiB))
+
+            threads = [threading.Thread(target=tensorrt_thread) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    blocks = [r for r in results if r is not None]
+    assert len(blocks) == 200 and len(set(blocks)) == 200
+    assert child.used == pool.used == 200 * KiB
+    freed: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda part=part: freed.extend(cpp.deallocate(b) for b in part))
+        for part in (blocks[:100], blocks[100:])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(freed) and len(freed) == 200 and pool.used == 0
+
+
+def test_reallocate_in_place_move_and_refuse() -> None:
+    with gpu_budget("64KiB", name="r") as budget:
+        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        block = cpp.allocate(KiB, 0, 1)  # RESIZABLE arrives as bit value 1
+        assert block is not None
+        fill(block, KiB, 0x42)
+        assert cpp.reallocate(block, 0, 4 * KiB) == block  # in place
+        blocker = cpp.allocate(KiB)
+        moved = cpp.reallocate(block, 0, 8 * KiB)
+        assert moved is not None and moved != block and holds(moved, KiB, 0x42)
+        assert cpp.reallocate(moved, 0, 1 << 20) is None  # over the limit: old block stays
+        assert budget.size_of(moved) == 8 * KiB and holds(moved, KiB, 0x42)
+        assert cpp.reallocate(0x1234, 0, KiB) is None  # not ours
+        assert blocker is not None and cpp.deallocate(blocker) and cpp.deallocate(moved)
+
+
+def test_internal_errors_are_caught_recorded_and_denied(capfd: pytest.CaptureFixture[str]) -> None:
+    with gpu_budget("64KiB", name="broken") as budget:
+        alloc = gbt.allocator(trt_module=trt)
+        cpp = Trampoline(alloc)
+
+        def explode(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("arena on fire")
+
+        budget_type = type(budget)
+        original = budget_type.allocate
+        try:
+            budget_type.allocate = explode  # type: ignore[method-assign]
+            assert cpp.allocate(KiB) is None
+        finally:
+            budget_type.allocate = original  # type: ignore[method-assign]
+    report = budget.report()
+    assert report.callback_errors == ("allocate_async: RuntimeError: arena on fire",)
+    err = capfd.readouterr().err
+    assert "arena on fire" not in err and "Traceback" not in err
+
+
+def test_builder_runtime_attach_and_allocator_of() -> None:
+    with gpu_budget("1MiB", name="b") as budget:
+        builder = gbt.Builder(LOGGER, trt_module=trt)
+        runtime = gbt.Runtime(LOGGER)  # first importable module: tensorrt_rtx_bindings here
+        mine = gbt.attach(trt.Runtime(LOGGER))
+        assert isinstance(builder, trt.Builder) and isinstance(runtime, trt.Runtime)
+        alloc = gbt.allocator(trt_module=trt)
+        assert gbt.allocator_of(builder) is alloc
+        assert gbt.allocator_of(runtime) is alloc and gbt.allocator_of(mine) is alloc
+        assert gbt.allocator_of(trt.Runtime(LOGGER)) is None
+        assert gbt.allocator_of(42) is None
+    assert budget.state == "exited"  # three pins
+    del builder, runtime, mine
+    gc.collect()
+    assert budget.report().state == "released"
+
+
+def test_outside_a_budget_is_a_budget_error() -> None:
+    for make in (gbt.Builder, gbt.Runtime):
+        with pytest.raises(BudgetError, match="gpu_budget"):
+            make(LOGGER, trt_module=trt)
+    with pytest.raises(BudgetError):
+        gbt.attach(trt.Runtime(LOGGER))
+    with pytest.raises(BudgetError):
+        gbt.allocator(trt_module=trt)
+    with pytest.raises(TypeError, match="budget must be"):
+        gbt.allocator("4GiB", trt_module=trt)  # type: ignore[arg-type]
+
+
+def test_module_choice_errors() -> None:
+    with pytest.raises(ImportError):
+        gbt.load_module("tensorrt_does_not_exist")
+    with pytest.raises(ValueError, match="IGpuAllocator"):
+        gbt.load_module(os)
+    with pytest.raises(TypeError, match="trt_module"):
+        gbt.load_module(3)  # type: ignore[arg-type]
+
+
+def test_lifetime_after_scope_and_references_dropped() -> None:
+    with gpu_budget("64KiB", name="life") as budget:
+        runtime = gbt.Runtime(LOGGER, trt_module=trt)
+    cpp = Trampoline(gbt.allocator_of(runtime))
+    weights = cpp.allocate(16 * KiB)  # e.g. an engine deserialized later
+    del runtime  # the runtime goes; the "engine" keeps its block
+    gc.collect()
+    assert budget.state == "exited" and weights is not None
+    context = cpp.allocate(40 * KiB)  # create_execution_context later: still within the limit
+    assert context is not None and cpp.allocate(16 * KiB) is None
+    assert cpp.deallocate(context) and cpp.deallocate(weights)
+    assert budget.report().state == "released"
+    assert cpp.allocate(KiB) is None  # a released budget answers null, never crashes
+
+
+def test_interpreter_exit_with_live_objects_is_silent(tmp_path: Any) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent("""
+        import tensorrt_rtx_bindings as trt
+        from gpubudget import gpu_budget
+        from gpubudget import tensorrt as gbt
+        from tests.trampoline import Trampoline
+        logger = trt.Logger(trt.Logger.ERROR)
+        pool = gpu_budget("1MiB", name="pool").__enter__()
+        runtime = gbt.Runtime(logger, trt_module=trt)
+        builder = gbt.Builder(logger, trt_module=trt)
+        cpp = Trampoline(gbt.allocator_of(runtime))
+        blocks = [cpp.allocate(4096) for _ in range(10)]
+        assert all(blocks)
+        print("done")
+    """))
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "GPUBUDGET_BACKEND": "host"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
