@@ -1,0 +1,191 @@
+"""The PyCUDA backend on a real device (run by scripts/gpu-check.sh on the H200)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from gpubudget import BudgetError, gpu_budget
+from gpubudget.backends import get_backend
+
+MiB = 2**20
+
+
+def _cuda() -> Any:
+    import pycuda.driver as cuda
+
+    return cuda
+
+
+def _cp() -> Any:
+    return pytest.importorskip("cupy")
+
+
+def _read(address: int, nbytes: int) -> bytes:
+    cuda = _cuda()
+    out = bytearray(nbytes)
+    buffer = (ctypes.c_char * nbytes).from_buffer(out)
+    cuda.memcpy_dtoh(buffer, address)
+    return bytes(out)
+
+
+def test_root_is_one_allocation_in_the_primary_context() -> None:
+    cuda = _cuda()
+    backend: Any = get_backend("pycuda")
+    free_before, _ = cuda.mem_get_info()
+    with gpu_budget("1GiB", name="root") as root:
+        free_during, _ = cuda.mem_get_info()
+        assert free_before - free_during >= 2**30  # reserved at entry, at once
+        block = root.allocate(MiB)
+        assert block is not None
+        driver = backend.driver
+        context = ctypes.c_void_p()
+        primary = ctypes.c_void_p()
+        # CU_POINTER_ATTRIBUTE_CONTEXT = 1
+        assert driver.cuPointerGetAttribute(ctypes.byref(context), 1, ctypes.c_void_p(block)) == 0
+        assert driver.cuDevicePrimaryCtxRetain(ctypes.byref(primary), 0) == 0
+        assert context.value == primary.value
+        assert free_during - cuda.mem_get_info()[0] < MiB  # the block came from the reservation
+        root.free(block)
+    assert cuda.mem_get_info()[0] >= free_during + 2**30 - 64 * MiB  # given back
+
+
+def test_patterns_in_every_live_block_survive() -> None:
+    cuda = _cuda()
+    import random
+
+    rng = random.Random(1)
+    with gpu_budget("256MiB", name="patterns") as root:
+        live: dict[int, tuple[int, int]] = {}
+        for step in range(400):
+            if live and rng.random() < 0.4:
+                address = rng.choice(list(live))
+                size, byte = live.pop(address)
+                assert _read(address, size) == bytes([byte]) * size
+                assert root.free(address)
+            else:
+                size = rng.randrange(1, 2 * MiB)
+                new = root.allocate(size)
+                if new is not None:
+                    byte = step % 255 + 1
+                    cuda.memset_d8(new, byte, size)
+                    live[new] = (size, byte)
+        cuda.Context.synchronize()
+        for address, (size, byte) in live.items():
+            assert _read(address, size) == bytes([byte]) * size
+            root.free(address)
+        root._arena.check()
+
+
+def test_cupy_array_on_a_budget_block_computes() -> None:
+    cp = _cp()
+    from gpubudget import cupy as gbc
+
+    with gpu_budget("64MiB", name="cupy") as budget:
+        x = gbc.empty((1000, 1000), "float32", tag="x")
+        x[:] = cp.arange(1000, dtype=cp.float32)
+        assert float(x.sum()) == pytest.approx(1000 * 999 * 1000 / 2)
+        assert budget.used == 4_000_000 + (-4_000_000 % 256)
+        y = x @ cp.ones((1000, 1), dtype=cp.float32)
+        assert float(y[0, 0]) == pytest.approx(999 * 1000 / 2)
+        del x
+        assert budget.used == 0  # freed back when the array died
+        with pytest.raises(BudgetError, match="refused"):
+            gbc.empty((100 * MiB,), "uint8")
+
+
+def test_limits_nesting_and_reserve_with_real_memory() -> None:
+    with gpu_budget("256MiB", name="pool") as pool:
+        with gpu_budget("128MiB", name="vip", reserve="64MiB") as vip:
+            a = vip.allocate(32 * MiB)
+        with gpu_budget("256MiB", name="other") as other:
+            assert other.allocate(200 * MiB) is None  # 64 MiB stay set aside for vip
+            b = other.allocate(192 * MiB)
+        c = vip.allocate(32 * MiB)
+        assert None not in (a, b, c)
+        assert pool.used == 256 * MiB and vip.allocate(1) is None
+        for budget, block in ((vip, a), (other, b), (vip, c)):
+            assert block is not None and budget.free(block)
+    assert pool.state == "released"
+
+
+def test_root_larger_than_the_device_raises_with_free_and_total() -> None:
+    cuda = _cuda()
+    _, total = cuda.mem_get_info()
+    with pytest.raises(BudgetError) as info:
+        with gpu_budget(total * 2, name="too-big"):
+            pass  # pragma: no cover
+    assert "free of" in str(info.value) and "total" in str(info.value)
+
+
+SPIN = r"""
+extern "C" __global__ void spin_fill(unsigned char* p, size_t n, long long cycles, unsigned char v) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
+}
+"""
+
+
+def test_stream_ordered_reuse_waits_for_the_freeing_stream() -> None:
+    cp = _cp()
+    kernel = cp.RawKernel(SPIN, "spin_fill")
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    size = 4 * MiB
+    with gpu_budget("64MiB", name="streams") as budget:
+        block = budget.allocate(size, stream=a.ptr)
+        assert block is not None
+        with a:  # a long kernel on A writes 0xAA into the block, after ~1 s of spinning
+            kernel((1,), (256,), (cp.uint64(block), cp.uint64(size), cp.int64(2_000_000_000), cp.uint8(0xAA)))
+        assert budget.free(block, stream=a.ptr)
+        other = budget.allocate(size, stream=b.ptr)
+        assert other is not None and other != block  # B must not get A's block yet
+        same = budget.allocate(size, stream=a.ptr)
+        assert same == block  # the same stream reuses it at once: ordered after the kernel
+        with a:
+            kernel((1,), (256,), (cp.uint64(same), cp.uint64(size), cp.int64(0), cp.uint8(0x55)))
+        a.synchronize()
+        assert _read(same, size) == b"\x55" * size  # the kernel's write came first, ours last
+        budget.free(same, stream=a.ptr)
+        a.synchronize()
+        again = budget.allocate(size, stream=b.ptr)
+        assert again is not None  # once A's work is done anyone may have the block
+        budget.free(other)
+        budget.free(again)
+
+
+def test_resize_moves_data_on_the_device() -> None:
+    cuda = _cuda()
+    with gpu_budget("64MiB", name="resize") as budget:
+        block = budget.allocate(MiB)
+        blocker = budget.allocate(MiB)
+        assert block is not None and blocker is not None
+        cuda.memset_d8(block, 0x3C, MiB)
+        moved = budget.resize(block, 8 * MiB)
+        assert moved is not None and moved != block
+        assert _read(moved, MiB) == b"\x3c" * MiB
+        budget.free(moved)
+        budget.free(blocker)
+
+
+def test_exit_with_live_budgets_and_blocks_is_silent(tmp_path: Any) -> None:
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent("""
+        from gpubudget import gpu_budget
+        pool = gpu_budget("512MiB", name="pool", backend="pycuda").__enter__()
+        child = gpu_budget("128MiB", name="child").__enter__()
+        blocks = [child.allocate(1 << 20) for _ in range(16)]
+        assert all(blocks)
+        with gpu_budget("64MiB", name="closed") as closed:
+            kept = closed.allocate(1 << 20)
+        print("done")
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
