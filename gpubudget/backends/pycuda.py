@@ -101,12 +101,15 @@ class PyCudaBackend:
         self.closed = False
         self._lock = threading.Lock()
         self._live: weakref.WeakSet[PyCudaReservation] = weakref.WeakSet()
+        self._pushed = threading.local()  # how often this thread pushed the primary context
         atexit.register(self._close)
+        self.ensure_context()
 
     def ensure_context(self) -> None:
         """Make the primary context current on this thread if no context is."""
         if cuda.Context.get_current() is None:
             self._context.push()
+            self._pushed.count = getattr(self._pushed, "count", 0) + 1
 
     def check(self, status: int) -> None:
         if status != _CUDA_SUCCESS:
@@ -148,3 +151,9 @@ class PyCudaBackend:
             except Exception:  # noqa: BLE001 - exit must be silent
                 pass
         self.closed = True
+        # PyCUDA aborts the process if its context stack is not empty at its own cleanup.
+        for _ in range(getattr(self._pushed, "count", 0)):
+            try:
+                cuda.Context.pop()
+            except Exception:  # noqa: BLE001
+                break
