@@ -13,6 +13,7 @@ import statistics
 import time
 from bisect import bisect_left, insort
 from collections.abc import Callable
+from typing import Any
 
 from gpubudget import gpu_budget
 
@@ -127,13 +128,14 @@ class BareBestFit:
 
 
 def run_trace(
-    allocate: Callable[[int], int | None],
-    free: Callable[[int], bool],
+    allocate: Callable[[int], Any],
+    free: Callable[[Any], object],
     warmup: Trace,
     timed: Trace,
 ) -> float:
-    """Seconds for the timed steps; every step must succeed."""
-    slots: dict[int, int] = {}
+    """Seconds for the timed steps; every step must succeed. ``allocate`` returns a handle
+    (an address, or an allocator's own object) that ``free`` takes back."""
+    slots: dict[int, Any] = {}
     for slot, size in warmup:
         address = allocate(size)
         assert address is not None, "warm-up allocation denied"

@@ -13,38 +13,21 @@ import argparse
 import importlib
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .churn import run_trace
 from .traces import Trace, churn
-
-Pair = tuple[Callable[[int], Any], Callable[[Any], object]]
-
-
-def _run(alloc: Callable[[int], Any], free: Callable[[Any], object], warmup: Trace, timed: Trace) -> float:
-    slots: dict[int, Any] = {}
-    for slot, size in warmup:
-        slots[slot] = alloc(size)
-    start = time.perf_counter()
-    for slot, size in timed:
-        free(slots[slot])
-        handle = alloc(size)
-        if handle is None:
-            raise RuntimeError(f"allocation of {size} bytes failed during the trace")
-        slots[slot] = handle
-    elapsed = time.perf_counter() - start
-    for handle in slots.values():
-        free(handle)
-    return elapsed
-
 
 def _budget() -> Callable[[Trace, Trace], float]:
     from gpubudget import gpu_budget
+    from gpubudget.backends import get_backend
+
+    get_backend("pycuda")  # fails here, and is reported as not run, without a GPU
 
     def run(warmup: Trace, timed: Trace) -> float:
         with gpu_budget("8GiB", name="churn", backend="pycuda") as budget:
-            return _run(budget.allocate, budget.free, warmup, timed)
+            return run_trace(budget.allocate, budget.free, warmup, timed)
 
     return run
 
@@ -54,11 +37,12 @@ def _budget_trt_methods() -> Callable[[Trace, Trace], float]:
     from gpubudget import tensorrt as gbt
 
     module = gbt.load_module()
+    _budget()
 
     def run(warmup: Trace, timed: Trace) -> float:
         with gpu_budget("8GiB", name="churn", backend="pycuda"):
             alloc = gbt.allocator(trt_module=module)
-            return _run(lambda n: alloc.allocate_async(n, 0, 0, 0),
+            return run_trace(lambda n: alloc.allocate_async(n, 0, 0, 0),
                         lambda p: alloc.deallocate_async(p, 0), warmup, timed)
 
     return run
@@ -72,7 +56,7 @@ def _pycuda() -> Callable[[Trace, Trace], float]:
     get_backend("pycuda")  # primary context current
 
     def run(warmup: Trace, timed: Trace) -> float:
-        return _run(cuda.mem_alloc, lambda a: a.free(), warmup, timed)
+        return run_trace(cuda.mem_alloc, lambda a: a.free(), warmup, timed)
 
     return run
 
@@ -81,7 +65,7 @@ def _cupy_runtime() -> Callable[[Trace, Trace], float]:
     cupy = importlib.import_module("cupy")
 
     rt = cupy.cuda.runtime
-    return lambda w, t: _run(rt.malloc, rt.free, w, t)
+    return lambda w, t: run_trace(rt.malloc, rt.free, w, t)
 
 
 def _cupy_pool(async_pool: bool) -> Callable[[Trace, Trace], float]:
@@ -90,7 +74,7 @@ def _cupy_pool(async_pool: bool) -> Callable[[Trace, Trace], float]:
     def run(warmup: Trace, timed: Trace) -> float:
         pool = cupy.cuda.MemoryAsyncPool() if async_pool else cupy.cuda.MemoryPool()
         try:
-            return _run(pool.malloc, lambda m: None, warmup, timed)  # freed when dropped
+            return run_trace(pool.malloc, lambda m: None, warmup, timed)  # freed when dropped
         finally:
             cupy.cuda.Device().synchronize()
             if not async_pool:
@@ -108,7 +92,7 @@ def _torch_caching() -> Callable[[Trace, Trace], float]:
 
     def run(warmup: Trace, timed: Trace) -> float:
         try:
-            return _run(alloc, delete, warmup, timed)
+            return run_trace(alloc, delete, warmup, timed)
         finally:
             torch.cuda.empty_cache()
 
