@@ -87,7 +87,7 @@ def _user_stack() -> tuple[str, ...]:
     return tuple(
         f"{frame.filename}:{frame.lineno} in {frame.name}"
         for frame in frames
-        if not os.path.abspath(frame.filename).startswith(_PACKAGE_DIR)
+        if not os.path.abspath(frame.filename).startswith(_PACKAGE_DIR + os.sep)
     )
 
 
