@@ -14,5 +14,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c 'import pycuda, cupy, torch; print("pycuda", pycuda.VERSION_TEXT, "cupy", cupy.__version__, "torch", torch.__version__)'; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
-python3 -m benchmarks.gpu_churn --repeat 3 2>&1 | tee "$out/gpu-churn.md"
+python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"
+python3 -m benchmarks.model_load --repeat 3 2>&1 | tee "$out/model-load.md"
 exit "$tests"
