@@ -13,7 +13,7 @@ from __future__ import annotations
 from .budget import Budget, gpu_budget
 from .errors import BackendError, BudgetError, BudgetNestingError, GpuBudgetError
 from .report import BudgetReport, Denial, LiveBlock
-from .scope import bind, current_budget
+from .scope import bind, current_budget, current_label, label
 from .units import format_size, parse_size
 
 __all__ = [
@@ -27,8 +27,10 @@ __all__ = [
     "LiveBlock",
     "bind",
     "current_budget",
+    "current_label",
     "format_size",
     "gpu_budget",
+    "label",
     "parse_size",
 ]
 

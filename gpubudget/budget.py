@@ -22,12 +22,16 @@ thread at any time.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import dataclasses
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
+import weakref
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, final
@@ -36,7 +40,8 @@ from . import scope
 from .arena import Arena
 from .backends import Backend, Event, Reservation, get_backend, validate_spec
 from .errors import BudgetError, BudgetNestingError
-from .report import BudgetReport, Denial, LiveBlock
+from .report import BudgetReport, Denial, LiveBlock, TagUsage, TimelineEvent
+from .tracefile import TraceWriter, writer_for
 from .units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -48,12 +53,22 @@ State = Literal["new", "open", "exited", "released"]
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__))
 _KEEP_RELEASED_CHILDREN: Final = 32
 _KEEP_ERRORS: Final = 16
+EVENT_LOG_LIMIT: Final = 50_000
+"""Events a budget tree keeps for its timeline; older ones are dropped. An event is a tuple of
+seven small values, about 200 bytes with its numbers: at most about 10 MB per tree."""
+_TRACE_ENV: Final = "GPUBUDGET_TRACE"
+_clock = time.perf_counter
+_leak_watch: weakref.WeakSet[Budget] = weakref.WeakSet()
 _counter = iter(range(1, sys.maxsize))
 
 
 # A live block: (owner, aligned size, tag, stack). A plain tuple: it is built on every
 # allocation, and a NamedTuple costs several times more to create.
 _Live = tuple["Budget", int, "str | None", "tuple[str, ...] | None"]
+# A timeline event: (time, kind, budget id, aligned bytes, tag, budget's used after, root's
+# used after). kind is "alloc", "free" or "deny" (then bytes is the refused size). Atomic
+# values only, so that the garbage collector stops tracking them and no cycle forms.
+_Event = tuple[float, str, int, int, "str | None", int, int]
 _NO_ARENA: Final = Arena(0, 1, 1)  # placeholder until a budget is entered; never allocated from
 
 
@@ -146,6 +161,14 @@ class Budget:
         "_largest_denied",
         "_denials",
         "_errors",
+        "_id",
+        "_trace_spec",
+        "_writer",
+        "_events",
+        "_event_count",
+        "_tags",
+        "_free_at_entry",
+        "_free_at_exit",
         "__weakref__",
     )
 
@@ -158,6 +181,7 @@ class Budget:
         reserve: int | str | None = None,
         backend: Backend | str | None = None,
         track_stacks: bool = False,
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         self._limit: Final = parse_size(limit, what="limit")
         self._align: Final = _check_align(align, "align")
@@ -179,6 +203,18 @@ class Budget:
         if not isinstance(track_stacks, bool):
             raise TypeError(f"track_stacks must be a bool, got {track_stacks!r}")
         self._track_stacks: Final = track_stacks
+        if trace is not None and not isinstance(trace, (str, os.PathLike)):
+            raise TypeError(f"trace must be a file path, got {trace!r}")
+        if isinstance(trace, str) and not trace:
+            raise ValueError("trace must be a file path, got ''")
+        self._trace_spec = trace
+        self._id = next(_counter)
+        self._writer: TraceWriter | None = None
+        self._events: collections.deque[_Event] = collections.deque(maxlen=EVENT_LOG_LIMIT)
+        self._event_count = [0]  # shared by the tree: events ever logged
+        self._tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
+        self._free_at_entry: int | None = None
+        self._free_at_exit: int | None = None
         self._state: State = "new"
         self._refusal: str | None = "inactive"  # the denial reason while not allocatable
         self._token: Token[tuple[Budget, ...]] | None = None
@@ -283,12 +319,17 @@ class Budget:
                 f"single-use, create a new one with gpu_budget(...)"
             )
         chain = scope.active_chain()
-        if chain:
-            self._open_as_child(chain[-1])
-        else:
-            self._open_as_root()
+        self._open(chain[-1] if chain else None)
         self._token = scope.ACTIVE.set(chain + (self,))
         return self
+
+    def _open(self, parent: Budget | None) -> None:
+        """Enter the budget under ``parent`` without touching the context stack (``with``
+        does that; the trace replayer opens budgets in the order a trace recorded)."""
+        if parent is None:
+            self._open_as_root()
+        else:
+            self._open_as_child(parent)
 
     def __exit__(
         self,
@@ -311,10 +352,7 @@ class Budget:
             except ValueError:  # stale, or exited in another context than it was entered in
                 scope.ACTIVE.set(chain[:-1])
         self._token = None
-        with self._root._lock:
-            if self._state == "open":
-                self._set_state("exited")
-                self._try_release()
+        self._close_scope()
         if misnested:
             inner = chain[-1].name if chain else None
             message = (
@@ -327,6 +365,20 @@ class Budget:
             if exc_type is None:
                 raise BudgetNestingError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _close_scope(self) -> None:
+        """Leave the ``open`` state (the context stack is the caller's business)."""
+        if self._parent is None and self._free_at_entry is not None and self._backend:
+            info = self._backend.mem_info()
+            self._free_at_exit = info[0] if info else None
+        with self._root._lock:
+            if self._state == "open":
+                if self._writer is not None:
+                    self._writer.write("exit", b=self._id)
+                    if self._parent is None:
+                        self._writer.flush()
+                self._set_state("exited")
+                self._try_release()
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
@@ -362,10 +414,21 @@ class Budget:
                 f"{backend.name} backend ({where}): {exc}"
             ) from exc
         self._reserve = 0  # a root holds its whole limit; a floor means nothing there
+        trace = self._trace_spec if self._trace_spec is not None else os.environ.get(_TRACE_ENV)
+        if trace:
+            try:
+                self._writer = writer_for(trace)
+            except Exception:
+                reservation.release()
+                raise
+        if backend.name == "pycuda":  # device memory taken outside budgets shows in reports
+            info = backend.mem_info()
+            self._free_at_entry = info[0] if info else None
         self._backend = backend
         self._reservation = reservation
         self._arena = Arena(base, capacity, align)
         self._set_state("open")
+        self._log_enter()
 
     def _open_as_child(self, parent: Budget) -> None:
         root = parent._root
@@ -374,6 +437,12 @@ class Budget:
                 f"budget {self._name!r} was given backend={self._backend_spec!r} but is "
                 f"entered inside {parent._name!r}, which uses {root._backend!r}; a child "
                 f"always draws from its root's backend"
+            )
+        if self._trace_spec is not None:
+            raise ValueError(
+                f"budget {self._name!r} was given trace={self._trace_spec!r} but is entered "
+                f"inside {parent._name!r}; only a root budget writes a trace (its children's "
+                f"events go into it)"
             )
         with root._lock:
             if parent._state != "open":
@@ -399,6 +468,9 @@ class Budget:
             self._live = root._live  # one registry per tree: free() finds any block by address
             self._pending = root._pending
             self._pending_fifo = root._pending_fifo
+            self._events = root._events
+            self._event_count = root._event_count
+            self._writer = root._writer
             self._backend = root._backend
             self._arena = root._arena
             self._granularity = granularity
@@ -406,6 +478,7 @@ class Budget:
             parent._children.append(self)
             parent._open_children += 1
             self._set_state("open")
+            self._log_enter()
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -434,13 +507,15 @@ class Budget:
         ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192))
         (0, 1024, None, None)
         """
+        if tag is None:
+            tag = scope.LABEL.get()
         if type(size) is not int or size <= 0:
-            self._deny(size if type(size) is int else 0, "invalid_size", self)
+            self._deny(size if type(size) is int else 0, "invalid_size", self, tag)
             return None
         granularity = self._granularity
         if alignment:
             if type(alignment) is not int or alignment < 0 or alignment & (alignment - 1):
-                self._deny(size, "invalid_alignment", self)
+                self._deny(size, "invalid_alignment", self, tag)
                 return None
             if alignment > granularity:
                 granularity = alignment
@@ -448,13 +523,13 @@ class Budget:
         stack = _user_stack() if self._stacks else None
         with self._lock:
             if self._refusal is not None:
-                self._deny_locked(nbytes, self._refusal, self)
+                self._deny_locked(nbytes, self._refusal, self, tag)
                 return None
             if self._plain_chain:  # _charge(nbytes), inlined for the common case
                 chain = self._chain
                 for budget in chain:
                     if budget._used + nbytes > budget._limit:
-                        self._deny_locked(nbytes, "over_limit", budget)
+                        self._deny_locked(nbytes, "over_limit", budget, tag)
                         return None
                 for budget in chain:
                     used = budget._used = budget._used + nbytes
@@ -463,7 +538,7 @@ class Budget:
             else:
                 refused = self._charge(nbytes)
                 if refused is not None:
-                    self._deny_locked(nbytes, "over_limit", refused)
+                    self._deny_locked(nbytes, "over_limit", refused, tag)
                     return None
             if self._pending_fifo:
                 address = self._place_with_pending(nbytes, granularity, stream)
@@ -471,10 +546,17 @@ class Budget:
                 address = self._arena.allocate(nbytes, granularity)
             if address is None:
                 self._charge(-nbytes)
-                self._deny_locked(nbytes, "fragmented", self)
+                self._deny_locked(nbytes, "fragmented", self, tag)
                 return None
             self._live[address] = (self, nbytes, tag, stack)
             self._allocations += 1
+            if tag is not None:
+                self._count_tag(tag, nbytes)
+            self._events.append((_clock(), "alloc", self._id, nbytes, tag, self._used, self._root._used))
+            self._event_count[0] += 1
+            if self._writer is not None:
+                self._writer.write("alloc", b=self._id, size=size, align=alignment, tag=tag,
+                                   ptr=address, bytes=nbytes, reason=None)
         return address
 
     def free(self, address: int, *, stream: int | None = None) -> bool:
@@ -500,7 +582,7 @@ class Budget:
             except (KeyError, TypeError):
                 self._invalid_frees += 1
                 return False
-            owner, nbytes, _, _ = record
+            owner, nbytes, tag, _ = record
             if owner is not self and self not in owner._chain:
                 self._live[address] = record
                 self._invalid_frees += 1
@@ -511,6 +593,12 @@ class Budget:
             else:
                 owner._charge(-nbytes)
             owner._frees += 1
+            if tag is not None:
+                owner._tags[tag][0] -= nbytes
+            self._events.append((_clock(), "free", owner._id, nbytes, tag, owner._used, self._root._used))
+            self._event_count[0] += 1
+            if self._writer is not None:
+                self._writer.write("free", b=owner._id, ptr=address)
             if stream is None:
                 self._arena.free(address)
             else:
@@ -549,6 +637,17 @@ class Budget:
                         if delta < 0:
                             owner._charge(delta)
                         root._live[address] = (owner, nbytes, tag, stack)
+                        if tag is not None:
+                            owner._tags[tag][0] -= old_nbytes
+                            owner._count_tag(tag, nbytes)
+                        kind = "alloc" if delta > 0 else "free"
+                        self._events.append(
+                            (_clock(), kind, owner._id, abs(delta), tag, owner._used, root._used)
+                        )
+                        self._event_count[0] += 1
+                        if self._writer is not None:
+                            self._writer.write("resize", b=owner._id, ptr=address,
+                                               size=new_size, align=alignment, bytes=nbytes)
                         return address
                     if delta > 0:
                         owner._charge(-delta)
@@ -616,8 +715,32 @@ class Budget:
           allocations 1, frees 0, denied 0
         ...
         """
+        outside = None
+        if self._parent is None and self._free_at_entry is not None and self._backend:
+            now = self._free_at_exit
+            if now is None and self._state == "open":
+                info = self._backend.mem_info()
+                now = info[0] if info else None
+            outside = self._free_at_entry - now if now is not None else None
         with self._root._lock:
-            return self._report()
+            report = self._report()
+            names = {budget._id: budget._name for budget in self._subtree()}
+            events = [e for e in self._events if e[2] in names]
+            dropped = self._event_count[0] - len(self._events)
+        start = events[0][0] if events else 0.0
+        timeline = tuple(
+            TimelineEvent(t - start, kind, names[budget], size, tag, used, total)
+            for t, kind, budget, size, tag, used, total in events
+        )
+        return dataclasses.replace(
+            report, timeline=timeline, events_dropped=dropped, outside_bytes=outside
+        )
+
+    def _subtree(self) -> list[Budget]:
+        found = [self]
+        for child in self._children:
+            found += child._subtree()
+        return found
 
     def _report(self) -> BudgetReport:
         arena = self._arena if self._state in ("open", "exited") else None
@@ -649,6 +772,7 @@ class Budget:
             largest_free_block=arena.largest_free if arena is not None else 0,
             live_blocks=tuple(sorted(live, key=lambda block: block.address)),
             callback_errors=tuple(self._errors),
+            by_tag=tuple(TagUsage(tag, live, peak) for tag, (live, peak) in self._tags.items()),
             children=tuple(child._report() for child in self._children),
         )
 
@@ -707,11 +831,18 @@ class Budget:
             link = parent
         return max(best, 0)
 
-    def _deny(self, size: int, reason: str, refused_by: Budget) -> None:
+    def _deny(self, size: int, reason: str, refused_by: Budget, tag: str | None = None) -> None:
         with self._root._lock:
-            self._deny_locked(size, reason, refused_by)
+            self._deny_locked(size, reason, refused_by, tag)
 
-    def _deny_locked(self, size: int, reason: str, refused_by: Budget) -> None:
+    def _deny_locked(
+        self, size: int, reason: str, refused_by: Budget, tag: str | None = None
+    ) -> None:
+        self._events.append((_clock(), "deny", self._id, size, tag, self._used, self._root._used))
+        self._event_count[0] += 1
+        if self._writer is not None:
+            self._writer.write("alloc", b=self._id, size=size, align=0, tag=tag, ptr=None,
+                               bytes=size, reason=reason)
         self._denied += 1
         if size > self._largest_denied:
             self._largest_denied = size
@@ -722,6 +853,26 @@ class Budget:
             entry[0] += 1
             if size > entry[1]:
                 entry[1] = size
+
+    def _count_tag(self, tag: str, nbytes: int) -> None:
+        entry = self._tags.get(tag)
+        if entry is None:
+            self._tags[tag] = [nbytes, nbytes]
+        else:
+            entry[0] += nbytes
+            if entry[0] > entry[1]:
+                entry[1] = entry[0]
+
+    def _log_enter(self) -> None:
+        if self._track_stacks:
+            _leak_watch.add(self)
+        if self._writer is not None:
+            backend = self._backend.name if self._backend is not None else None
+            self._writer.write(
+                "enter", b=self._id, name=self._name,
+                parent=self._parent._id if self._parent is not None else None,
+                limit=self._limit, align=self._align, reserve=self._reserve, backend=backend,
+            )
 
     def _place_with_pending(self, nbytes: int, alignment: int, stream: int | None) -> int | None:
         """Place a block while stream-ordered frees are pending: retire the completed ones,
@@ -805,6 +956,26 @@ class Budget:
         parent._try_release()
 
 
+@atexit.register
+def _report_leaks_at_exit() -> None:
+    """Budgets made with ``track_stacks=True`` list the blocks still live at exit, with the
+    stacks that allocated them, on stderr (budgets without it stay silent)."""
+    for budget in list(_leak_watch):
+        if budget._state not in ("exited", "released"):
+            continue
+        if any(ancestor in _leak_watch for ancestor in budget._chain[1:]):
+            continue  # listed with its ancestor's
+        leaks = budget.report().leaks
+        if not leaks:
+            continue
+        lines = [f"gpubudget: {len(leaks)} block(s) of budget {budget._name!r} still live at exit:"]
+        for block in leaks:
+            tag = f" {block.tag}" if block.tag else ""
+            lines.append(f"  {block.address:#x} {format_size(block.size)}{tag}")
+            lines += [f"      {frame}" for frame in (block.stack or ())[-4:]]
+        print("\n".join(lines), file=sys.stderr)
+
+
 def gpu_budget(
     limit: int | str,
     *,
@@ -813,6 +984,7 @@ def gpu_budget(
     reserve: int | str | None = None,
     backend: Backend | str | None = None,
     track_stacks: bool = False,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Budget:
     """Create a :class:`Budget`; enter it with ``with`` (or ``async with``).
 
@@ -836,7 +1008,11 @@ def gpu_budget(
         PyCUDA when a CUDA device is usable, else host memory with a warning). Roots only.
     track_stacks
         Keep the Python stack that allocated each live block (for leak reports); children
-        inherit it.
+        inherit it. Blocks of such a budget still live at interpreter exit are listed, with
+        their stacks, on stderr.
+    trace
+        Root budgets only: write every event of the tree to this file as JSON lines (see
+        :mod:`gpubudget.tracefile`); ``GPUBUDGET_TRACE`` does the same for every root.
 
     Examples
     --------
@@ -853,5 +1029,6 @@ def gpu_budget(
         reserve=reserve,
         backend=backend,
         track_stacks=track_stacks,
+        trace=trace,
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from .units import format_size
 
-__all__ = ["BudgetReport", "Denial", "LiveBlock"]
+__all__ = ["BudgetReport", "Denial", "LiveBlock", "TagUsage", "TimelineEvent"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,33 @@ class Denial:
     count: int
     largest: int
     """Largest refused request, in aligned bytes (raw bytes for invalid requests)."""
+
+
+@dataclass(frozen=True)
+class TagUsage:
+    """Bytes of one budget's own blocks that carry one tag."""
+
+    tag: str
+    live: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One entry of a budget tree's event log."""
+
+    time: float
+    """Seconds since the first event kept."""
+    kind: str
+    """``alloc``, ``free`` or ``deny``."""
+    budget: str
+    size: int
+    """Aligned bytes allocated or freed; for ``deny`` the refused size."""
+    tag: str | None
+    used: int
+    """The budget's ``used`` after the event."""
+    total: int
+    """The root budget's ``used`` after the event."""
 
 
 _REASONS = {
@@ -94,7 +121,31 @@ class BudgetReport:
     """Blocks this budget itself holds (children's are in their reports)."""
     callback_errors: tuple[str, ...]
     """Internal errors caught inside allocator callbacks (answered with ``None``)."""
+    by_tag: tuple[TagUsage, ...]
+    """Live and peak bytes of this budget's own blocks, per tag."""
     children: tuple[BudgetReport, ...]
+    timeline: tuple[TimelineEvent, ...] = ()
+    """The event log of this budget and its descendants (on the report that ``report()``
+    returned; children's reports leave it empty). At most ``EVENT_LOG_LIMIT`` events of a
+    tree are kept; ``events_dropped`` counts the older ones."""
+    events_dropped: int = 0
+    outside_bytes: int | None = None
+    """Root budgets on the PyCUDA backend: device memory taken by others (TensorRT's own
+    allocations, cuBLAS workspaces, other libraries) while the scope was open: free memory
+    just after the reservation minus free memory at exit (or now, while open)."""
+
+    @property
+    def leaks(self) -> tuple[LiveBlock, ...]:
+        """Blocks of this budget and its descendants still live after their scope exited."""
+        found = self.live_blocks if self.state in ("exited", "released") else ()
+        return found + tuple(block for child in self.children for block in child.leaks)
+
+    def plot(self, path: str) -> None:
+        """Write a PNG: used bytes over time for this budget and each child, limits as
+        dashed lines, denials as crosses. Needs matplotlib (``pip install 'gpubudget[plot]'``)."""
+        from .plot import plot_report
+
+        plot_report(self, path)
 
     @property
     def live_bytes(self) -> int:
@@ -160,6 +211,17 @@ class BudgetReport:
                     lines.append(f"{rest}        {frame}")
             if len(self.live_blocks) > 20:
                 lines.append(f"{rest}    ... {len(self.live_blocks) - 20} more")
+        if self.by_tag:
+            lines.append(f"{rest}  by tag (live / peak):")
+            for usage in sorted(self.by_tag, key=lambda u: -u.peak):
+                lines.append(
+                    f"{rest}    {usage.tag}: {format_size(usage.live)} / {format_size(usage.peak)}"
+                )
+        if self.outside_bytes is not None:
+            lines.append(
+                f"{rest}  device memory taken outside budgets meanwhile: "
+                f"{format_size(self.outside_bytes)}"
+            )
         for error in self.callback_errors:
             lines.append(f"{rest}  callback error: {error}")
         for index, child in enumerate(self.children):

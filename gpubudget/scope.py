@@ -8,7 +8,7 @@ an empty context, so budgets reach a thread pool through :func:`bind`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from contextvars_extras.context_management import bind_to_snapshot_context
@@ -16,11 +16,12 @@ from contextvars_extras.context_management import bind_to_snapshot_context
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["active_chain", "bind", "current_budget"]
+__all__ = ["active_chain", "bind", "current_budget", "current_label", "label"]
 
 R = TypeVar("R")
 
 ACTIVE: Final[ContextVar[tuple[Budget, ...]]] = ContextVar("gpubudget_active", default=())
+LABEL: Final[ContextVar[str | None]] = ContextVar("gpubudget_label", default=None)
 
 
 def active_chain() -> tuple[Budget, ...]:
@@ -42,6 +43,55 @@ def current_budget() -> Budget | None:
     """
     chain = ACTIVE.get()
     return chain[-1] if chain else None
+
+
+def current_label() -> str | None:
+    """The innermost label set with :func:`label` in this context, or ``None``."""
+    return LABEL.get()
+
+
+class label:  # noqa: N801 - used like a function: ``with label("detector/weights"):``
+    """Tag every block allocated in this context, inside the ``with`` block, with ``name``.
+
+    An explicit ``tag=`` wins over a label; a label wins over the phase that the TensorRT
+    adapter supplies ("build", "deserialize", "runtime"). Labels nest: the innermost one
+    applies. Works with ``with`` and ``async with``.
+
+    Examples
+    --------
+    >>> from gpubudget import gpu_budget, label
+    >>> with gpu_budget("1MiB", backend="host") as budget:
+    ...     with label("detector/weights"):
+    ...         block = budget.allocate(4096)
+    ...     [b.tag for b in budget.report().live_blocks]
+    ['detector/weights']
+    """
+
+    __slots__ = ("name", "_tokens")
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise (TypeError if not isinstance(name, str) else ValueError)(
+                f"label name must be a non-empty string, got {name!r}"
+            )
+        self.name = name
+        self._tokens: list[Token[str | None]] = []
+
+    def __enter__(self) -> label:
+        self._tokens.append(LABEL.set(self.name))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LABEL.reset(self._tokens.pop())
+
+    async def __aenter__(self) -> label:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__()
+
+    def __repr__(self) -> str:
+        return f"label({self.name!r})"
 
 
 def bind(fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Callable[..., R]:

@@ -46,7 +46,7 @@ from typing import Any, Final, Protocol
 
 from .budget import Budget
 from .errors import BudgetError
-from .scope import current_budget
+from .scope import current_budget, current_label
 
 __all__ = [
     "Builder",
@@ -62,7 +62,9 @@ MODULE_NAMES: Final = ("tensorrt", "tensorrt_rtx", "tensorrt_rtx_bindings", "ten
 
 _lock = threading.Lock()
 _classes: dict[str, type] = {}
-_allocators: dict[tuple[int, str], _BudgetAllocatorBase] = {}
+_runtimes: dict[str, type] = {}
+_shared: dict[tuple[int, str], _BudgetAllocatorBase] = {}
+_kept: list[_BudgetAllocatorBase] = []
 _attached: weakref.WeakKeyDictionary[object, _BudgetAllocatorBase] = weakref.WeakKeyDictionary()
 
 
@@ -108,6 +110,9 @@ class _BudgetAllocatorBase:
     ``IGpuAllocator`` (or ``IGpuAsyncAllocator``) by :func:`_allocator_class`."""
 
     budget: Budget
+    phase: str | None
+    deserializing: int
+    lock: threading.Lock
     _closed: bool
 
     def _target(self) -> Budget:
@@ -128,7 +133,7 @@ class _BudgetAllocatorBase:
         try:
             if self._closed:
                 return None
-            return self._target().allocate(size, alignment)
+            return self._target().allocate(size, alignment, tag=current_label() or self.phase)
         except Exception as exc:  # noqa: BLE001 - nothing may leave a callback
             self._fail("allocate", exc)
             return None
@@ -138,7 +143,9 @@ class _BudgetAllocatorBase:
         try:
             if self._closed:
                 return None
-            return self._target().allocate(size, alignment, stream=stream)
+            return self._target().allocate(
+                size, alignment, tag=current_label() or self.phase, stream=stream
+            )
         except Exception as exc:  # noqa: BLE001
             self._fail("allocate_async", exc)
             return None
@@ -190,6 +197,9 @@ def _allocator_class(module: ModuleType) -> type:
             def __init__(self: Any, budget: Budget) -> None:
                 base.__init__(self)
                 self.budget = budget
+                self.phase = None
+                self.deserializing = 0
+                self.lock = threading.Lock()
                 self._closed = False
 
             cls = type(
@@ -220,8 +230,10 @@ def allocator(
 ) -> Any:
     """The ``IGpuAllocator`` bound to ``budget`` (default: the current one).
 
-    One allocator exists per (budget, TensorRT module); it is kept alive for as long as the
-    budget can still be called. Raises ``BudgetError`` when no budget is active.
+    One such shared allocator exists per (budget, TensorRT module); objects attached with
+    :func:`attach` get one of their own, which knows their phase. Every allocator is kept
+    alive for as long as its budget can still be called. Raises ``BudgetError`` when no
+    budget is active.
 
     Examples
     --------
@@ -235,32 +247,62 @@ def allocator(
     module = load_module(trt_module)
     key = (id(target), module.__name__)
     with _lock:
-        _forget_released()
-        found = _allocators.get(key)
+        found = _shared.get(key)
         if found is not None and found.budget is target:
             return found
-    made = _allocator_class(module)(target)
+    made = _make(module, target, None)
     with _lock:
-        return _allocators.setdefault(key, made)
+        return _shared.setdefault(key, made)
+
+
+def _make(module: ModuleType, budget: Budget, phase: str | None) -> Any:
+    """A new allocator, kept referenced until its budget is released."""
+    made = _allocator_class(module)(budget)
+    made.phase = phase
+    with _lock:
+        _forget_released()
+        _kept.append(made)
+    return made
 
 
 def _forget_released() -> None:
-    """Drop allocators whose budget is released and that no attached object uses."""
+    """Drop allocators whose budget is released and that no live attached object uses."""
     in_use = {id(a) for a in _attached.values()}
-    for key, alloc in list(_allocators.items()):
+    _kept[:] = [a for a in _kept if a.budget.state != "released" or id(a) in in_use]
+    for key, alloc in list(_shared.items()):
         if alloc.budget.state == "released" and id(alloc) not in in_use:
-            del _allocators[key]
+            del _shared[key]
+
+
+def _module_of(obj: object) -> ModuleType:
+    """The TensorRT module ``obj``'s class comes from (skipping gpubudget's subclasses)."""
+    for cls in type(obj).__mro__:
+        top = cls.__module__.split(".")[0]
+        if top not in ("gpubudget", "builtins"):
+            return load_module(importlib.import_module(top))
+    raise TypeError(f"{obj!r} is not a TensorRT object")
+
+
+def _phase_of(obj: object) -> str | None:
+    name = type(obj).__name__
+    if "Builder" in name:
+        return "build"
+    if "Runtime" in name:
+        return "runtime"
+    return None
 
 
 def attach(obj: _Attachable, budget: Budget | None = None) -> _Attachable:
-    """Set ``obj.gpu_allocator`` (a ``Builder`` or ``Runtime``) to the budget's allocator,
-    pin the budget for as long as ``obj`` lives, and return ``obj``.
+    """Give ``obj`` (a ``Builder`` or ``Runtime``) an allocator of the budget's, pin the
+    budget for as long as ``obj`` lives, and return ``obj``.
 
+    Blocks allocated through it are tagged with its phase ("build" for a builder, "runtime"
+    for a runtime, "deserialize" during ``deserialize_cuda_engine`` of a runtime made by
+    :func:`Runtime`) unless a :func:`gpubudget.label` or an explicit tag says otherwise.
     Raises ``BudgetError`` outside any budget, ``TypeError`` if ``obj`` takes no allocator.
     """
     target = _require_budget(budget, "attach()")
-    module = importlib.import_module(type(obj).__module__.split(".")[0])
-    alloc = allocator(target, trt_module=module)
+    alloc = _make(_module_of(obj), target, _phase_of(obj))
     try:
         obj.gpu_allocator = alloc
     except (AttributeError, TypeError) as exc:
@@ -282,23 +324,61 @@ def allocator_of(obj: object) -> Any:
         return None
 
 
+def _runtime_class(module: ModuleType) -> type:
+    """The module's ``Runtime`` with deserialization tagged as the "deserialize" phase."""
+    with _lock:
+        cls = _runtimes.get(module.__name__)
+        if cls is None:
+            base = module.Runtime
+
+            def deserialize_cuda_engine(self: Any, *args: Any, **kwargs: Any) -> Any:
+                alloc = allocator_of(self)
+                if alloc is None:
+                    return base.deserialize_cuda_engine(self, *args, **kwargs)
+                with alloc.lock:
+                    alloc.deserializing += 1
+                    alloc.phase = "deserialize"
+                try:
+                    return base.deserialize_cuda_engine(self, *args, **kwargs)
+                finally:
+                    with alloc.lock:
+                        alloc.deserializing -= 1
+                        if not alloc.deserializing:
+                            alloc.phase = "runtime"
+
+            def __del__(self: Any) -> None:
+                # TensorRT's deprecated Runtime.__del__ would run (and warn) as the
+                # finalizer of a Python subclass; pybind11's own deallocation is what frees it.
+                pass
+
+            cls = type("Runtime", (base,), {
+                "deserialize_cuda_engine": deserialize_cuda_engine,
+                "__del__": __del__,
+                "__module__": __name__,
+                "__doc__": base.__doc__,
+            })
+            _runtimes[module.__name__] = cls
+        return cls
+
+
 def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
-    """A TensorRT ``Builder`` with the current budget's allocator attached."""
+    """A TensorRT ``Builder`` with an allocator of the current budget attached."""
     budget = _require_budget(None, "Builder()")
     return attach(load_module(trt_module).Builder(logger), budget)
 
 
 def Runtime(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
-    """A TensorRT ``Runtime`` with the current budget's allocator attached."""
+    """A TensorRT ``Runtime`` (a subclass of the module's) with an allocator of the current
+    budget attached; its ``deserialize_cuda_engine`` tags allocations "deserialize"."""
     budget = _require_budget(None, "Runtime()")
-    return attach(load_module(trt_module).Runtime(logger), budget)
+    return attach(_runtime_class(load_module(trt_module))(logger), budget)
 
 
 def _at_exit() -> None:
     """Keep every allocator alive through interpreter teardown and make it inert: engines
     destroyed late still call it, and must find a live object that touches nothing."""
     with _lock:
-        keep = list(_allocators.values()) + list(_attached.values())
+        keep = list(_kept) + list(_attached.values())
     for alloc in keep:
         alloc._closed = True
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(alloc))

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gpubudget import BudgetError, gpu_budget
+from gpubudget import BudgetError, gpu_budget, label
 from gpubudget import tensorrt as gbt
 from tests.helpers import fill, holds
 from tests.trampoline import Trampoline, verify_slots
@@ -170,15 +170,41 @@ def test_builder_runtime_attach_and_allocator_of() -> None:
         runtime = gbt.Runtime(LOGGER)  # first importable module: tensorrt_rtx_bindings here
         mine = gbt.attach(trt.Runtime(LOGGER))
         assert isinstance(builder, trt.Builder) and isinstance(runtime, trt.Runtime)
-        alloc = gbt.allocator(trt_module=trt)
-        assert gbt.allocator_of(builder) is alloc
-        assert gbt.allocator_of(runtime) is alloc and gbt.allocator_of(mine) is alloc
+        allocators = [gbt.allocator_of(obj) for obj in (builder, runtime, mine)]
+        assert all(isinstance(a, trt.IGpuAllocator) and a.budget is budget for a in allocators)
+        assert len({id(a) for a in allocators}) == 3  # one each: they carry the phase
+        assert [a.phase for a in allocators] == ["build", "runtime", "runtime"]
         assert gbt.allocator_of(trt.Runtime(LOGGER)) is None
         assert gbt.allocator_of(42) is None
-    assert budget.state == "exited"  # three pins
+    assert budget.report().state == "exited"  # three pins
     del builder, runtime, mine
     gc.collect()
     assert budget.report().state == "released"
+
+
+def test_phases_and_labels_tag_blocks() -> None:
+    with gpu_budget("1MiB", name="tags") as budget:
+        builder = Trampoline(gbt.allocator_of(gbt.Builder(LOGGER, trt_module=trt)))
+        runtime_obj = gbt.Runtime(LOGGER, trt_module=trt)
+        runtime = Trampoline(gbt.allocator_of(runtime_obj))
+        a = builder.allocate(1000)
+        b = runtime.allocate(2000)
+        with label("detector/weights"):
+            c = runtime.allocate(3000)
+        seen: list[int | None] = []
+        original = trt.Runtime.deserialize_cuda_engine
+        try:  # stand in for TensorRT's deserialization, which allocates through the runtime
+            trt.Runtime.deserialize_cuda_engine = lambda self, plan: seen.append(runtime.allocate(4000))
+            runtime_obj.deserialize_cuda_engine(b"plan")
+        finally:
+            trt.Runtime.deserialize_cuda_engine = original
+        d = runtime.allocate(5000)
+    tags = {block.address: block.tag for block in budget.report().live_blocks}
+    assert [tags[x] for x in (a, b, c, seen[0], d)] == [  # type: ignore[index]
+        "build", "runtime", "detector/weights", "deserialize", "runtime"
+    ]
+    usage = {u.tag: (u.live, u.peak) for u in budget.report().by_tag}
+    assert usage["deserialize"] == (4096, 4096) and usage["build"] == (1024, 1024)
 
 
 def test_outside_a_budget_is_a_budget_error() -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import sys
 from typing import Final
 
 __all__ = ["HostBackend", "HostReservation"]
+
+_MAP_NORESERVE: Final = 0x4000 if sys.platform.startswith("linux") else 0  # not in every mmap
 
 
 class HostReservation:
@@ -20,8 +23,11 @@ class HostReservation:
 
     __slots__ = ("_map", "address", "nbytes")
 
-    def __init__(self, nbytes: int) -> None:
-        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes)
+    def __init__(self, nbytes: int, noreserve: bool = False) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if noreserve:
+            flags |= getattr(mmap, "MAP_NORESERVE", _MAP_NORESERVE)
+        self._map: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=flags)
         anchor = ctypes.c_char.from_buffer(self._map)
         self.address: Final = ctypes.addressof(anchor)
         del anchor  # drop the buffer export so that the map can be closed
@@ -53,13 +59,20 @@ _DONE: Final = _DoneEvent()
 
 
 class HostBackend:
-    """Budgets simulated in host memory (see the module docstring)."""
+    """Budgets simulated in host memory (see the module docstring).
+
+    ``noreserve=True`` maps without reserving swap (``MAP_NORESERVE``), so that a trace
+    recorded on a large GPU replays on a small machine: replay never touches the blocks.
+    """
 
     name = "host"
 
+    def __init__(self, noreserve: bool = False) -> None:
+        self.noreserve = noreserve
+
     def reserve(self, nbytes: int) -> HostReservation:
         try:
-            return HostReservation(nbytes)
+            return HostReservation(nbytes, self.noreserve)
         except (OSError, OverflowError, ValueError) as exc:
             raise MemoryError(str(exc)) from exc
 
