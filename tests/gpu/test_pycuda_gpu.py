@@ -189,3 +189,16 @@ def test_exit_with_live_budgets_and_blocks_is_silent(tmp_path: Any) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
+def test_report_shows_device_memory_taken_outside_budgets() -> None:
+    cp = _cp()
+    with gpu_budget("256MiB", name="seen") as budget:
+        assert budget.report().outside_bytes is not None
+        outside = cp.cuda.runtime.malloc(512 * MiB)  # e.g. TensorRT's or cuBLAS's own memory
+        during = budget.report().outside_bytes
+    after = budget.report().outside_bytes
+    cp.cuda.runtime.free(outside)
+    assert during is not None and 512 * MiB <= during < 600 * MiB
+    assert after is not None and 512 * MiB <= after < 600 * MiB
+    assert "taken outside budgets" in str(budget.report())
