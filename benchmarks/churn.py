@@ -9,6 +9,7 @@ Prints microseconds per free+allocate pair (median of R runs) and the ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 from bisect import bisect_left, insort
@@ -136,6 +137,7 @@ def run_trace(
     """Seconds for the timed steps; every step must succeed. ``allocate`` returns a handle
     (an address, or an allocator's own object) that ``free`` takes back."""
     slots: dict[int, Any] = {}
+    gc.collect()  # every allocator starts timing from the same collector state
     for slot, size in warmup:
         address = allocate(size)
         assert address is not None, "warm-up allocation denied"

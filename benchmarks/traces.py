@@ -7,6 +7,7 @@ positive ``size`` allocates into an empty slot and ``size == 0`` frees the slot.
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import time
@@ -128,6 +129,7 @@ def peak_live(trace: Trace, align: int = 256) -> int:
 def replay(trace: Trace, allocate: Callable[[int], Any], free: Callable[[Any], object]) -> float:
     """Run a model_loading-format trace; seconds taken. Raises if an allocation fails."""
     slots: dict[int, Any] = {}
+    gc.collect()  # every allocator starts timing from the same collector state
     start = time.perf_counter()
     for slot, size in trace:
         if size:

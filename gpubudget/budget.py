@@ -58,6 +58,7 @@ EVENT_LOG_LIMIT: Final = 50_000
 seven small values, about 200 bytes with its numbers: at most about 10 MB per tree."""
 _TRACE_ENV: Final = "GPUBUDGET_TRACE"
 _clock = time.perf_counter
+_current_label = scope.LABEL.get
 _leak_watch: weakref.WeakSet[Budget] = weakref.WeakSet()
 _counter = iter(range(1, sys.maxsize))
 
@@ -508,7 +509,7 @@ class Budget:
         (0, 1024, None, None)
         """
         if tag is None:
-            tag = scope.LABEL.get()
+            tag = _current_label()
         if type(size) is not int or size <= 0:
             self._deny(size if type(size) is int else 0, "invalid_size", self, tag)
             return None
