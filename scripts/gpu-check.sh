@@ -14,6 +14,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   python3 -c 'import pycuda, cupy, torch; print("pycuda", pycuda.VERSION_TEXT, "cupy", cupy.__version__, "torch", torch.__version__)'; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
+GPUBUDGET_TRACE="$out/demo-trace.jsonl" python3 -m gpubudget demo --plot "$out/demo-gpu.png" 2>&1 | tee "$out/demo.txt"
+python3 -m gpubudget fit "$out/demo-trace.jsonl" 2>&1 | tee -a "$out/demo.txt"
 python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"
 python3 -m benchmarks.model_load --repeat 3 2>&1 | tee "$out/model-load.md"
 exit "$tests"
