@@ -176,6 +176,42 @@ def time_child_budget(warmup: Trace, timed: Trace) -> float:
             return run_trace(child.allocate, child.free, warmup, timed)
 
 
+def time_tensorrt_trampoline(warmup: Trace, timed: Trace) -> float:
+    """Through TensorRT-RTX's own C++ -> Python trampoline, as TensorRT calls it."""
+    from gpubudget import tensorrt as gbt
+    from tests.trampoline import Trampoline
+
+    module = gbt.load_module("tensorrt_rtx_bindings")
+    with gpu_budget(CAPACITY, align=ALIGN, name="trt", backend="host"):
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        return run_trace(lambda n: cpp.allocate_async(n, 0, 0, 0),
+                         lambda p: cpp.deallocate_async(p, 0), warmup, timed)
+
+
+def time_tensorrt_floor(warmup: Trace, timed: Trace) -> float:
+    """The same trampoline and ctypes calls into methods that do nothing: the floor."""
+    from gpubudget import tensorrt as gbt
+    from tests.trampoline import Trampoline
+
+    base = gbt.load_module("tensorrt_rtx_bindings").IGpuAsyncAllocator
+
+    class Trivial(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            base.__init__(self)
+            self.next = 256
+
+        def allocate_async(self, size: int, alignment: int, flags: int, stream: int) -> int:
+            self.next += 256
+            return self.next
+
+        def deallocate_async(self, memory: int, stream: int) -> bool:
+            return True
+
+    cpp = Trampoline(Trivial())
+    return run_trace(lambda n: cpp.allocate_async(n, 0, 0, 0),
+                     lambda p: cpp.deallocate_async(p, 0), warmup, timed)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20_000)
@@ -194,7 +230,13 @@ def table(steps: int = 20_000, repeat: int = 3) -> list[str]:
         "packed bisect best-fit": time_bare,
         "Budget (root)": time_budget,
         "Budget (child of root)": time_child_budget,
+        "TensorRT trampoline -> Budget": time_tensorrt_trampoline,
+        "TensorRT trampoline -> no-op": time_tensorrt_floor,
     }
+    try:
+        time_tensorrt_floor([], [])
+    except ImportError:  # no TensorRT-RTX here
+        del runs["TensorRT trampoline -> Budget"], runs["TensorRT trampoline -> no-op"]
     times: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeat):  # interleaved, so drift hits every row alike
         for label, run in runs.items():
@@ -205,12 +247,12 @@ def table(steps: int = 20_000, repeat: int = 3) -> list[str]:
         f"churn trace: 1000 live blocks, log-uniform 256 B-16 MiB, {len(timed)} steps, "
         f"median of {repeat} runs, microseconds per free+allocate pair",
         "",
-        f"| {'allocator':<26} | {'us/pair':>8} | {'vs textbook':>11} | {'vs packed':>9} |",
-        f"| {'-' * 26} | {'-' * 8}:| {'-' * 10}:| {'-' * 8}:|",
+        f"| {'allocator':<30} | {'us/pair':>8} | {'vs textbook':>11} | {'vs packed':>9} |",
+        f"| {'-' * 30} | {'-' * 8}:| {'-' * 10}:| {'-' * 8}:|",
     ]
     for label, value in us.items():
         rows.append(
-            f"| {label:<26} | {value:>8.2f} | {value / textbook:>10.2f}x | "
+            f"| {label:<30} | {value:>8.2f} | {value / textbook:>10.2f}x | "
             f"{value / packed:>8.2f}x |"
         )
     return rows

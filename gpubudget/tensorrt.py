@@ -46,7 +46,7 @@ from typing import Any, Final, Protocol
 
 from .budget import Budget
 from .errors import BudgetError
-from .scope import current_budget, current_label
+from .scope import ACTIVE, LABEL, current_budget
 
 __all__ = [
     "Builder",
@@ -115,13 +115,6 @@ class _BudgetAllocatorBase:
     lock: threading.Lock
     _closed: bool
 
-    def _target(self) -> Budget:
-        bound = self.budget
-        current = current_budget()
-        if current is not None and (current is bound or bound in current._chain):
-            return current
-        return bound
-
     def _fail(self, where: str, exc: BaseException) -> None:
         try:
             self.budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
@@ -130,24 +123,28 @@ class _BudgetAllocatorBase:
 
     def allocate(self, size: int, alignment: int, flags: int) -> int | None:
         """TensorRT callback: a block of ``size`` bytes, or ``None`` (denied)."""
-        try:
-            if self._closed:
-                return None
-            return self._target().allocate(size, alignment, tag=current_label() or self.phase)
-        except Exception as exc:  # noqa: BLE001 - nothing may leave a callback
-            self._fail("allocate", exc)
-            return None
+        return self.allocate_async(size, alignment, flags, None)
 
-    def allocate_async(self, size: int, alignment: int, flags: int, stream: int) -> int | None:
-        """TensorRT callback: a block for use on ``stream``, or ``None`` (denied)."""
+    def allocate_async(
+        self, size: int, alignment: int, flags: int, stream: int | None
+    ) -> int | None:
+        """TensorRT callback: a block for use on ``stream``, or ``None`` (denied).
+
+        Routed to the innermost active budget when it is the bound budget or a descendant,
+        else to the bound budget; tagged with the current label, else this allocator's phase.
+        """
         try:
             if self._closed:
                 return None
-            return self._target().allocate(
-                size, alignment, tag=current_label() or self.phase, stream=stream
-            )
-        except Exception as exc:  # noqa: BLE001
-            self._fail("allocate_async", exc)
+            target = self.budget
+            chain = ACTIVE.get()
+            if chain:
+                current = chain[-1]
+                if current is not target and target in current._chain:
+                    target = current
+            return target.allocate(size, alignment, tag=LABEL.get() or self.phase, stream=stream)
+        except Exception as exc:  # noqa: BLE001 - nothing may leave a callback
+            self._fail("allocate" if stream is None else "allocate_async", exc)
             return None
 
     def deallocate(self, memory: int) -> bool:
