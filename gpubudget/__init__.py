@@ -10,13 +10,24 @@ True
 
 from __future__ import annotations
 
-from .budget import Budget, gpu_budget
-from .errors import BackendError, BudgetError, BudgetNestingError, GpuBudgetError
+from .budget import TRACE_ENV, Budget, gpu_budget
+from .errors import (
+    AllocationDenied,
+    BackendError,
+    BudgetError,
+    BudgetNestingError,
+    GpuBudgetError,
+    InvariantError,
+)
+from .recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
-from .scope import bind, current_budget, current_label, label
+from .scope import bind, current_budget, current_label, label, use
 from .units import format_size, parse_size
 
 __all__ = [
+    "EVENT_LOG_LIMIT",
+    "TRACE_ENV",
+    "AllocationDenied",
     "BackendError",
     "Budget",
     "BudgetError",
@@ -24,6 +35,7 @@ __all__ = [
     "BudgetReport",
     "Denial",
     "GpuBudgetError",
+    "InvariantError",
     "LiveBlock",
     "bind",
     "current_budget",
@@ -32,6 +44,7 @@ __all__ = [
     "gpu_budget",
     "label",
     "parse_size",
+    "use",
 ]
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
-from .backends import _cuda_usable
+from .backends import cuda_usable
 from .budget import gpu_budget
 from .errors import GpuBudgetError
 from .report import BudgetReport
@@ -53,7 +53,7 @@ def _plot(report: BudgetReport, path: str) -> None:
 def demo(plot: str | None, backend: str | None) -> None:
     """Two models sharing one pool on a 6 GB card, with a build, a denial and serving."""
     if backend is None:
-        backend = "pycuda" if _cuda_usable() else "host"
+        backend = "pycuda" if cuda_usable() else "host"
     where = "a CUDA device (PyCUDA backend)" if backend == "pycuda" else (
         "host memory (no usable CUDA device and PyCUDA here; the budgets, limits and "
         "placement are real, the memory is the host's)"

@@ -5,11 +5,16 @@
     Exception
      └── GpuBudgetError                 anything gpubudget raises on purpose
           ├── BudgetError               (also MemoryError) a budget cannot get its memory:
-          │                             the device refused the root reservation, the parent
-          │                             cannot set aside a child's ``reserve=``, or no budget
-          │                             is active where one is required
-          ├── BudgetNestingError        (also RuntimeError) a budget exited out of order
-          └── BackendError              a backend is unknown or unusable
+          │    │                        the device refused the root reservation, the parent
+          │    │                        cannot set aside a child's ``reserve=``, or no budget
+          │    │                        is active where one is required
+          │    └── AllocationDenied     ``allocate(..., raise_on_denial=True)`` was refused;
+          │                             says which budget refused, why, and the sizes
+          ├── BudgetNestingError        (also RuntimeError) a budget exited out of order, or
+          │                             in a context where it is not active
+          ├── BackendError              a backend is unknown or unusable
+          └── InvariantError            (also AssertionError) ``check()`` found bookkeeping
+                                        that disagrees; ``invariant`` names the rule
 
 Bad arguments raise the built-in ``ValueError``/``TypeError`` with the offending input quoted.
 Nothing here is ever raised inside a TensorRT callback: callbacks answer ``None``/``False``.
@@ -17,7 +22,14 @@ Nothing here is ever raised inside a TensorRT callback: callbacks answer ``None`
 
 from __future__ import annotations
 
-__all__ = ["BackendError", "BudgetError", "BudgetNestingError", "GpuBudgetError"]
+__all__ = [
+    "AllocationDenied",
+    "BackendError",
+    "BudgetError",
+    "BudgetNestingError",
+    "GpuBudgetError",
+    "InvariantError",
+]
 
 
 class GpuBudgetError(Exception):
@@ -28,9 +40,37 @@ class BudgetError(GpuBudgetError, MemoryError):
     """A budget could not obtain the memory it needs (raised at entry, never in a callback)."""
 
 
+class AllocationDenied(BudgetError):
+    """An allocation asked with ``raise_on_denial=True`` was refused.
+
+    ``budget`` is the name of the budget asked, ``refused_by`` the name of the budget whose
+    limit or arena refused (itself or an ancestor), ``reason`` the denial reason as the
+    report counts it, ``size`` the bytes asked and ``charged`` the aligned bytes.
+    """
+
+    def __init__(
+        self, message: str, *, budget: str, refused_by: str, reason: str, size: int, charged: int
+    ) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.refused_by = refused_by
+        self.reason = reason
+        self.size = size
+        self.charged = charged
+
+
 class BudgetNestingError(GpuBudgetError, RuntimeError):
-    """A budget was exited while a budget entered inside it was still active."""
+    """A budget was exited while a budget entered inside it was still active, or in a
+    thread or task where it is not active."""
 
 
 class BackendError(GpuBudgetError):
     """A memory backend is unknown or cannot be used on this machine."""
+
+
+class InvariantError(GpuBudgetError, AssertionError):
+    """A bookkeeping invariant does not hold; ``invariant`` names it (see ``check()``)."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"invariant {invariant} violated: {detail}")
+        self.invariant = invariant

@@ -3,47 +3,164 @@ the smallest limit of every budget under which the replay has no denial.
 
 Replay opens the recorded budgets in the recorded order, under their recorded parents,
 on the host backend without touching memory (``MAP_NORESERVE``, so a trace of a 141 GB GPU
-replays on a laptop), and repeats every allocation, free and resize. Allocations that were
-denied in the recording are replayed too (then freed at once): they are memory the program
-wanted. Denials for a bad size or alignment are skipped: no limit fixes those.
+replays on a laptop), and repeats every allocation, free and resize. Each budget is entered
+and exited in a context of its own (``parent=`` names its parent), so budgets recorded in
+several threads replay in the order the trace gives. Allocations that were denied in the
+recording are replayed too (then freed at once): they are memory the program wanted. Denials
+for a bad size, alignment or tag are skipped: no limit fixes those.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Final
 
 from .backends.host import HostBackend
 from .budget import Budget
 from .errors import BudgetError
 from .report import BudgetReport
 from .tracefile import Trace, read_trace
+from .units import DEFAULT_ALIGN, round_up
 
-__all__ = ["Fit", "ReplayResult", "fit", "replay"]
+__all__ = ["Fit", "Recorded", "ReplayResult", "fit", "replay"]
 
-_BACKEND = HostBackend(noreserve=True)
-_LIMIT_REASONS = ("over_limit", "fragmented", "inactive", "released")
+_BACKEND: Final = HostBackend(noreserve=True)
+_LIMIT_REASONS: Final = ("over_limit", "fragmented", "inactive", "released")
+_MAX_DOUBLINGS: Final = 16
+"""How often ``fit`` doubles a root's ceiling looking for a limit with no denial."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One budget of a trace: as recorded, and what its replay did."""
+
+    id: int
+    name: str
+    parent: int | None
+    limit: int
+    """The limit used in the replay (the recorded one unless overridden)."""
+    recorded_limit: int
+    reserve: int
+    align: int
+    peak: int = 0
+    """Its peak ``used`` in the replay."""
+    denials: int = 0
+    """Requests refused in the replay (its own, and its entry if that was refused)."""
 
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay produced: one report per root, and its denials per budget id."""
+    """What a replay produced: one report per root, and every recorded budget by id."""
 
     reports: tuple[BudgetReport, ...]
-    denials: dict[int, int] = field(default_factory=dict)
-    """Recorded budget id -> allocations refused during the replay."""
-    names: dict[int, str] = field(default_factory=dict)
-    parents: dict[int, int | None] = field(default_factory=dict)
-    limits: dict[int, int] = field(default_factory=dict)
-    """The recorded limits."""
-    peaks: dict[int, int] = field(default_factory=dict)
-    reserves: dict[int, int] = field(default_factory=dict)
-    aligns: dict[int, int] = field(default_factory=dict)
+    budgets: dict[int, Recorded]
+
+    @property
+    def denials(self) -> dict[int, int]:
+        """Budget id -> requests refused in the replay, for the budgets that refused any."""
+        return {bid: b.denials for bid, b in self.budgets.items() if b.denials}
 
     def root_of(self, budget: int) -> int:
-        while (parent := self.parents[budget]) is not None:
+        while (parent := self.budgets[budget].parent) is not None:
             budget = parent
         return budget
+
+
+class _Replay:
+    """One replay's state: the budgets opened, and the recorded address -> replayed block."""
+
+    def __init__(self, limits: dict[int, int]) -> None:
+        self.limits = limits
+        self.recorded: dict[int, Recorded] = {}
+        self.opened: dict[int, tuple[Budget, contextvars.Context]] = {}
+        self.blocks: dict[int, tuple[Budget, int]] = {}
+        self.denied: dict[int, int] = {}
+
+    def run(self, events: Iterable[dict[str, Any]]) -> ReplayResult:
+        handlers = {"enter": self.enter, "alloc": self.alloc, "free": self.free,
+                    "resize": self.resize, "exit": self.exit}
+        for event in events:
+            handlers[event["ev"]](event)
+        reports = tuple(budget.report() for budget, _ in self.opened.values()
+                        if budget.parent is None)
+        peaks = {bid: budget.peak for bid, (budget, _) in self.opened.items()}
+        for budget, address in self.blocks.values():  # give the host mappings back
+            budget.free(address)
+        for bid in reversed(list(self.opened)):
+            self.exit({"b": bid})
+        budgets = {bid: Recorded(r.id, r.name, r.parent, r.limit, r.recorded_limit, r.reserve,
+                                 r.align, peaks.get(bid, 0), self.denied.get(bid, 0))
+                   for bid, r in self.recorded.items()}
+        return ReplayResult(reports, budgets)
+
+    def deny(self, bid: int) -> None:
+        self.denied[bid] = self.denied.get(bid, 0) + 1
+
+    def enter(self, event: dict[str, Any]) -> None:
+        bid, parent_id = int(event["b"]), event["parent"]
+        recorded = int(event["limit"])
+        limit = self.limits.get(bid, recorded)
+        align = int(event.get("align") or DEFAULT_ALIGN)
+        reserve = int(event.get("reserve") or 0)
+        parent_id = None if parent_id is None else int(parent_id)
+        self.recorded[bid] = Recorded(bid, str(event["name"]), parent_id, limit, recorded,
+                                      reserve, align)
+        parent = self.opened.get(parent_id) if parent_id is not None else None
+        if parent_id is not None and parent is None:
+            self.deny(bid)  # its parent could not be opened
+            return
+        budget = Budget(limit, align=align, name=str(event["name"]),
+                        reserve=min(reserve, limit) or None,
+                        backend=_BACKEND if parent is None else None,
+                        parent=parent[0] if parent is not None else None)
+        context = contextvars.Context()
+        try:
+            context.run(budget.__enter__)
+        except BudgetError:
+            self.deny(bid)
+            return
+        self.opened[bid] = (budget, context)
+
+    def alloc(self, event: dict[str, Any]) -> None:
+        bid = int(event["b"])
+        if event["ptr"] is None and event.get("reason") not in _LIMIT_REASONS:
+            return  # a bad request: no limit would have granted it
+        opened = self.opened.get(bid)
+        if opened is None:
+            self.deny(bid)
+            return
+        budget = opened[0]
+        address = budget.allocate(int(event["size"]), int(event["align"] or 0),
+                                  tag=event.get("tag"))
+        if address is None:
+            self.deny(bid)
+        elif event["ptr"] is None:
+            budget.free(address)  # a recorded denial, replayed as a probe
+        else:
+            self.blocks[int(event["ptr"])] = (budget, address)
+
+    def free(self, event: dict[str, Any]) -> None:
+        found = self.blocks.pop(int(event["ptr"]), None)
+        if found is not None:
+            found[0].free(found[1])
+
+    def resize(self, event: dict[str, Any]) -> None:
+        found = self.blocks.get(int(event["ptr"]))
+        if found is not None:
+            moved = found[0].resize(found[1], int(event["size"]), int(event["align"] or 0))
+            if moved is None:
+                self.deny(int(event["b"]))
+            else:
+                self.blocks[int(event["ptr"])] = (found[0], moved)
+
+    def exit(self, event: dict[str, Any]) -> None:
+        opened = self.opened.get(int(event["b"]))
+        if opened is not None and opened[0].state == "open":
+            budget, context = opened
+            context.run(budget.__exit__, None, None, None)
 
 
 def _load(trace: Trace | str | os.PathLike[str]) -> Trace:
@@ -54,82 +171,7 @@ def replay(
     trace: Trace | str | os.PathLike[str], *, limits: dict[int, int] | None = None
 ) -> ReplayResult:
     """Replay ``trace``; ``limits`` overrides recorded limits by budget id."""
-    data = _load(trace)
-    overrides = limits or {}
-    budgets: dict[int, Budget] = {}
-    blocks: dict[int, tuple[Budget, int]] = {}
-    denials: dict[int, int] = {}
-    names: dict[int, str] = {}
-    parents: dict[int, int | None] = {}
-    limits_seen: dict[int, int] = {}
-    reserves: dict[int, int] = {}
-    aligns: dict[int, int] = {}
-
-    def deny(budget_id: int) -> None:
-        denials[budget_id] = denials.get(budget_id, 0) + 1
-
-    for event in data.events:
-        kind = event["ev"]
-        bid = int(event["b"])
-        if kind == "enter":
-            parent_id = event["parent"]
-            names[bid] = str(event["name"])
-            parents[bid] = None if parent_id is None else int(parent_id)
-            limits_seen[bid] = int(event["limit"])
-            reserves[bid] = int(event.get("reserve") or 0)
-            aligns[bid] = int(event.get("align") or 256)
-            parent = budgets.get(int(parent_id)) if parent_id is not None else None
-            if parent_id is not None and parent is None:
-                deny(bid)  # its parent could not be opened
-                continue
-            limit = overrides.get(bid, limits_seen[bid])
-            reserve = min(reserves[bid], limit) or None
-            budget = Budget(limit, align=aligns[bid], name=names[bid],
-                            reserve=reserve, backend=_BACKEND)
-            try:
-                budget._open(parent)
-            except BudgetError:
-                deny(bid)
-                continue
-            budgets[bid] = budget
-        elif kind == "alloc":
-            budget_or_none = budgets.get(bid)
-            reason = event.get("reason")
-            if event["ptr"] is None and reason not in _LIMIT_REASONS:
-                continue  # a bad request: no limit would have granted it
-            if budget_or_none is None:
-                deny(bid)
-                continue
-            address = budget_or_none.allocate(int(event["size"]), int(event["align"] or 0),
-                                              tag=event.get("tag"))
-            if address is None:
-                deny(bid)
-            elif event["ptr"] is None:
-                budget_or_none.free(address)  # a recorded denial, replayed as a probe
-            else:
-                blocks[int(event["ptr"])] = (budget_or_none, address)
-        elif kind == "free":
-            found = blocks.pop(int(event["ptr"]), None)
-            if found is not None:
-                found[0].free(found[1])
-        elif kind == "resize":
-            found = blocks.get(int(event["ptr"]))
-            if found is not None:
-                moved = found[0].resize(found[1], int(event["size"]), int(event["align"] or 0))
-                if moved is None:
-                    deny(bid)
-                else:
-                    blocks[int(event["ptr"])] = (found[0], moved)
-        elif kind == "exit":
-            if bid in budgets:
-                budgets[bid]._close_scope()
-    reports = tuple(b.report() for b in budgets.values() if b.parent is None)
-    peaks = {bid: budget.peak for bid, budget in budgets.items()}
-    for budget, address in blocks.values():  # give the host mappings back
-        budget.free(address)
-    for budget in reversed(list(budgets.values())):
-        budget._close_scope()
-    return ReplayResult(reports, denials, names, parents, limits_seen, peaks, reserves, aligns)
+    return _Replay(limits or {}).run(_load(trace).events)
 
 
 @dataclass(frozen=True)
@@ -146,10 +188,6 @@ class Fit:
     """The smallest limit under which the replay has no denial (see :func:`fit`)."""
 
 
-def _denials_in(result: ReplayResult, root: int) -> int:
-    return sum(n for bid, n in result.denials.items() if result.root_of(bid) == root)
-
-
 def fit(trace: Trace | str | os.PathLike[str]) -> list[Fit]:
     """The smallest limit for every budget of ``trace`` under which replay has no denial.
 
@@ -159,54 +197,58 @@ def fit(trace: Trace | str | os.PathLike[str]) -> list[Fit]:
     by bisection, over multiples of the root's alignment, with its children at their fitted
     limits. Bisection assumes that a larger limit never denies what a smaller one granted,
     true of best fit in practice though not guaranteed; the answer is checked once more.
+    Each root is fitted on its own events only, so many roots cost no more than one long one.
     """
     data = _load(trace)
     first = replay(data)
-    if not first.names:
+    if not first.budgets:
         raise ValueError("the trace holds no budget")
-    roots = [bid for bid, parent in first.parents.items() if parent is None]
-    # A generous ceiling for every root: double until nothing is denied.
-    ceiling = {bid: max(first.limits[bid], 2 * max(first.peaks.get(bid, 0), 1)) for bid in roots}
-    unbounded: dict[int, int] = {}
-    for _ in range(16):
-        unbounded = {bid: ceiling[bid] for bid in roots}
-        for bid in first.names:
-            if bid not in ceiling:
-                unbounded[bid] = ceiling[first.root_of(bid)]
-        free = replay(data, limits=unbounded)
+    by_root: dict[int, list[dict[str, Any]]] = {}
+    for event in data.events:
+        bid = int(event["b"])
+        if bid in first.budgets:
+            by_root.setdefault(first.root_of(bid), []).append(event)
+    fitted: dict[int, Fit] = {}
+    for root, events in by_root.items():
+        for found in _fit_root(root, events):
+            fitted[found.budget] = found
+    return [fitted[bid] for bid in first.budgets]
+
+
+def _fit_root(root: int, events: list[dict[str, Any]]) -> list[Fit]:
+    """Fit one root and its descendants on the events of that tree."""
+    first = _Replay({}).run(events)
+    members = list(first.budgets)
+    ceiling = max(first.budgets[root].limit, 2 * max(first.budgets[root].peak, 1))
+    for _ in range(_MAX_DOUBLINGS):
+        free = _Replay(dict.fromkeys(members, ceiling)).run(events)
         if not free.denials:
             break
-        for bid in roots:
-            if _denials_in(free, bid):
-                ceiling[bid] *= 2
+        ceiling *= 2
     else:
-        raise ValueError("the trace is denied even with 2**16 times its peak: is it consistent?")
-    fitted: dict[int, int] = {}
-    for bid in free.names:
-        if bid not in ceiling:
-            align = free.aligns[bid]
-            need = max(free.peaks.get(bid, 0), free.reserves[bid], align)
-            fitted[bid] = -(-need // align) * align
-    for root in roots:
-        align = free.aligns[root]
-        limits = {**unbounded, **fitted}
-        low = max(free.peaks.get(root, 0), align) - 1  # denied at peak - 1: a lower bound
-        high = ceiling[root]
-        while high - low > align:
-            middle = (low + high) // 2 // align * align
-            if middle <= low:
-                break
-            limits[root] = middle
-            if _denials_in(replay(data, limits=limits), root):
-                low = middle
-            else:
-                high = middle
-        limits[root] = high
-        if _denials_in(replay(data, limits=limits), root):  # pragma: no cover - see docstring
-            high = ceiling[root]
-        fitted[root] = high
-    return [
-        Fit(bid, free.names[bid], free.parents[bid], free.limits[bid],
-            free.peaks.get(bid, 0), fitted[bid])
-        for bid in free.names
-    ]
+        raise ValueError(f"budget {first.budgets[root].name!r} is denied even with "
+                         f"2**{_MAX_DOUBLINGS} times its peak: is the trace consistent?")
+    limits = {}
+    for bid in members:
+        if bid != root:
+            recorded = free.budgets[bid]
+            need = max(recorded.peak, recorded.reserve, recorded.align)
+            limits[bid] = round_up(need, recorded.align)
+    align = free.budgets[root].align
+    low = max(free.budgets[root].peak, align) - 1  # denied at peak - 1: a lower bound
+    high = ceiling
+    while high - low > align:
+        middle = (low + high) // 2 // align * align
+        if middle <= low:
+            break
+        limits[root] = middle
+        if _Replay(limits).run(events).denials:
+            low = middle
+        else:
+            high = middle
+    limits[root] = high
+    if _Replay(limits).run(events).denials:  # pragma: no cover - see fit's docstring
+        limits[root] = ceiling
+    return [Fit(bid, free.budgets[bid].name, free.budgets[bid].parent,
+                free.budgets[bid].recorded_limit, free.budgets[bid].peak, limits[bid])
+            for bid in members]

@@ -1,15 +1,19 @@
-"""``BudgetReport``: a frozen snapshot of a budget tree, with text and JSON forms."""
+"""``BudgetReport``: a frozen snapshot of a budget tree, with text and JSON forms.
+
+Trees may be of any depth (a budget per request, nested a thousand deep): every walk here is
+a loop over an explicit stack, never a recursion.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from .units import format_size
 
-__all__ = ["BudgetReport", "Denial", "LiveBlock", "TagUsage", "TimelineEvent"]
+__all__ = ["FRAMES_SHOWN", "BudgetReport", "Denial", "LiveBlock", "TagUsage", "TimelineEvent"]
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,9 @@ class Denial:
     """Allocations refused for one reason by one budget."""
 
     reason: str
-    """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``, ``inactive``,
-    ``released`` or ``internal_error``."""
+    """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``,
+    ``invalid_tag``, ``invalid_address`` (resizing a block that is not there), ``inactive``,
+    ``released``, ``interrupted`` (a Ctrl-C arrived during the call) or ``internal_error``."""
     refused_by: str
     """Name of the budget whose limit or arena refused (this budget or an ancestor)."""
     count: int
@@ -70,10 +75,17 @@ _REASONS = {
     "fragmented": "no free block large enough in",
     "invalid_size": "invalid size, asked of",
     "invalid_alignment": "alignment not 0 or a power of two, asked of",
+    "invalid_tag": "tag not a string, asked of",
+    "invalid_address": "resize of a block it does not hold, asked of",
     "inactive": "not entered yet:",
     "released": "already released:",
+    "interrupted": "interrupted (Ctrl-C) in",
     "internal_error": "internal error in",
 }
+_SHOW_BLOCKS: Final = 20
+"""Live blocks the text report lists per budget; the rest are counted."""
+FRAMES_SHOWN: Final = 3
+"""Innermost stack frames shown per live block (text report, leaks listed at exit)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +111,8 @@ class BudgetReport:
     state: str
     """``new``, ``open``, ``exited`` (scope left, memory still held) or ``released``."""
     backend: str | None
+    device: int | None
+    """The CUDA device the tree's memory is on; ``None`` for host memory or before entry."""
     limit: int
     reserve: int
     align: int
@@ -120,7 +134,9 @@ class BudgetReport:
     live_blocks: tuple[LiveBlock, ...]
     """Blocks this budget itself holds (children's are in their reports)."""
     callback_errors: tuple[str, ...]
-    """Internal errors caught inside allocator callbacks (answered with ``None``)."""
+    """Errors caught and answered instead of raised: inside allocator callbacks (answered
+    with ``None``), stream events and copies that failed (the operation refused or the
+    block kept). The most recent 16."""
     by_tag: tuple[TagUsage, ...]
     """Live and peak bytes of this budget's own blocks, per tag."""
     children: tuple[BudgetReport, ...]
@@ -133,12 +149,14 @@ class BudgetReport:
     """Root budgets on the PyCUDA backend: device memory taken by others (TensorRT's own
     allocations, cuBLAS workspaces, other libraries) while the scope was open: free memory
     just after the reservation minus free memory at exit (or now, while open)."""
+    trace_error: str | None = None
+    """Root budgets: why the trace file stopped (a write failed), if it did."""
 
     @property
     def leaks(self) -> tuple[LiveBlock, ...]:
         """Blocks of this budget and its descendants still live after their scope exited."""
-        found = self.live_blocks if self.state in ("exited", "released") else ()
-        return found + tuple(block for child in self.children for block in child.leaks)
+        return tuple(block for report in self.walk() if report.state in ("exited", "released")
+                     for block in report.live_blocks)
 
     def plot(self, path: str) -> None:
         """Write a PNG: used bytes over time for this budget and each child, limits as
@@ -153,27 +171,52 @@ class BudgetReport:
         return sum(block.size for block in self.live_blocks)
 
     def walk(self) -> tuple[BudgetReport, ...]:
-        """This report and every descendant's, depth first."""
-        found: list[BudgetReport] = [self]
-        for child in self.children:
-            found.extend(child.walk())
+        """This report and every descendant's, depth first, parents before children."""
+        found: list[BudgetReport] = []
+        stack = [self]
+        while stack:
+            report = stack.pop()
+            found.append(report)
+            stack.extend(reversed(report.children))
         return tuple(found)
 
     def as_dict(self) -> dict[str, Any]:
-        """The report as plain dicts, lists, strings and ints."""
-        return dataclasses.asdict(self)
+        """The report as plain dicts, lists, strings and ints (children nested)."""
+        made: dict[int, dict[str, Any]] = {}
+        for report in reversed(self.walk()):  # children before their parents
+            fields: dict[str, Any] = {}
+            for field in dataclasses.fields(report):
+                value = getattr(report, field.name)
+                if field.name == "children":
+                    value = [made.pop(id(child)) for child in report.children]
+                elif isinstance(value, tuple):
+                    value = [_plain(item) for item in value]
+                fields[field.name] = value
+            made[id(report)] = fields
+        return made[id(self)]
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The report as JSON text."""
-        return json.dumps(self.as_dict(), indent=indent)
+        """The report as JSON text (what ``json.dumps(report.as_dict(), indent=indent)``
+        gives, for trees of any depth)."""
+        return _dumps(self.as_dict(), indent)
 
     def __str__(self) -> str:
         lines: list[str] = []
-        self._render(lines, "", "")
+        stack: list[tuple[BudgetReport, str, str]] = [(self, "", "")]
+        while stack:
+            report, first, rest = stack.pop()
+            report._render(lines, first, rest)
+            last = len(report.children) - 1
+            for index, child in reversed(list(enumerate(report.children))):
+                stack.append((child, rest + ("└─ " if index == last else "├─ "),
+                              rest + ("   " if index == last else "│  ")))
         return "\n".join(lines)
 
     def _render(self, lines: list[str], first: str, rest: str) -> None:
+        """This budget's own lines (not its children's)."""
         backend = f" [{self.backend}]" if self.backend else ""
+        if self.device is not None:
+            backend = f" [{self.backend} cuda:{self.device}]"
         reserve = f", reserve {format_size(self.reserve)}" if self.reserve else ""
         lines.append(
             f"{first}{self.name}{backend} ({self.state}): used {format_size(self.used)} "
@@ -204,13 +247,13 @@ class BudgetReport:
                 f"{rest}  live blocks: {len(self.live_blocks)} "
                 f"({format_size(self.live_bytes)})"
             )
-            for block in self.live_blocks[:20]:
+            for block in self.live_blocks[:_SHOW_BLOCKS]:
                 tag = f"  {block.tag}" if block.tag else ""
                 lines.append(f"{rest}    {block.address:#x}  {format_size(block.size)}{tag}")
-                for frame in (block.stack or ())[-3:]:
+                for frame in (block.stack or ())[-FRAMES_SHOWN:]:
                     lines.append(f"{rest}        {frame}")
-            if len(self.live_blocks) > 20:
-                lines.append(f"{rest}    ... {len(self.live_blocks) - 20} more")
+            if len(self.live_blocks) > _SHOW_BLOCKS:
+                lines.append(f"{rest}    ... {len(self.live_blocks) - _SHOW_BLOCKS} more")
         if self.by_tag:
             lines.append(f"{rest}  by tag (live / peak):")
             for usage in sorted(self.by_tag, key=lambda u: -u.peak):
@@ -222,8 +265,51 @@ class BudgetReport:
                 f"{rest}  device memory taken outside budgets meanwhile: "
                 f"{format_size(self.outside_bytes)}"
             )
+        if self.trace_error is not None:
+            lines.append(f"{rest}  {self.trace_error}")
         for error in self.callback_errors:
             lines.append(f"{rest}  callback error: {error}")
-        for index, child in enumerate(self.children):
-            last = index == len(self.children) - 1
-            child._render(lines, rest + ("└─ " if last else "├─ "), rest + ("   " if last else "│  "))
+
+
+def _plain(item: Any) -> Any:
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return dataclasses.asdict(item)
+    return item
+
+
+def _dumps(value: Any, indent: int | None) -> str:
+    """``json.dumps(value, indent=indent)`` for plain data, with a loop instead of recursion."""
+    parts: list[str] = []
+    item_separator = "," if indent is not None else ", "
+    frames: list[list[Any]] = []  # [iterator of (key or None, item), closer, level, first]
+
+    def newline(level: int) -> str:
+        return "" if indent is None else "\n" + " " * (indent * level)
+
+    def emit(item: Any, level: int) -> None:
+        if isinstance(item, dict) and item:
+            parts.append("{")
+            frames.append([iter(item.items()), "}", level + 1, True])
+        elif isinstance(item, (list, tuple)) and item:
+            parts.append("[")
+            frames.append([((None, x) for x in item), "]", level + 1, True])
+        else:
+            parts.append(json.dumps(item))
+
+    emit(value, 0)
+    while frames:
+        frame = frames[-1]
+        step = next(frame[0], None)
+        if step is None:
+            frames.pop()
+            parts.append(newline(frame[2] - 1) + frame[1])
+            continue
+        key, item = step
+        if not frame[3]:
+            parts.append(item_separator)
+        frame[3] = False
+        parts.append(newline(frame[2]))
+        if key is not None:
+            parts.append(json.dumps(key) + ": ")
+        emit(item, frame[2])
+    return "".join(parts)

@@ -1,32 +1,26 @@
-"""The context-variable stack of active budgets: ``current_budget()`` and ``bind()``.
+"""Which budget is current: ``current_budget()``, ``use()``, ``label()``, ``bind()``.
 
-The variable holds an immutable tuple of budgets, innermost last. asyncio tasks copy the
-context they are created in, so each task sees its own innermost budget; threads start with
-an empty context, so budgets reach a thread pool through :func:`bind`.
+The active budgets live in a context variable (:mod:`gpubudget.context`). asyncio tasks copy
+the context they are created in, so each task sees its own innermost budget; threads start
+with an empty context, so budgets reach a thread pool through :func:`bind` or :class:`use`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from contextvars import Token
+from types import TracebackType
+from typing import Any, Final, TypeVar
 
 from contextvars_extras.context_management import bind_to_snapshot_context
 
-if TYPE_CHECKING:
-    from .budget import Budget
+from .budget import ADVICE, Budget, misnested
+from .context import ACTIVE, LABEL
+from .errors import BudgetNestingError
 
-__all__ = ["active_chain", "bind", "current_budget", "current_label", "label"]
+__all__ = ["bind", "current_budget", "current_label", "label", "use"]
 
 R = TypeVar("R")
-
-ACTIVE: Final[ContextVar[tuple[Budget, ...]]] = ContextVar("gpubudget_active", default=())
-LABEL: Final[ContextVar[str | None]] = ContextVar("gpubudget_label", default=None)
-
-
-def active_chain() -> tuple[Budget, ...]:
-    """The budgets active in this context, outermost first."""
-    return ACTIVE.get()
 
 
 def current_budget() -> Budget | None:
@@ -93,6 +87,67 @@ class label:  # noqa: N801 - used like a function: ``with label("detector/weight
     def __repr__(self) -> str:
         return f"label({self.name!r})"
 
+
+class use:  # noqa: N801 - used like a function: ``with use(pool):``
+    """Make an open budget the current one in this context, without entering a child.
+
+    For thread pools and long-lived workers: the budget that allocations, TensorRT objects
+    made here and budgets entered here (as its children) see. Nests like a budget; exits
+    must be in reverse order. Works with ``with`` and ``async with``.
+
+    Examples
+    --------
+    >>> import threading
+    >>> from gpubudget import gpu_budget, current_budget, use
+    >>> seen = []
+    >>> def worker(pool):
+    ...     with use(pool):                       # a new thread starts with no budget
+    ...         with gpu_budget("1KiB", name="request") as request:
+    ...             seen.append(request.parent is pool)
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     thread = threading.Thread(target=worker, args=(pool,))
+    ...     thread.start(); thread.join()
+    >>> seen
+    [True]
+    """
+
+    __slots__ = ("budget", "_tokens")
+
+    def __init__(self, budget: Budget) -> None:
+        if not isinstance(budget, Budget):
+            raise TypeError(f"use() takes a Budget, got {budget!r}")
+        self.budget: Final = budget
+        self._tokens: list[Token[tuple[Budget, ...]]] = []
+
+    def __enter__(self) -> Budget:
+        if self.budget.state != "open":
+            raise BudgetNestingError(f"use() needs an open budget; {self.budget.name!r} is "
+                                     f"{self.budget.state}")
+        self._tokens.append(ACTIVE.set(ACTIVE.get() + (self.budget,)))
+        return self.budget
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        chain = ACTIVE.get()
+        if not self._tokens or not chain or chain[-1] is not self.budget:
+            misnested(f"use({self.budget.name!r}) exited while it is not the innermost "
+                      f"budget here; {ADVICE}", exc_type)
+            return
+        token = self._tokens.pop()
+        try:
+            ACTIVE.reset(token)
+        except ValueError:  # entered in another context (a task copied it)
+            ACTIVE.set(chain[:-1])
+
+    async def __aenter__(self) -> Budget:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        return f"use({self.budget!r})"
 
 def bind(fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Callable[..., R]:
     """Return ``fn`` bound to ``args``/``kwargs`` and to a snapshot of the active budgets.

@@ -34,10 +34,14 @@ from typing import IO, Any, Final
 
 from .errors import GpuBudgetError
 
-__all__ = ["FORMAT", "VERSION", "TraceError", "TraceWriter", "read_trace", "writer_for"]
+__all__ = [
+    "FLUSH_EVERY", "FORMAT", "VERSION", "TraceError", "TraceWriter", "read_trace", "writer_for"
+]
 
 FORMAT: Final = "gpubudget-trace"
 VERSION: Final = 1
+FLUSH_EVERY: Final = 64
+"""Events a writer buffers at most before it flushes them to the file."""
 _EVENTS: Final = {
     "enter": ("t", "b", "name", "parent", "limit", "align", "reserve"),
     "alloc": ("t", "b", "size", "align", "ptr"),
@@ -52,37 +56,85 @@ class TraceError(GpuBudgetError, ValueError):
 
 
 class TraceWriter:
-    """Appends events to one trace file; thread-safe; flushed on :meth:`flush` and at exit."""
+    """Appends events to one trace file, in the format above; thread-safe.
+
+    Each method writes one event. Lines are buffered and flushed every
+    :data:`FLUSH_EVERY` events, at :meth:`flush` (a root budget's exit) and at interpreter
+    exit, so a process killed outright (``SIGKILL``, the OOM killer) loses at most the last
+    ``FLUSH_EVERY - 1`` events. Errors (a full disk, a closed file) propagate to the caller:
+    budgets catch them, stop tracing that tree and say so in its report.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115
         self._t0 = time.perf_counter()
+        self._unflushed = 0
         header = {
             "format": FORMAT,
             "version": VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "pid": os.getpid(),
         }
-        self._file.write(json.dumps(header) + "\n")
+        self._line(header)
 
-    def write(self, event: str, **fields: Any) -> None:
-        line = json.dumps({"ev": event, "t": round(time.perf_counter() - self._t0, 9), **fields})
-        with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
+    def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
+              reserve: int, backend: str | None) -> None:
+        """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
+        self._event("enter", {"b": budget, "name": name, "parent": parent, "limit": limit,
+                              "align": align, "reserve": reserve, "backend": backend})
+
+    def alloc(self, budget: int, size: int, align: int, tag: str | None, address: int,
+              nbytes: int) -> None:
+        """``budget`` was granted ``nbytes`` (aligned) at ``address`` for ``size`` asked."""
+        self._event("alloc", {"b": budget, "size": size, "align": align, "tag": tag,
+                              "ptr": address, "bytes": nbytes, "reason": None})
+
+    def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
+             reason: str) -> None:
+        """``budget`` refused a request of ``size`` bytes (``nbytes`` aligned) for ``reason``."""
+        self._event("alloc", {"b": budget, "size": size, "align": align, "tag": tag,
+                              "ptr": None, "bytes": nbytes, "reason": reason})
+
+    def free(self, budget: int, address: int) -> None:
+        """The block at ``address`` of ``budget`` was freed."""
+        self._event("free", {"b": budget, "ptr": address})
+
+    def resize(self, budget: int, address: int, size: int, align: int, nbytes: int) -> None:
+        """The block at ``address`` was resized in place to ``nbytes`` (aligned)."""
+        self._event("resize", {"b": budget, "ptr": address, "size": size, "align": align,
+                               "bytes": nbytes})
+
+    def exit(self, budget: int) -> None:
+        """``budget``'s ``with`` block ended."""
+        self._event("exit", {"b": budget})
 
     def flush(self) -> None:
         with self._lock:
             if self._file is not None:
                 self._file.flush()
+                self._unflushed = 0
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
-                self._file = None
+                file, self._file = self._file, None
+                file.close()
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> None:
+        self._line({"ev": kind, "t": round(time.perf_counter() - self._t0, 9), **fields})
+
+    def _line(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"trace file {self.path!r} is closed")
+            self._file.write(line)
+            self._unflushed += 1
+            if self._unflushed >= FLUSH_EVERY:
+                self._file.flush()
+                self._unflushed = 0
 
 
 _writers: dict[str, TraceWriter] = {}
@@ -106,7 +158,10 @@ def writer_for(path: str | os.PathLike[str]) -> TraceWriter:
 def _close_all() -> None:
     with _writers_lock:
         for writer in _writers.values():
-            writer.close()
+            try:
+                writer.close()
+            except OSError:  # a full disk at exit: nothing more can be done, quietly
+                pass
 
 
 @dataclass(frozen=True)

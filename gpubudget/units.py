@@ -1,12 +1,34 @@
-"""Byte sizes: ``parse_size("1.5 GiB") -> int`` and ``format_size(int) -> str``."""
+"""Byte sizes and alignments: ``parse_size("1.5 GiB") -> int``, ``format_size(int) -> str``.
+
+Also the constants the rest of the package shares (``KiB`` ... ``TiB``, ``DEFAULT_ALIGN``) and
+the two helpers every layer needs: :func:`round_up` and :func:`check_align`.
+"""
 
 from __future__ import annotations
 
+import operator
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Final
+from typing import Final, SupportsIndex
 
-__all__ = ["format_size", "parse_size"]
+__all__ = [
+    "DEFAULT_ALIGN",
+    "GiB",
+    "KiB",
+    "MiB",
+    "TiB",
+    "check_align",
+    "format_size",
+    "parse_size",
+    "round_up",
+]
+
+KiB: Final = 1024
+MiB: Final = 1024**2
+GiB: Final = 1024**3
+TiB: Final = 1024**4
+DEFAULT_ALIGN: Final = 256
+"""Alignment of blocks unless a budget says otherwise: what ``cudaMalloc`` guarantees."""
 
 _UNITS: Final[dict[str, int]] = {
     "b": 1,
@@ -14,31 +36,45 @@ _UNITS: Final[dict[str, int]] = {
     "mb": 1000**2,
     "gb": 1000**3,
     "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": TiB,
 }
 _SIZE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
-_BINARY: Final = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+_BINARY: Final = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 
-def parse_size(value: int | str, *, what: str = "size") -> int:
+def as_int(value: object) -> int | None:
+    """``value`` as an ``int`` if it is integer-like (an ``int`` or anything with
+    ``__index__``, such as ``numpy.int64``), else ``None``; ``bool`` is not a size."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # checked just above
+    except TypeError:
+        return None
+
+
+def parse_size(value: int | str | SupportsIndex, *, what: str = "size") -> int:
     """Return the number of bytes that ``value`` names.
 
     Parameters
     ----------
     value
-        A positive ``int`` (bytes) or a string: a number (integer or decimal) followed by a
-        unit, space optional, unit case-insensitive: ``B``, ``KB MB GB TB`` (powers of 1000)
-        or ``KiB MiB GiB TiB`` (powers of 1024). A bare number in a string means bytes.
+        A positive integer (bytes: an ``int`` or anything with ``__index__``, such as
+        ``numpy.int64``) or a string: a number (integer or decimal) followed by a unit, space
+        optional, unit case-insensitive: ``B``, ``KB MB GB TB`` (powers of 1000) or
+        ``KiB MiB GiB TiB`` (powers of 1024). A bare number in a string means bytes.
     what
         The name of the argument, used in error messages.
 
     Raises
     ------
     TypeError
-        ``value`` is neither an ``int`` nor a ``str`` (``bool`` and ``float`` included).
+        ``value`` is neither integer-like nor a ``str`` (``bool`` and ``float`` included).
     ValueError
         Empty, malformed, unknown unit, not a whole number of bytes, zero or negative.
 
@@ -47,15 +83,20 @@ def parse_size(value: int | str, *, what: str = "size") -> int:
     >>> parse_size("4GiB"), parse_size("1.5 kb"), parse_size(256)
     (4294967296, 1500, 256)
     """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, str):
+        return _parse_text(value, what)
+    number = as_int(value)
+    if number is None:
         raise TypeError(
             f"{what} must be an int (bytes) or a string such as '4GiB', got {value!r} "
             f"of type {type(value).__name__}"
         )
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{what} must be a positive number of bytes, got {value!r}")
-        return value
+    if number <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes, got {value!r}")
+    return number
+
+
+def _parse_text(value: str, what: str) -> int:
     match = _SIZE.fullmatch(value)
     if match is None:
         if value.strip().startswith("-"):
@@ -99,3 +140,27 @@ def format_size(nbytes: int) -> str:
         if magnitude >= factor:
             return f"{sign}{magnitude / factor:.2f} {unit}"
     return f"{sign}{magnitude} B"
+
+
+def round_up(value: int, granularity: int) -> int:
+    """``value`` rounded up to a multiple of ``granularity`` (a power of two).
+
+    >>> round_up(1000, 256), round_up(1024, 256)
+    (1024, 1024)
+    """
+    return (value + granularity - 1) & -granularity
+
+
+def is_power_of_two(value: int) -> bool:
+    """Whether ``value`` is 1, 2, 4, 8, ..."""
+    return value > 0 and value & (value - 1) == 0
+
+
+def check_align(value: object, what: str = "align") -> int:
+    """``value`` if it is an integer power of two, else ``TypeError``/``ValueError`` quoting it."""
+    number = as_int(value)
+    if number is None:
+        raise TypeError(f"{what} must be an int power of two, got {value!r}")
+    if not is_power_of_two(number):
+        raise ValueError(f"{what} must be a power of two >= 1, got {value!r}")
+    return number

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpubudget.scope import ACTIVE
+from gpubudget.context import ACTIVE
 
 
 @pytest.fixture(autouse=True)

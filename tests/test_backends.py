@@ -42,7 +42,7 @@ def test_selection_by_argument_and_environment(monkeypatch: pytest.MonkeyPatch) 
 
 def test_pycuda_unavailable_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("tests.helpers")
-    if backends._cuda_usable():
+    if backends.cuda_usable():
         pytest.skip("a CUDA device is usable here")
     monkeypatch.delitem(backends._instances, "pycuda", raising=False)
     with pytest.raises(BackendError, match="pycuda.*backend='host'"):
@@ -52,7 +52,7 @@ def test_pycuda_unavailable_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch)
 
 def test_fallback_to_host_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GPUBUDGET_BACKEND")
-    monkeypatch.setattr(backends, "_cuda_usable", lambda: False)
+    monkeypatch.setattr(backends, "cuda_usable", lambda: False)
     monkeypatch.setattr(backends, "_warned", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

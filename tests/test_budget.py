@@ -7,9 +7,9 @@ import warnings
 import pytest
 
 from gpubudget import Budget, BudgetError, BudgetNestingError, gpu_budget
-from gpubudget.backends.host import HostBackend, HostReservation
+from gpubudget.backends.host import HostBackend
 
-from tests.helpers import fill, holds
+from tests.helpers import RecordingBackend, fill, holds
 
 KiB = 1024
 MiB = 2**20
@@ -58,9 +58,9 @@ def test_repr_shows_name_limit_used_and_state() -> None:
 
 
 def test_root_reserves_once_and_blocks_are_aligned_real_memory() -> None:
-    with gpu_budget("1MiB", align=512, name="root") as root:
-        reservation = root._reservation
-        assert isinstance(reservation, HostReservation)
+    backend = RecordingBackend()
+    with gpu_budget("1MiB", align=512, name="root", backend=backend) as root:
+        (reservation,) = backend.reservations
         blocks = [root.allocate(size) for size in (1, 700, 4096, 513)]
         assert all(b is not None and b % 512 == 0 for b in blocks)
         assert root.used == 512 + 1024 + 4096 + 1024  # charged aligned sizes
@@ -228,13 +228,13 @@ def test_child_backend_must_match_root() -> None:
 
 
 def test_blocks_outlive_the_scope_and_reservation_returns_after_last_free() -> None:
-    with gpu_budget("1MiB", name="root") as root:
+    backend = RecordingBackend()
+    with gpu_budget("1MiB", name="root", backend=backend) as root:
         with gpu_budget("512KiB", name="child") as child:
             block = child.allocate(1000)
             assert block is not None
             fill(block, 1000, 0xAB)
-    reservation = root._reservation
-    assert isinstance(reservation, HostReservation)
+    (reservation,) = backend.reservations
     assert (root.state, child.state) == ("exited", "exited")
     assert not reservation.released
     assert holds(block, 1000, 0xAB)
@@ -356,7 +356,7 @@ def test_threads_never_share_blocks_or_corrupt_accounting() -> None:
         assert errors == []
         assert pool.used == 0 and all(c.used == 0 for c in children)
         assert pool.peak <= pool.limit and all(c.peak <= c.limit for c in children)
-        pool._arena.check()
+        pool.check()
         assert sum(c.report().allocations for c in children) == sum(
             c.report().frees for c in children
         )

@@ -51,7 +51,7 @@ def test_replay_reproduces_the_run(tmp_path: Path) -> None:
     assert report.name == "pool" and report.children[0].name == "model"
     assert report.peak == 3 * MiB and report.children[0].allocations == 3
     assert report.children[0].denied == 1  # the recorded denial, denied again by 8 MiB
-    assert result.denials == {next(b for b, n in result.names.items() if n == "model"): 1}
+    assert result.denials == {next(b for b, r in result.budgets.items() if r.name == "model"): 1}
     tags = {u.tag: u.peak for u in report.children[0].by_tag}
     assert tags == {"a": MiB, "b": MiB, "c": 2 * MiB}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import gpubudget.budget as budget_module
+import gpubudget.recorder as recorder_module
 from gpubudget import gpu_budget, label
 
 KiB = 1024
@@ -83,7 +83,7 @@ def test_timeline_records_allocations_frees_and_denials() -> None:
 
 
 def test_event_log_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(budget_module, "EVENT_LOG_LIMIT", 50)
+    monkeypatch.setattr(recorder_module, "EVENT_LOG_LIMIT", 50)
     with gpu_budget("1MiB") as budget:
         for _ in range(100):
             block = budget.allocate(256)

@@ -14,11 +14,21 @@ import threading
 import warnings
 from typing import Final
 
+from ..callers import user_stacklevel
 from ..errors import BackendError
 from .base import Backend, Event, Reservation
 from .host import HostBackend
 
-__all__ = ["BACKEND_NAMES", "Backend", "Event", "Reservation", "get_backend", "validate_spec"]
+__all__ = [
+    "BACKEND_NAMES",
+    "Backend",
+    "Event",
+    "Reservation",
+    "cuda_usable",
+    "device_of",
+    "get_backend",
+    "validate_spec",
+]
 
 BACKEND_NAMES: Final = ("pycuda", "host")
 _ENV: Final = "GPUBUDGET_BACKEND"
@@ -62,7 +72,8 @@ def _named(name: str) -> Backend:
         return backend
 
 
-def _cuda_usable() -> bool:
+def cuda_usable() -> bool:
+    """Whether PyCUDA imports and sees at least one CUDA device."""
     try:
         import pycuda.driver as cuda
 
@@ -84,7 +95,7 @@ def get_backend(spec: Backend | str | None = None) -> Backend:
     if env:
         validate_spec(env, what=f"environment variable {_ENV}")
         return _named(env)
-    if _cuda_usable():
+    if cuda_usable():
         return _named("pycuda")
     if not _warned:
         _warned = True
@@ -92,6 +103,13 @@ def get_backend(spec: Backend | str | None = None) -> Backend:
             "gpubudget: no usable CUDA device or PyCUDA; budgets are simulated in host memory "
             "(pass backend='host' or set GPUBUDGET_BACKEND=host to silence this)",
             RuntimeWarning,
-            stacklevel=4,  # the user's `with` line
+            stacklevel=user_stacklevel(),  # the user's `with` line
         )
     return _named("host")
+
+
+def device_of(backend: Backend) -> int | None:
+    """The CUDA device ordinal a backend allocates on (its ``ordinal``), ``None`` for
+    memory that is not a device's (the host backend)."""
+    ordinal = getattr(backend, "ordinal", None)
+    return ordinal if isinstance(ordinal, int) else None

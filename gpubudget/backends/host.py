@@ -66,6 +66,7 @@ class HostBackend:
     """
 
     name = "host"
+    synchronous = True  # no streams: every free completes at once
 
     def __init__(self, noreserve: bool = False) -> None:
         self.noreserve = noreserve

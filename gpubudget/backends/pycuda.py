@@ -95,6 +95,7 @@ class PyCudaBackend:
 
     def __init__(self, device: int = 0) -> None:
         cuda.init()
+        self.ordinal: Final = device
         self.device: Final = cuda.Device(device)
         self._context = self.device.retain_primary_context()
         self.driver: Final = _load_driver()

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpubudget.backends import _cuda_usable
+from gpubudget.backends import cuda_usable
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    usable = _cuda_usable()
+    usable = cuda_usable()
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)

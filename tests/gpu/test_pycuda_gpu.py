@@ -80,7 +80,7 @@ def test_patterns_in_every_live_block_survive() -> None:
         for address, (size, byte) in live.items():
             assert _read(address, size) == bytes([byte]) * size
             root.free(address)
-        root._arena.check()
+        root.check()
 
 
 def test_cupy_array_on_a_budget_block_computes() -> None:

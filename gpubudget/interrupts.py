@@ -1,0 +1,134 @@
+"""Ctrl-C that cannot split an operation: ``KeyboardInterrupt`` deferred inside gpubudget.
+
+Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread. Landing in
+the middle of an allocation it could leave the arena, the live-block registry and ``used``
+disagreeing. So, as Trio does, gpubudget marks the functions through which every operation
+enters (:func:`protect`) and installs a SIGINT handler that, when the main thread is inside
+one of them, only notes the interrupt. The operation then finishes, and the interrupt is
+delivered where it is safe:
+
+- a public method (``allocate``, ``free``, ``resize``, entering or leaving a ``with``) raises
+  ``KeyboardInterrupt`` on its way out. ``allocate`` and ``__enter__`` first undo what they
+  did, so the call is all-or-nothing; ``free``, ``resize`` and ``__exit__`` complete first.
+- an allocator callback (TensorRT, CuPy, PyTorch) cannot raise into its C++ caller: it
+  answers as if the request were denied (``None``; frees still complete) and the interrupt
+  is raised again in the main thread once control is back in Python (:func:`redeliver`).
+
+The handler is installed when the first root budget is entered in the main thread, and only
+over Python's default SIGINT handler: a program with a handler of its own (a server that
+stops gracefully, ``asyncio.run`` while it runs) keeps it, and gpubudget then relies on
+that handler not raising in the middle of a call. Outside gpubudget's code the installed
+handler behaves exactly like Python's default.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Final, TypeVar
+
+__all__ = ["STATE", "callback", "defer", "install", "protect", "raise_here", "redeliver", "take"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class _State:
+    __slots__ = ("pending", "installed")
+
+    def __init__(self) -> None:
+        self.pending = False  # an interrupt arrived inside protected code, not yet delivered
+        self.installed = False
+
+
+STATE: Final = _State()
+_PROTECTED: Final[set[CodeType]] = set()
+_CALLBACKS: Final[set[CodeType]] = set()
+
+
+def protect(function: F) -> F:
+    """Mark ``function``: an interrupt arriving while it runs (in it, or anything it calls)
+    is deferred. Compiled functions have no code object and need no mark: the interpreter
+    cannot interrupt them between two of their operations."""
+    code = getattr(function, "__code__", None)
+    if isinstance(code, CodeType):
+        _PROTECTED.add(code)
+    return function
+
+
+def callback(function: F) -> F:
+    """Mark ``function`` as an allocator callback (and protect it): a public method called
+    inside it leaves a pending interrupt to it rather than raise into C++ code."""
+    code = getattr(function, "__code__", None)
+    if isinstance(code, CodeType):
+        _CALLBACKS.add(code)
+    return protect(function)
+
+
+def _within(frame: FrameType | None, codes: set[CodeType]) -> bool:
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if _within(frame, _PROTECTED):
+        STATE.pending = True
+        return
+    signal.default_int_handler(signum, frame)
+
+
+def install() -> None:
+    """Install the deferring SIGINT handler (main thread, over Python's default only)."""
+    if STATE.installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _handler)
+            STATE.installed = True
+    except (ValueError, OSError):  # pragma: no cover - an embedded interpreter without signals
+        pass
+
+
+def defer() -> None:
+    """Note an interrupt that was caught where it could not be raised."""
+    STATE.pending = True
+
+
+def raise_here() -> bool:
+    """For a public method on its way out with an interrupt pending: ``True`` (and the
+    interrupt taken) when it should raise ``KeyboardInterrupt`` now, ``False`` when it runs
+    inside an allocator callback, which delivers it instead."""
+    if _within(sys._getframe(1), _CALLBACKS):
+        return False
+    return take()
+
+
+def take() -> bool:
+    """Whether an interrupt is pending, clearing it."""
+    pending, STATE.pending = STATE.pending, False
+    return pending
+
+
+def redeliver() -> None:
+    """Raise a taken interrupt again in the main thread, from outside the current callback.
+
+    From another thread, at once. From the main thread, which is inside a callback its C++
+    caller runs, a helper thread raises it a moment later; should it land in another
+    callback, that one answers as denied and passes it on again, until the main thread is
+    back in Python code of its own, where it is raised.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        _thread.interrupt_main()
+        return
+    try:
+        threading.Thread(target=_thread.interrupt_main, name="gpubudget-interrupt",
+                         daemon=True).start()
+    except RuntimeError:  # interpreter shutting down: nothing left to interrupt
+        pass
+

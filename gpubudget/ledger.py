@@ -1,0 +1,102 @@
+"""The ledger: what each budget is charged, checked against its own and its ancestors' limits.
+
+An :class:`Account` holds one budget's numbers. A budget's ``used`` is its own blocks plus
+what its children pass up; a child with a ``reserve`` floor passes up ``max(used, reserve)``,
+so its reserve counts in the parent from entry on. Every change goes through two functions,
+used in this order with the tree's lock held:
+
+1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
+   changes nothing and names the first account that refuses;
+2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
+   so a request that is refused, or that the arena cannot place, never moves a peak.
+
+Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
+of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
+``used <= limit`` always.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["Account", "available", "charge", "passed_up", "refusal"]
+
+
+class Account:
+    """One budget's numbers: its limit, reserve floor, bytes charged now and their peak.
+
+    ``chain`` is this account followed by its ancestors up to the root; ``plain`` says that
+    none of them has a reserve, so that every one of them is charged the same delta.
+    """
+
+    __slots__ = ("name", "limit", "reserve", "used", "peak", "parent", "chain", "plain")
+
+    def __init__(
+        self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
+    ) -> None:
+        self.name: Final = name  # the budget's, for saying who refused
+        self.limit: Final = limit
+        self.reserve: Final = reserve
+        self.used = 0  # aligned bytes charged now, children's included
+        self.peak = 0  # highest ``used`` reached by granted charges
+        self.parent: Final = parent
+        self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
+        self.plain: Final = not any(account.reserve for account in self.chain)
+
+
+def passed_up(account: Account, used: int) -> int:
+    """What an account using ``used`` bytes weighs in its parent."""
+    return used if used > account.reserve else account.reserve
+
+
+def refusal(account: Account, delta: int) -> Account | None:
+    """The first account of ``account``'s chain whose limit ``delta`` more bytes would
+    exceed, or ``None`` when all of them can take it. Changes nothing."""
+    if account.plain:
+        for link in account.chain:
+            if link.used + delta > link.limit:
+                return link
+        return None
+    node: Account | None = account
+    while node is not None and delta > 0:
+        used = node.used + delta
+        if used > node.limit:
+            return node
+        if node.reserve:  # only what rises above the floor reaches the parent
+            delta = passed_up(node, used) - passed_up(node, node.used)
+        node = node.parent
+    return None
+
+
+def charge(account: Account, delta: int) -> None:
+    """Add ``delta`` bytes (negative to give back) to ``account`` and, as reserves pass them
+    up, to its ancestors; raise their peaks. Call :func:`refusal` first for ``delta > 0``."""
+    if account.plain:
+        for link in account.chain:
+            used = link.used = link.used + delta
+            if used > link.peak:
+                link.peak = used
+        return
+    node: Account | None = account
+    while node is not None and delta:
+        old = node.used
+        used = node.used = old + delta
+        if used > node.peak:
+            node.peak = used
+        if node.reserve:
+            delta = passed_up(node, used) - passed_up(node, old)
+        node = node.parent
+
+
+def available(account: Account) -> int:
+    """Bytes one allocation could still be charged to ``account`` by every limit of its
+    chain, counting reserved but unused bytes below each level as usable there."""
+    best = account.limit - account.used
+    slack = 0  # reserved but unused bytes of the accounts walked so far
+    link = account
+    while link.parent is not None:
+        slack += max(link.reserve - link.used, 0)
+        parent = link.parent
+        best = min(best, parent.limit - parent.used + slack)
+        link = parent
+    return max(best, 0)

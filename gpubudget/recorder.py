@@ -1,0 +1,165 @@
+"""What happened: per-budget statistics, a tree's bounded event log, and its trace writer.
+
+:class:`Stats` holds one budget's counters (allocations, frees, denials by reason and by the
+budget that refused, bytes per tag, errors caught in callbacks). :class:`Recorder` holds a
+tree's event log and trace writer; its methods are the only place where an event is
+counted, logged and traced, so the three always agree. Every method is called with the
+tree's lock held, after the operation it records has been committed, and never raises: a
+trace writer that fails (a full disk) is dropped with one ``RuntimeWarning``, and the
+report's ``trace_error`` says why the trace stops there.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
+
+from . import interrupts
+
+if TYPE_CHECKING:
+    from .tracefile import TraceWriter
+
+__all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "Recorder", "Stats"]
+
+EVENT_LOG_LIMIT: Final = 50_000
+"""Events a budget tree keeps for its timeline; older ones are dropped. An event is a tuple of
+seven small values, about 200 bytes with its numbers: at most about 10 MB per tree."""
+KEEP_ERRORS: Final = 16
+"""Errors caught inside callbacks that a budget keeps for its report (the most recent)."""
+
+# A timeline event: (time, kind, budget id, aligned bytes, tag, budget's used after, root's
+# used after). kind is "alloc", "free" or "deny" (then bytes is the refused size). Atomic
+# values only, so that the garbage collector does not track them.
+Event = tuple[float, str, int, int, "str | None", int, int]
+_clock: Final = time.perf_counter
+
+
+class Stats:
+    """One budget's counters; see ``BudgetReport`` for what each means."""
+
+    __slots__ = ("allocations", "frees", "invalid_frees", "denied", "largest_denied",
+                 "denials", "tags", "errors")
+
+    def __init__(self) -> None:
+        self.allocations = 0
+        self.frees = 0
+        self.invalid_frees = 0
+        self.denied = 0
+        self.largest_denied = 0
+        self.denials: dict[tuple[str, str], list[int]] = {}  # (reason, refused by) -> [n, largest]
+        self.tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
+        self.errors: deque[str] = deque(maxlen=KEEP_ERRORS)
+
+    def count_denial(self, nbytes: int, reason: str, refused_by: str) -> None:
+        self.denied += 1
+        if nbytes > self.largest_denied:
+            self.largest_denied = nbytes
+        entry = self.denials.get((reason, refused_by))
+        if entry is None:
+            self.denials[(reason, refused_by)] = [1, nbytes]
+        else:
+            entry[0] += 1
+            if nbytes > entry[1]:
+                entry[1] = nbytes
+
+    def tag_grew(self, tag: str, nbytes: int) -> None:
+        entry = self.tags.get(tag)
+        if entry is None:
+            self.tags[tag] = [nbytes, nbytes]
+        else:
+            live = entry[0] = entry[0] + nbytes
+            if live > entry[1]:
+                entry[1] = live
+
+
+class Recorder:
+    """A tree's event log and trace writer (see the module docstring)."""
+
+    __slots__ = ("events", "logged", "writer", "trace_error")
+
+    def __init__(self, writer: TraceWriter | None) -> None:
+        self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
+        self.logged = 0  # events ever logged; ``logged - len(events)`` were dropped
+        self.writer = writer
+        self.trace_error: str | None = None  # why tracing stopped, if it did
+
+    # -- one method per event: count, log, trace -----------------------------------------
+
+    def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
+                address: int, nbytes: int, used: int, total: int) -> None:
+        stats.allocations += 1
+        if tag is not None:
+            stats.tag_grew(tag, nbytes)
+        self.events.append((_clock(), "alloc", budget, nbytes, tag, used, total))
+        self.logged += 1
+        if self.writer is not None:
+            self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
+
+    def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
+              used: int, total: int) -> None:
+        stats.frees += 1
+        if tag is not None:
+            stats.tags[tag][0] -= nbytes
+        self.events.append((_clock(), "free", budget, nbytes, tag, used, total))
+        self.logged += 1
+        if self.writer is not None:
+            self._trace(self.writer.free, budget, address)
+
+    def denied(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
+               nbytes: int, reason: str, refused_by: str, used: int, total: int) -> None:
+        stats.count_denial(nbytes, reason, refused_by)
+        self.events.append((_clock(), "deny", budget, nbytes, tag, used, total))
+        self.logged += 1
+        if self.writer is not None:
+            self._trace(self.writer.deny, budget, size, alignment, tag, nbytes, reason)
+
+    def resized(self, stats: Stats, budget: int, address: int, size: int, alignment: int,
+                tag: str | None, old: int, nbytes: int, used: int, total: int) -> None:
+        if tag is not None:
+            stats.tags[tag][0] -= old
+            stats.tag_grew(tag, nbytes)
+        kind = "alloc" if nbytes > old else "free"
+        self.events.append((_clock(), kind, budget, abs(nbytes - old), tag, used, total))
+        self.logged += 1
+        if self.writer is not None:
+            self._trace(self.writer.resize, budget, address, size, alignment, nbytes)
+
+    def entered(self, budget: int, name: str, parent: int | None, limit: int, align: int,
+                reserve: int, backend: str | None) -> None:
+        if self.writer is not None:
+            self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend)
+
+    def exited(self, budget: int, root: bool) -> None:
+        if self.writer is not None:
+            self._trace(self.writer.exit, budget)
+        if root and self.writer is not None:
+            self._trace(self.writer.flush)
+
+    # -- the trace: isolated, so that its failure never reaches the accounting ------------
+
+    def _trace(self, write: Callable[..., None], *args: object) -> None:
+        """Call one writer method; the accounting is already committed and stays right.
+
+        A ``KeyboardInterrupt`` that lands in the writer is kept for delivery once the
+        operation returns; any other exception (``OSError`` for a full disk) ends the trace
+        with one warning. Nothing propagates: this runs inside allocator callbacks.
+        """
+        try:
+            write(*args)
+        except KeyboardInterrupt:
+            interrupts.defer()
+        except BaseException as exc:  # noqa: BLE001 - see the docstring
+            self._trace_failed(exc)
+
+    def _trace_failed(self, exc: BaseException) -> None:
+        writer, self.writer = self.writer, None
+        path = writer.path if writer is not None else "?"
+        self.trace_error = f"trace to {path!r} stopped: {type(exc).__name__}: {exc}"
+        try:
+            warnings.warn(f"gpubudget: {self.trace_error}; budgets go on without it",
+                          RuntimeWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - warnings turned into errors must not escape
+            pass

@@ -1,0 +1,134 @@
+"""``Budget.report()``: a :class:`~gpubudget.report.BudgetReport` taken from a live tree.
+
+``report.py`` knows what a report holds and how it prints; this module knows where each
+number lives in the tree. The snapshot is taken under the tree's lock, in one pass over the
+registry, and built children first, so trees of any depth cost no recursion.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import sys
+import weakref
+from typing import TYPE_CHECKING
+
+from .ledger import available
+from .report import FRAMES_SHOWN, BudgetReport, Denial, LiveBlock, TagUsage, TimelineEvent
+from .tree import Node, Tree
+from .units import format_size
+
+if TYPE_CHECKING:
+    from .budget import Budget
+
+__all__ = ["snapshot", "watch_leaks"]
+
+_watched: weakref.WeakSet[Budget] = weakref.WeakSet()
+
+
+def snapshot(node: Node) -> BudgetReport:
+    """The report of ``node`` and its descendants, with the tree's timeline for them."""
+    tree = node.tree
+    outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
+    with node.lock:
+        nodes = node.subtree()
+        own: dict[Node, list[LiveBlock]] = {}
+        free_bytes = largest_free = 0
+        if tree is not None:
+            for address, (owner, nbytes, tag, stack) in tree.live.items():
+                own.setdefault(owner, []).append(LiveBlock(address, nbytes, tag, stack))
+            if tree.reservation is not None:
+                free_bytes, largest_free = tree.arena.free_bytes, tree.arena.largest_free
+        made: dict[Node, BudgetReport] = {}
+        for member in reversed(nodes):  # children before their parents
+            children = tuple(made.pop(child) for child in member.children)
+            blocks = sorted(own.get(member, ()), key=lambda block: block.address)
+            made[member] = _report(member, tree, tuple(blocks), children, free_bytes,
+                                   largest_free)
+        report = made[node]
+        if tree is None:
+            return report
+        names = {member.id: member.name for member in nodes}
+        events = [event for event in tree.recorder.events if event[2] in names]
+        dropped = tree.recorder.logged - len(tree.recorder.events)
+        trace_error = tree.recorder.trace_error
+    start = events[0][0] if events else 0.0
+    timeline = tuple(
+        TimelineEvent(t - start, kind, names[budget], size, tag, used, total)
+        for t, kind, budget, size, tag, used, total in events
+    )
+    return dataclasses.replace(report, timeline=timeline, events_dropped=dropped,
+                               outside_bytes=outside, trace_error=trace_error)
+
+
+def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
+            children: tuple[BudgetReport, ...], free_bytes: int,
+            largest_free: int) -> BudgetReport:
+    stats, account = node.stats, node.account
+    return BudgetReport(
+        name=node.name,
+        state=node.state,
+        backend=tree.backend.name if tree is not None else None,
+        device=tree.device if tree is not None else None,
+        limit=account.limit,
+        reserve=account.reserve,
+        align=node.align,
+        used=account.used,
+        peak=account.peak,
+        available=available(account) if node.refusal is None else 0,
+        allocations=stats.allocations,
+        frees=stats.frees,
+        invalid_frees=stats.invalid_frees,
+        denied=stats.denied,
+        largest_denied=stats.largest_denied,
+        denials=tuple(Denial(reason, refused_by, count, largest)
+                      for (reason, refused_by), (count, largest) in stats.denials.items()),
+        free_bytes=free_bytes if node.state in ("open", "exited") else 0,
+        largest_free_block=largest_free if node.state in ("open", "exited") else 0,
+        live_blocks=blocks,
+        callback_errors=tuple(stats.errors),
+        by_tag=tuple(TagUsage(tag, live, peak) for tag, (live, peak) in stats.tags.items()),
+        children=children,
+    )
+
+
+def _outside_bytes(tree: Tree) -> int | None:
+    """Device memory taken outside the tree while its root was open."""
+    if tree.free_at_entry is None:
+        return None
+    now = tree.free_at_exit if tree.root.state != "open" else None
+    if now is None and tree.root.state == "open":
+        try:
+            info = tree.backend.mem_info()
+        except Exception:  # noqa: BLE001 - only a statistic
+            info = None
+        now = info[0] if info else None
+    return tree.free_at_entry - now if now is not None else None
+
+
+def watch_leaks(budget: Budget) -> None:
+    """List ``budget``'s blocks still live at interpreter exit on stderr, with their stacks
+    (budgets made with ``track_stacks=True``)."""
+    _watched.add(budget)
+
+
+@atexit.register
+def _report_leaks_at_exit() -> None:
+    watched = list(_watched)
+    for budget in watched:
+        if budget.state not in ("exited", "released"):
+            continue
+        ancestor = budget.parent
+        while ancestor is not None and ancestor not in watched:
+            ancestor = ancestor.parent
+        if ancestor is not None:
+            continue  # listed with its ancestor's
+        leaks = budget.report().leaks
+        if not leaks:
+            continue
+        lines = [f"gpubudget: {len(leaks)} block(s) of budget {budget.name!r} still live at exit:"]
+        for block in leaks:
+            tag = f" {block.tag}" if block.tag else ""
+            lines.append(f"  {block.address:#x} {format_size(block.size)}{tag}")
+            lines += [f"      {frame}" for frame in (block.stack or ())[-FRAMES_SHOWN:]]
+        print("\n".join(lines), file=sys.stderr)

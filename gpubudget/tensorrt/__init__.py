@@ -1,0 +1,93 @@
+"""The TensorRT adapter: a context-aware ``IGpuAllocator`` that routes to budgets.
+
+Usage::
+
+    import tensorrt as trt
+    from gpubudget import gpu_budget
+    from gpubudget import tensorrt as gbt
+
+    with gpu_budget("4GiB", name="shared") as pool:
+        runtime = gbt.Runtime(logger)                     # allocator attached, lifetime tracked
+        with gpu_budget("2GiB", name="detector"):
+            detector = runtime.deserialize_cuda_engine(plan_a)   # charged to detector and pool
+
+Three parts: :mod:`~gpubudget.tensorrt.module` finds the TensorRT module,
+:mod:`~gpubudget.tensorrt.callbacks` is the allocator (routing, answers, never raising) and
+:mod:`~gpubudget.tensorrt.lifetime` keeps allocators and budgets alive as long as TensorRT
+may call them. This file adds ``Builder`` and ``Runtime``, which attach an allocator and tag
+allocations with their phase ("build", "deserialize", "runtime").
+
+TensorRT's trampoline prints ``[ERROR] Return value of allocate() could not be interpreted as
+an int`` when it receives ``None``; that line is TensorRT's, and means "denied".
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any
+
+from .lifetime import allocator, allocator_of, attach, require_budget
+from .module import MODULE_NAMES, load_module
+
+__all__ = [
+    "MODULE_NAMES",
+    "Builder",
+    "Runtime",
+    "allocator",
+    "allocator_of",
+    "attach",
+    "load_module",
+]
+
+_lock = threading.Lock()
+_runtimes: dict[str, type] = {}
+
+
+def _runtime_class(module: ModuleType) -> type:
+    """The module's ``Runtime`` with deserialization tagged as the "deserialize" phase."""
+    with _lock:
+        cls = _runtimes.get(module.__name__)
+        if cls is None:
+            base = module.Runtime
+
+            def deserialize_cuda_engine(self: Any, *args: Any, **kwargs: Any) -> Any:
+                alloc = allocator_of(self)
+                if alloc is None:
+                    return base.deserialize_cuda_engine(self, *args, **kwargs)
+                with alloc.lock:
+                    alloc.deserializing += 1
+                    alloc.phase = "deserialize"
+                try:
+                    return base.deserialize_cuda_engine(self, *args, **kwargs)
+                finally:
+                    with alloc.lock:
+                        alloc.deserializing -= 1
+                        if not alloc.deserializing:
+                            alloc.phase = "runtime"
+
+            def __del__(self: Any) -> None:
+                # TensorRT's deprecated Runtime.__del__ would run (and warn) as the
+                # finalizer of a Python subclass; pybind11's own deallocation is what frees it.
+                pass
+
+            cls = _runtimes[module.__name__] = type("Runtime", (base,), {
+                "deserialize_cuda_engine": deserialize_cuda_engine,
+                "__del__": __del__,
+                "__module__": __name__,
+                "__doc__": base.__doc__,
+            })
+        return cls
+
+
+def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
+    """A TensorRT ``Builder`` with an allocator of the current budget attached."""
+    budget = require_budget(None, "Builder()")
+    return attach(load_module(trt_module).Builder(logger), budget)
+
+
+def Runtime(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
+    """A TensorRT ``Runtime`` (a subclass of the module's) with an allocator of the current
+    budget attached; its ``deserialize_cuda_engine`` tags allocations "deserialize"."""
+    budget = require_budget(None, "Runtime()")
+    return attach(_runtime_class(load_module(trt_module))(logger), budget)

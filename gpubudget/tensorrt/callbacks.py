@@ -1,0 +1,143 @@
+"""The allocator TensorRT calls: five callbacks that route to budgets and never raise.
+
+Routing. An allocator is bound to one budget. An allocation goes to the innermost budget
+active in the calling context when the bound budget encloses it (one runtime, two models in
+two child budgets), else to the bound budget (TensorRT's own threads, whose context is empty,
+or calls after the block has exited). Frees and resizes find the owning budget by address.
+
+Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
+``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
+catches everything (``BaseException``): an error is recorded in the budget's report and
+answered as a denial; a Ctrl-C is answered the same way and raised again in the main thread
+once control is back in Python (see :mod:`gpubudget.interrupts`).
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any, TypeVar
+
+from .. import interrupts
+from ..budget import Budget
+from ..interrupts import STATE, callback
+from ..context import ACTIVE, LABEL
+
+__all__ = ["AllocatorMethods", "allocator_class"]
+
+A = TypeVar("A")
+_lock = threading.Lock()
+_classes: dict[str, type] = {}
+
+
+class AllocatorMethods:
+    """The callbacks, mixed into a subclass of the module's ``IGpuAsyncAllocator`` (or
+    ``IGpuAllocator``) by :func:`allocator_class`."""
+
+    budget: Budget
+    phase: str | None  # the tag of blocks allocated through it, unless a label says otherwise
+    deserializing: int  # deserialize_cuda_engine calls in progress (phase "deserialize")
+    lock: threading.Lock
+    closed: bool  # at interpreter exit: answer everything, touch nothing
+
+    @callback
+    def allocate(self, size: int, alignment: int, flags: int) -> int | None:
+        """TensorRT callback: a block of ``size`` bytes, or ``None`` (denied)."""
+        return self.allocate_async(size, alignment, flags, None)
+
+    @callback
+    def allocate_async(self, size: int, alignment: int, flags: int,
+                       stream: int | None) -> int | None:
+        """TensorRT callback: a block for use on ``stream``, or ``None`` (denied); tagged
+        with the current label, else this allocator's phase."""
+        try:
+            if self.closed:
+                return None
+            target = self.budget
+            chain = ACTIVE.get()
+            if chain:
+                current = chain[-1]
+                if current is not target and target.encloses(current):
+                    target = current
+            address = target.allocate(size, alignment, tag=LABEL.get() or self.phase,
+                                      stream=stream)
+        except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
+            return self._failed("allocate" if stream is None else "allocate_async", exc, None)
+        return _handed_back(address)
+
+    @callback
+    def deallocate(self, memory: int) -> bool:
+        """TensorRT callback: free a block by address; ``False`` if it is not ours."""
+        return self.deallocate_async(memory, None)
+
+    @callback
+    def deallocate_async(self, memory: int, stream: int | None) -> bool:
+        """TensorRT callback: free a block once ``stream``'s queued work is done with it."""
+        try:
+            if self.closed:
+                return True
+            done = self.budget.root.free(memory, stream=stream)
+        except BaseException as exc:  # noqa: BLE001
+            return self._failed("deallocate" if stream is None else "deallocate_async", exc,
+                                False)
+        return _handed_back(done)
+
+    @callback
+    def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
+        """TensorRT callback: resize in place, else move (copying ``min(old, new)`` bytes),
+        else ``None`` with the old block still valid."""
+        try:
+            if self.closed:
+                return None
+            owner = self.budget.root.owner_of(address)
+            moved = owner.resize(address, new_size, alignment) if owner is not None else None
+        except BaseException as exc:  # noqa: BLE001
+            return self._failed("reallocate", exc, None)
+        return _handed_back(moved)
+
+    def _failed(self, where: str, exc: BaseException, answer: A) -> A:
+        """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread."""
+        if isinstance(exc, KeyboardInterrupt):
+            interrupts.take()
+            interrupts.redeliver()
+            message = f"{where}: interrupted (Ctrl-C), raised again in the main thread"
+        else:
+            message = f"{where}: {type(exc).__name__}: {exc}"
+        try:
+            self.budget.record_error(message)
+        except BaseException:  # noqa: BLE001 - nothing may leave a callback
+            pass
+        return answer
+
+    def __repr__(self) -> str:
+        return f"<gpubudget allocator for {self.budget!r}>"
+
+
+def _handed_back(answer: A) -> A:
+    """The callback's answer; a Ctrl-C deferred during the call goes to the main thread."""
+    if STATE.pending and interrupts.take():
+        interrupts.redeliver()
+    return answer
+
+
+def allocator_class(module: ModuleType) -> type:
+    """The allocator class for ``module``: its ``IGpuAsyncAllocator`` (TensorRT 10 and later,
+    so that stream-ordered calls arrive with their stream) or ``IGpuAllocator``, with the
+    callbacks above."""
+    with _lock:
+        cls = _classes.get(module.__name__)
+        if cls is None:
+            base = getattr(module, "IGpuAsyncAllocator", None) or module.IGpuAllocator
+
+            def __init__(self: Any, budget: Budget) -> None:
+                base.__init__(self)
+                self.budget = budget
+                self.phase = None
+                self.deserializing = 0
+                self.lock = threading.Lock()
+                self.closed = False
+
+            cls = _classes[module.__name__] = type(
+                "BudgetAllocator", (AllocatorMethods, base),
+                {"__init__": __init__, "__module__": __name__})
+        return cls

@@ -1,0 +1,56 @@
+"""Which TensorRT module to use: ``tensorrt``, ``tensorrt_rtx`` or ``tensorrt_lean``."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Final
+
+__all__ = ["MODULE_NAMES", "load_module", "module_of"]
+
+MODULE_NAMES: Final = ("tensorrt", "tensorrt_rtx", "tensorrt_rtx_bindings", "tensorrt_lean")
+"""The modules tried, in order, when none is named."""
+
+
+def load_module(trt_module: ModuleType | str | None = None) -> ModuleType:
+    """Return the TensorRT module to use: ``trt_module`` (a module object or its import
+    name), else the first importable of :data:`MODULE_NAMES`.
+
+    Raises ``ImportError`` naming every candidate when none can be imported, ``TypeError``
+    when ``trt_module`` is neither a module nor a name, and ``ValueError`` when the module has
+    no ``IGpuAllocator``.
+    """
+    if isinstance(trt_module, ModuleType):
+        module = trt_module
+    elif isinstance(trt_module, str):
+        module = importlib.import_module(trt_module)
+    elif trt_module is None:
+        module = _first_importable()
+    else:
+        raise TypeError(f"trt_module must be a module, a module name or None, got {trt_module!r}")
+    if not hasattr(module, "IGpuAllocator"):
+        raise ValueError(f"module {module.__name__!r} has no IGpuAllocator; is it TensorRT?")
+    return module
+
+
+def _first_importable() -> ModuleType:
+    errors = []
+    for name in MODULE_NAMES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError(
+        "no TensorRT module can be imported; tried " + "; ".join(errors) + ". Install TensorRT "
+        "(pip install 'gpubudget[trt]' with NVIDIA's index) or TensorRT-RTX "
+        "(tensorrt-rtx-cu13-bindings), or pass trt_module="
+    )
+
+
+def module_of(obj: object) -> ModuleType:
+    """The TensorRT module ``obj``'s class comes from (skipping gpubudget's subclasses)."""
+    for cls in type(obj).__mro__:
+        top = cls.__module__.split(".")[0]
+        if top not in ("gpubudget", "builtins"):
+            return load_module(importlib.import_module(top))
+    raise TypeError(f"{obj!r} is not a TensorRT object")

@@ -1,0 +1,452 @@
+"""One budget tree: a root's reservation, sub-allocated to every budget entered in it.
+
+Two classes, the plumbing behind what the user holds (:class:`~gpubudget.budget.Budget`):
+
+- :class:`Tree`, one per root: the lock, the backend and its reservation, the
+  :class:`~gpubudget.arena.Arena` over it, the live-block registry (address -> owner, aligned
+  size, tag, stack), the stream-ordered frees still pending, and the recorder. Its methods
+  ``allocate``, ``free`` and ``resize`` are the only code that changes blocks.
+- :class:`Node`, one per budget: its place in the tree (parent, children), its
+  :class:`~gpubudget.ledger.Account` and :class:`~gpubudget.recorder.Stats`, its state and
+  what keeps it from being released (live blocks, pins, unreleased children).
+
+Every operation has the same shape: checks that touch nothing; then, under the lock, the
+refusal check, the placement, and one commit (charge the ledger, register the block, record
+the event). Side effects that can fail come before the commit (a stream event: if it fails,
+nothing changes and the caller is told) or after it, isolated (the trace writer). So an
+operation either happens whole or not at all.
+
+Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
+
+``ARENA``
+    The arena's own invariants (``TILED``, ``COALESCED``, ``ALIGNED``, ``INDEXED``).
+``REGISTERED``
+    The arena's taken blocks are exactly the registry's blocks plus the pending frees, with
+    the same sizes.
+``LEDGER``
+    Every budget's ``used`` is its own live bytes plus what its unreleased children pass up
+    (``max(used, reserve)``), and stays within its limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import TYPE_CHECKING, Final, Literal
+
+from .arena import Arena
+from .backends import Backend, Reservation, device_of
+from .errors import BudgetError, BudgetNestingError, InvariantError
+from .ledger import Account, charge, passed_up, refusal
+from .recorder import Recorder, Stats
+from .streams import PendingFrees
+from .units import as_int, format_size, is_power_of_two, round_up
+
+if TYPE_CHECKING:
+    from .budget import Budget  # the public face; only named here, never imported at run time
+    from .tracefile import TraceWriter
+
+__all__ = ["Live", "Node", "State", "Tree"]
+
+State = Literal["new", "open", "exited", "released"]
+# A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
+# allocation, and a class instance costs several times more to create.
+Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
+KEEP_RELEASED_CHILDREN: Final = 32
+"""Released children a budget keeps listing (in ``children`` and reports), the most recent."""
+_ids = itertools.count(1)
+
+
+class Node:
+    """A budget's place in its tree; see the module docstring.
+
+    ``budget`` is the public object (what ``owner_of`` answers). ``lock`` is the tree's once
+    entered (a lock of its own before). ``refusal`` is the denial reason while the budget
+    cannot allocate (``inactive`` before entry, ``released`` after), else ``None``.
+    """
+
+    __slots__ = ("budget", "id", "name", "align", "track_stacks", "account", "stats", "lock",
+                 "tree", "parent", "children", "granularity", "state", "refusal", "pins",
+                 "unreleased")
+
+    def __init__(self, budget: Budget, name: str | None, limit: int, reserve: int, align: int,
+                 track_stacks: bool) -> None:
+        self.budget: Final = budget
+        self.id: Final = next(_ids)
+        self.name: Final = name if name is not None else f"budget-{self.id}"
+        self.align: Final = align
+        self.track_stacks = track_stacks  # also true when an ancestor tracks stacks
+        self.account = Account(self.name, limit, reserve)  # re-made under the parent at entry
+        self.stats: Final = Stats()
+        self.lock = threading.Lock()
+        self.tree: Tree | None = None
+        self.parent: Node | None = None
+        self.children: list[Node] = []  # unreleased ones and the last released ones
+        self.granularity = align  # max(align, the parent's): every block is a multiple
+        self.state: State = "new"
+        self.refusal: str | None = "inactive"
+        self.pins = 0  # objects (a TensorRT runtime) that may still allocate through it
+        self.unreleased = 0  # children entered and not yet released
+
+    # -- entering --------------------------------------------------------------------------
+
+    def open_root(self, backend: Backend, writer: TraceWriter | None) -> None:
+        """Reserve the whole limit from ``backend``; ``BudgetError`` if it cannot."""
+        tree = Tree(self, backend, writer)
+        self.account = Account(self.name, self.account.limit)  # a root holds its whole limit
+        self.tree = tree
+        self.lock = tree.lock
+        self._opened()
+
+    def open_child(self, parent: Node) -> None:
+        """Enter under ``parent``, setting aside this budget's reserve there."""
+        tree = parent.tree
+        if tree is None:
+            raise BudgetNestingError(f"budget {self.name!r} entered inside {parent.name!r}, "
+                                     f"which is {parent.state}")
+        with tree.lock:
+            if parent.state != "open":
+                raise BudgetNestingError(f"budget {self.name!r} entered inside "
+                                         f"{parent.name!r}, which is {parent.state}")
+            granularity = max(self.align, parent.granularity)
+            reserve = round_up(self.account.reserve, granularity)
+            account = Account(self.name, self.account.limit, reserve, parent.account)
+            if reserve:
+                refused = refusal(parent.account, reserve)
+                if refused is not None:
+                    raise BudgetError(
+                        f"budget {self.name!r} cannot set aside reserve {format_size(reserve)}: "
+                        f"{refused.name!r} has {format_size(refused.limit - refused.used)} "
+                        f"left of {format_size(refused.limit)}")
+                charge(parent.account, reserve)
+            self.account = account
+            self.parent = parent
+            self.tree = tree
+            self.lock = tree.lock
+            self.granularity = granularity
+            self.track_stacks = self.track_stacks or parent.track_stacks
+            parent.children.append(self)
+            parent.unreleased += 1
+            self._opened()
+
+    def _opened(self) -> None:
+        assert self.tree is not None
+        self.state = "open"
+        self.refusal = None
+        account = self.account
+        self.tree.recorder.entered(
+            self.id, self.name, self.parent.id if self.parent is not None else None,
+            account.limit, self.align, account.reserve, self.tree.backend.name)
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The scope ended: stop being ``open``, and release if nothing holds the budget."""
+        tree = self.tree
+        if tree is None:
+            return
+        if self.parent is None:
+            tree.note_free_at_exit()
+        with tree.lock:
+            if self.state == "open":
+                self.state = "exited"
+                tree.recorder.exited(self.id, root=self.parent is None)
+                self.release_if_unused()
+
+    def release_if_unused(self) -> None:
+        """Lock held: release this budget, then each ancestor it was the last hold on, once
+        exited with no live block, no pin and no unreleased child."""
+        node: Node | None = self
+        while node is not None and node.releasable():
+            node.state = "released"
+            node.refusal = "released"
+            parent = node.parent
+            if parent is None:
+                assert node.tree is not None
+                node.tree.release_reservation()
+                return
+            if node.account.reserve:
+                charge(parent.account, -passed_up(node.account, node.account.used))
+            parent.unreleased -= 1
+            released = [child for child in parent.children if child.state == "released"]
+            for child in released[: max(len(released) - KEEP_RELEASED_CHILDREN, 0)]:
+                parent.children.remove(child)
+            node = parent
+
+    def releasable(self) -> bool:
+        return (self.state == "exited" and self.live_blocks() == 0 and not self.pins
+                and not self.unreleased)
+
+    def live_blocks(self) -> int:
+        return self.stats.allocations - self.stats.frees
+
+    # -- the tree below --------------------------------------------------------------------
+
+    def subtree(self) -> list[Node]:
+        """This node and every descendant still listed, depth first, parents first."""
+        found: list[Node] = []
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            found.append(node)
+            stack.extend(reversed(node.children))
+        return found
+
+    def encloses(self, other: Node) -> bool:
+        """Whether ``other`` is this node or one of its descendants."""
+        return self.account in other.account.chain
+
+
+class Tree:
+    """A root's memory and what is placed in it; see the module docstring."""
+
+    __slots__ = ("root", "lock", "backend", "device", "reservation", "arena", "live",
+                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit")
+
+    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None) -> None:
+        capacity = round_up(root.account.limit, root.align)
+        reservation, base = _reserve(backend, capacity, root.align, root.name)
+        self.root: Final = root
+        self.lock: Final = threading.Lock()
+        self.backend: Final = backend
+        self.device: Final = device_of(backend)
+        self.reservation: Reservation | None = reservation
+        self.arena: Final = Arena(base, capacity, root.align)
+        self.live: Final[dict[int, Live]] = {}
+        self.pending: Final = PendingFrees()
+        # A backend whose work is always complete (host memory) needs no stream events.
+        self.ordered: Final = not getattr(backend, "synchronous", False)
+        self.recorder: Final = Recorder(writer)
+        # Device memory free just after the reservation, and at the root's exit: what others
+        # took meanwhile shows in the report (device backends only).
+        self.free_at_entry = None if self.device is None else _free(backend)
+        self.free_at_exit: int | None = None
+
+    # -- the three operations --------------------------------------------------------------
+
+    def allocate(self, node: Node, size: int, alignment: int, tag: str | None,
+                 stream: int | None, stack: tuple[str, ...] | None) -> int | None:
+        """A block of at least ``size`` bytes for ``node``, or ``None`` (each denial recorded)."""
+        if type(size) is not int:
+            number = as_int(size)
+            if number is None:
+                self._deny(node, 0, 0, None, 0, "invalid_size", node.name)
+                return None
+            size = number
+        if size <= 0:
+            self._deny(node, size, 0, None, 0, "invalid_size", node.name)
+            return None
+        if tag is not None and type(tag) is not str:
+            self._deny(node, size, 0, None, size, "invalid_tag", node.name)
+            return None
+        granularity = node.granularity
+        if alignment:
+            checked = alignment if type(alignment) is int else as_int(alignment)
+            if checked is None or not is_power_of_two(checked):
+                self._deny(node, size, 0, tag, size, "invalid_alignment", node.name)
+                return None
+            alignment = checked
+            if alignment > granularity:
+                granularity = alignment
+        else:
+            alignment = 0
+        nbytes = (size + granularity - 1) & -granularity
+        with self.lock:
+            if node.refusal is not None:
+                self._deny_locked(node, size, alignment, tag, nbytes, node.refusal,
+                                         node.name)
+                return None
+            account = node.account
+            refused = refusal(account, nbytes)
+            if refused is not None:
+                self._deny_locked(node, size, alignment, tag, nbytes, "over_limit",
+                                         refused.name)
+                return None
+            if self.pending:
+                address = self._place_with_pending(nbytes, granularity, stream)
+            else:
+                address = self.arena.allocate(nbytes, granularity)
+            if address is None:
+                self._deny_locked(node, size, alignment, tag, nbytes, "fragmented",
+                                         node.name)
+                return None
+            charge(account, nbytes)  # the commit: ledger, registry, record
+            self.live[address] = (node, nbytes, tag, stack)
+            self.recorder.granted(node.stats, node.id, size, alignment, tag, address, nbytes, account.used, self.root.account.used)
+        return address
+
+    def free(self, node: Node, address: int, stream: int | None) -> bool:
+        """Free a block of ``node`` or a descendant; ``False`` (counted) if it is not one."""
+        with self.lock:
+            record = self.live.get(address) if type(address) is int else None
+            if record is None or not (record[0] is node or node.encloses(record[0])):
+                node.stats.invalid_frees += 1
+                return False
+            owner, nbytes, tag, _ = record
+            event = None
+            if stream is not None and self.ordered:
+                try:  # before the commit: if the stream cannot take an event, nothing changes
+                    event = self.backend.record_event(stream)
+                    done = event.query()
+                except Exception as exc:  # noqa: BLE001 - free never raises
+                    owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
+                                              f"{type(exc).__name__}: {exc}")
+                    return False
+                if done:
+                    event = None
+            del self.live[address]  # the commit
+            charge(owner.account, -nbytes)
+            if event is None or stream is None:
+                self.arena.free(address)
+            else:
+                self.pending.add(address, nbytes, stream, event)
+            self.recorder.freed(owner.stats, owner.id, address, nbytes, tag,
+                                owner.account.used, self.root.account.used)
+            if owner.state == "exited":
+                owner.release_if_unused()
+        return True
+
+    def resize(self, node: Node, address: int, new_size: int, alignment: int) -> int | None:
+        """Grow or shrink a block in place, else move it (copying ``min(old, new)`` bytes),
+        else ``None`` with the old block untouched."""
+        with self.lock:
+            record = self.live.get(address) if type(address) is int else None
+            if record is None or not (record[0] is node or node.encloses(record[0])):
+                self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
+                return None
+            owner, old, tag, stack = record
+            size = as_int(new_size)
+            if size is None or size <= 0:
+                self._deny_locked(owner, 0, 0, tag, 0, "invalid_size", owner.name)
+                return None
+            align = as_int(alignment) if alignment else 0
+            if align is None or (align and not is_power_of_two(align)):
+                self._deny_locked(owner, size, 0, tag, size, "invalid_alignment",
+                                         owner.name)
+                return None
+            granularity = max(owner.granularity, align)
+            nbytes = round_up(size, granularity)
+            delta = nbytes - old
+            in_place = address % granularity == 0 and (
+                delta <= 0 or refusal(owner.account, delta) is None)
+            if in_place and self.arena.resize(address, nbytes):
+                charge(owner.account, delta)  # the commit
+                self.live[address] = (owner, nbytes, tag, stack)
+                self.recorder.resized(owner.stats, owner.id, address, size, align, tag,
+                                      old, nbytes, owner.account.used, self.root.account.used)
+                return address
+        moved = self.allocate(owner, size, align, tag, None, stack)
+        if moved is None:
+            return None
+        try:
+            self.backend.copy(moved, address, min(old, nbytes))
+        except Exception as exc:  # noqa: BLE001 - resize never raises; the old block stays
+            self.free(owner, moved, None)
+            with self.lock:
+                owner.stats.errors.append(f"resize copy failed, block kept: "
+                                          f"{type(exc).__name__}: {exc}")
+            return None
+        self.free(owner, address, None)
+        return moved
+
+    def owner(self, address: int) -> Live | None:
+        with self.lock:
+            return self.live.get(address) if type(address) is int else None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _deny(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
+              reason: str, refused_by: str) -> None:
+        with self.lock:
+            self._deny_locked(node, size, alignment, tag, nbytes, reason, refused_by)
+            return None
+
+    def _deny_locked(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
+                     reason: str, refused_by: str) -> None:
+        self.recorder.denied(node.stats, node.id, size, alignment, tag, nbytes, reason,
+                             refused_by, node.account.used, self.root.account.used)
+
+    def _place_with_pending(self, nbytes: int, alignment: int, stream: int | None) -> int | None:
+        """Placement while stream-ordered frees are pending: retire the finished ones, reuse
+        a same-stream block of the same size, else the arena; when the arena is full, wait
+        for every pending free and try once more."""
+        pending = self.pending
+        pending.retire(self.arena, False, self._event_failed)
+        address = pending.reuse(nbytes, alignment, stream) if stream is not None else None
+        if address is None:
+            address = self.arena.allocate(nbytes, alignment)
+            if address is None and pending:
+                pending.retire(self.arena, True, self._event_failed)
+                address = self.arena.allocate(nbytes, alignment)
+        return address
+
+    def _event_failed(self, message: str) -> None:
+        self.root.stats.errors.append(message)
+
+    def note_free_at_exit(self) -> None:
+        if self.device is not None:
+            self.free_at_exit = _free(self.backend)
+
+    def release_reservation(self) -> None:
+        """Lock held, the root released: wait for pending frees, give the memory back."""
+        self.pending.retire(self.arena, True, self._event_failed)
+        reservation, self.reservation = self.reservation, None
+        if reservation is not None:
+            try:
+                reservation.release()
+            except Exception as exc:  # noqa: BLE001 - the accounting is done; say so
+                self.root.stats.errors.append(
+                    f"returning the reservation failed: {type(exc).__name__}: {exc}")
+
+    def check(self) -> None:
+        """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""
+        with self.lock:
+            self.arena.check()
+            taken = {block.address: block.size for block in self.arena.walk() if not block.free}
+            held = {address: record[1] for address, record in self.live.items()}
+            held.update((p.address, p.nbytes) for p in self.pending)
+            if taken != held:
+                raise InvariantError("REGISTERED", f"arena holds {len(taken)} blocks, the "
+                                     f"registry and pending frees {len(held)}")
+            own: dict[Node, int] = {}
+            for node, nbytes, _, _ in self.live.values():
+                own[node] = own.get(node, 0) + nbytes
+            for node in self.root.subtree():
+                expected = own.get(node, 0) + sum(
+                    passed_up(child.account, child.account.used)
+                    for child in node.children if child.state != "released")
+                if node.account.used != expected or node.account.used > node.account.limit:
+                    raise InvariantError("LEDGER", f"budget {node.name!r} used "
+                                         f"{node.account.used}, its blocks and children make "
+                                         f"{expected}, limit {node.account.limit}")
+
+
+def _free(backend: Backend) -> int | None:
+    try:
+        info = backend.mem_info()
+    except Exception:  # noqa: BLE001 - only a statistic
+        return None
+    return info[0] if info else None
+
+
+def _reserve(backend: Backend, capacity: int, align: int, name: str) -> tuple[Reservation, int]:
+    """One reservation of ``capacity`` bytes starting at a multiple of ``align``, and that
+    start; ``BudgetError`` (with the device's free and total memory) if the backend refuses."""
+    try:
+        reservation = backend.reserve(capacity)
+        base = round_up(reservation.address, align)
+        if base != reservation.address:  # alignment beyond what the backend guarantees
+            reservation.release()
+            reservation = backend.reserve(capacity + align)
+            base = round_up(reservation.address, align)
+        return reservation, base
+    except Exception as exc:  # MemoryError, or whatever a backend of the user's raises
+        try:
+            info = backend.mem_info()
+        except Exception:  # noqa: BLE001
+            info = None
+        where = (f"{format_size(info[0])} free of {format_size(info[1])} total" if info
+                 else "free memory unknown")
+        raise BudgetError(
+            f"budget {name!r} could not reserve {format_size(capacity)} from the "
+            f"{backend.name} backend ({where}): {type(exc).__name__}: {exc}") from exc
