@@ -25,7 +25,7 @@ from .report import BudgetReport
 from .snapshot import snapshot, watch_leaks
 from .tracefile import writer_for
 from .tree import Node, State
-from .units import DEFAULT_ALIGN, check_align, format_size, parse_size
+from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -76,6 +76,11 @@ class Budget:
         An open budget to enter under, whatever is active in this context: the way to draw
         from an existing pool in another thread or task (where nothing is active, and a
         plain ``gpu_budget(...)`` would be a new root with a reservation of its own).
+    device
+        The CUDA device (ordinal) a root reserves on; ``None``: the device current in the
+        entering thread (what TensorRT, CuPy and PyTorch use there), else 0. A child draws
+        from its root's device and refuses a different one (``ValueError`` at entry). Host
+        memory belongs to no device: there it is ignored.
 
     Examples
     --------
@@ -90,7 +95,8 @@ class Budget:
     <Budget 'pool' limit=1.00 MiB used=195.50 KiB peak=195.50 KiB exited>
     """
 
-    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_token", "__weakref__")
+    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -103,6 +109,7 @@ class Budget:
         track_stacks: bool = False,
         trace: str | os.PathLike[str] | None = None,
         parent: Budget | None = None,
+        device: int | None = None,
     ) -> None:
         nbytes = parse_size(limit, what="limit")
         alignment = check_align(align, "align")
@@ -123,10 +130,15 @@ class Budget:
             raise ValueError("trace must be a file path, got ''")
         if parent is not None and not isinstance(parent, Budget):
             raise TypeError(f"parent must be a Budget or None, got {parent!r}")
+        ordinal = None if device is None else as_int(device)
+        if device is not None and (ordinal is None or ordinal < 0):
+            raise (TypeError if ordinal is None else ValueError)(
+                f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
         self._node: Final = Node(self, name, nbytes, floor, alignment, track_stacks)
         self._backend_spec: Final = backend
         self._trace: Final = trace
         self._parent: Final = parent
+        self._device: Final = ordinal
         self._token: Token[tuple[Budget, ...]] | None = None
 
     # -- read-only state -------------------------------------------------------------------
@@ -247,7 +259,7 @@ class Budget:
         return self
 
     def _open_root(self) -> None:
-        backend = get_backend(self._backend_spec)
+        backend = get_backend(self._backend_spec, device=self._device)
         path = self._trace if self._trace is not None else os.environ.get(TRACE_ENV)
         self._node.open_root(backend, writer_for(path) if path else None)
         interrupts.install()
@@ -261,6 +273,10 @@ class Budget:
             raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "
                              f"is entered inside {parent.name!r}, which uses {root_backend!r}; "
                              f"a child always draws from its root's backend")
+        if self._device is not None and parent.device not in (None, self._device):
+            raise ValueError(f"budget {name!r} was given device={self._device} but is entered "
+                             f"inside {parent.name!r}, which is on device {parent.device}; a "
+                             f"child always draws from its root's device")
         if self._trace is not None:
             raise ValueError(f"budget {name!r} was given trace={self._trace!r} but is entered "
                              f"inside {parent.name!r}; only a root budget writes a trace "

@@ -34,7 +34,6 @@ KEEP_ERRORS: Final = 16
 # used after). kind is "alloc", "free" or "deny" (then bytes is the refused size). Atomic
 # values only, so that the garbage collector does not track them.
 Event = tuple[float, str, int, int, "str | None", int, int]
-_clock: Final = time.perf_counter
 
 
 class Stats:
@@ -78,9 +77,11 @@ class Stats:
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "logged", "writer", "trace_error")
+    __slots__ = ("events", "logged", "writer", "trace_error", "clock")
 
-    def __init__(self, writer: TraceWriter | None) -> None:
+    def __init__(self, writer: TraceWriter | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock: Final = clock  # seconds, for the timeline
         self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
         self.logged = 0  # events ever logged; ``logged - len(events)`` were dropped
         self.writer = writer
@@ -93,7 +94,7 @@ class Recorder:
         stats.allocations += 1
         if tag is not None:
             stats.tag_grew(tag, nbytes)
-        self.events.append((_clock(), "alloc", budget, nbytes, tag, used, total))
+        self.events.append((self.clock(), "alloc", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
@@ -103,7 +104,7 @@ class Recorder:
         stats.frees += 1
         if tag is not None:
             stats.tags[tag][0] -= nbytes
-        self.events.append((_clock(), "free", budget, nbytes, tag, used, total))
+        self.events.append((self.clock(), "free", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.free, budget, address)
@@ -111,7 +112,7 @@ class Recorder:
     def denied(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
                nbytes: int, reason: str, refused_by: str, used: int, total: int) -> None:
         stats.count_denial(nbytes, reason, refused_by)
-        self.events.append((_clock(), "deny", budget, nbytes, tag, used, total))
+        self.events.append((self.clock(), "deny", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.deny, budget, size, alignment, tag, nbytes, reason)
@@ -122,7 +123,7 @@ class Recorder:
             stats.tags[tag][0] -= old
             stats.tag_grew(tag, nbytes)
         kind = "alloc" if nbytes > old else "free"
-        self.events.append((_clock(), kind, budget, abs(nbytes - old), tag, used, total))
+        self.events.append((self.clock(), kind, budget, abs(nbytes - old), tag, used, total))
         self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
@@ -216,7 +217,7 @@ class Tree:
         self.pending: Final = PendingFrees()
         # A backend whose work is always complete (host memory) needs no stream events.
         self.ordered: Final = not getattr(backend, "synchronous", False)
-        self.recorder: Final = Recorder(writer)
+        self.recorder: Final = Recorder(writer, getattr(backend, "clock", time.perf_counter))
         # Device memory free just after the reservation, and at the root's exit: what others
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else _free(backend)

@@ -44,7 +44,7 @@ def test_pycuda_unavailable_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     pytest.importorskip("tests.helpers")
     if backends.cuda_usable():
         pytest.skip("a CUDA device is usable here")
-    monkeypatch.delitem(backends._instances, "pycuda", raising=False)
+    monkeypatch.delitem(backends._instances, ("pycuda", 0), raising=False)
     with pytest.raises(BackendError, match="pycuda.*backend='host'"):
         with gpu_budget("1MiB", backend="pycuda"):
             pass  # pragma: no cover

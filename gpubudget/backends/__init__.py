@@ -25,6 +25,7 @@ __all__ = [
     "Event",
     "Reservation",
     "cuda_usable",
+    "current_device",
     "device_of",
     "get_backend",
     "validate_spec",
@@ -33,7 +34,7 @@ __all__ = [
 BACKEND_NAMES: Final = ("pycuda", "host")
 _ENV: Final = "GPUBUDGET_BACKEND"
 _lock = threading.Lock()
-_instances: dict[str, Backend] = {}
+_instances: dict[tuple[str, int | None], Backend] = {}
 _warned = False
 
 
@@ -49,26 +50,28 @@ def validate_spec(spec: object, what: str = "backend") -> None:
         raise ValueError(f"{what} {spec!r} is unknown; choose one of {BACKEND_NAMES}")
 
 
-def _create(name: str) -> Backend:
+def _create(name: str, device: int | None) -> Backend:
     if name == "host":
         return HostBackend()
     try:
         from .pycuda import PyCudaBackend
 
-        return PyCudaBackend()
-    except Exception as exc:  # ImportError, cuda.Error, missing libcuda
+        return PyCudaBackend(device if device is not None else 0)
+    except Exception as exc:  # ImportError, cuda.Error, missing libcuda, no such device
         raise BackendError(
-            f"the 'pycuda' backend is not usable here ({type(exc).__name__}: {exc}); "
-            f"install PyCUDA (pip install 'gpubudget[cuda]') on a machine with a CUDA device, "
-            f"or use backend='host'"
+            f"the 'pycuda' backend is not usable here for device {device} "
+            f"({type(exc).__name__}: {exc}); install PyCUDA (pip install 'gpubudget[cuda]') on "
+            f"a machine with a CUDA device, or use backend='host'"
         ) from exc
 
 
-def _named(name: str) -> Backend:
+def _named(name: str, device: int | None) -> Backend:
+    """The shared instance for a backend name and device (host memory has no device)."""
+    key = (name, None if name == "host" else device)
     with _lock:
-        backend = _instances.get(name)
+        backend = _instances.get(key)
         if backend is None:
-            backend = _instances[name] = _create(name)
+            backend = _instances[key] = _create(*key)
         return backend
 
 
@@ -83,20 +86,47 @@ def cuda_usable() -> bool:
         return False
 
 
-def get_backend(spec: Backend | str | None = None) -> Backend:
-    """Resolve ``spec`` to a backend instance (see the module docstring)."""
-    global _warned
+def current_device() -> int:
+    """The CUDA device current in the calling thread (what TensorRT, CuPy and PyTorch use
+    there), else 0."""
+    try:
+        from .pycuda import current_device as current
+
+        return current()
+    except Exception:  # noqa: BLE001 - no CUDA here: device 0
+        return 0
+
+
+def get_backend(spec: Backend | str | None = None, *, device: int | None = None) -> Backend:
+    """Resolve ``spec`` to a backend instance (see the module docstring).
+
+    ``device``: the CUDA device for a device backend (``None``: the device current in the
+    calling thread); host memory belongs to no device and ignores it. A backend object is
+    returned as it is, after checking that it is on ``device`` when it says where it is.
+    """
     validate_spec(spec)
-    if isinstance(spec, str):
-        return _named(spec)
-    if spec is not None:
+    if spec is not None and not isinstance(spec, str):
+        ordinal = device_of(spec)
+        if device is not None and ordinal is not None and ordinal != device:
+            raise ValueError(f"backend {spec!r} allocates on device {ordinal}, not on the "
+                             f"device={device} asked for")
         return spec
+    name = spec or _from_environment() or ("pycuda" if cuda_usable() else _host_fallback())
+    if name == "host":
+        return _named("host", None)
+    return _named(name, device if device is not None else current_device())
+
+
+def _from_environment() -> str | None:
     env = os.environ.get(_ENV, "").strip()
-    if env:
-        validate_spec(env, what=f"environment variable {_ENV}")
-        return _named(env)
-    if cuda_usable():
-        return _named("pycuda")
+    if not env:
+        return None
+    validate_spec(env, what=f"environment variable {_ENV}")
+    return env
+
+
+def _host_fallback() -> str:
+    global _warned
     if not _warned:
         _warned = True
         warnings.warn(
@@ -105,7 +135,7 @@ def get_backend(spec: Backend | str | None = None) -> Backend:
             RuntimeWarning,
             stacklevel=user_stacklevel(),  # the user's `with` line
         )
-    return _named("host")
+    return "host"
 
 
 def device_of(backend: Backend) -> int | None:

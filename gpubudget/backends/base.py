@@ -44,9 +44,11 @@ class Backend(Protocol):
     A backend knows nothing about budgets or TensorRT. Streams are opaque integers (a
     ``cudaStream_t`` handle on a GPU; 0 is the default stream).
 
-    Two optional attributes: ``ordinal`` (``int``), the CUDA device a backend allocates on
+    Optional attributes: ``ordinal`` (``int``), the CUDA device a backend allocates on
     (absent for memory that is not a device's); ``synchronous`` (``True``) for a backend
-    whose work is always complete, so that stream-ordered frees need no event.
+    whose work is always complete, so that stream-ordered frees need no event; ``clock``, a
+    function giving the time in seconds for the timeline of the budgets on it (default
+    ``time.perf_counter``; a trace replay gives the recorded times).
     """
 
     name: str

@@ -19,7 +19,7 @@ from typing import Final
 
 import pycuda.driver as cuda
 
-__all__ = ["PyCudaBackend", "PyCudaReservation"]
+__all__ = ["PyCudaBackend", "PyCudaReservation", "current_device"]
 
 _CUDA_SUCCESS: Final = 0
 _CUDA_ERROR_NOT_READY: Final = 600
@@ -34,7 +34,28 @@ def _load_driver() -> ctypes.CDLL:
     lib.cuEventQuery.argtypes = [ctypes.c_void_p]
     lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
     lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
+    lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
     return lib
+
+
+def current_device() -> int:
+    """The device of the CUDA context current in the calling thread (the one CuPy's
+    ``Device(n).use()``, ``torch.cuda.set_device(n)`` and ``cudaSetDevice`` make current),
+    else 0."""
+    cuda.init()
+    device = ctypes.c_int(0)
+    if _driver().cuCtxGetDevice(ctypes.byref(device)) != _CUDA_SUCCESS:
+        return 0  # no context current in this thread
+    return device.value
+
+
+_loaded: list[ctypes.CDLL] = []
+
+
+def _driver() -> ctypes.CDLL:
+    if not _loaded:
+        _loaded.append(_load_driver())
+    return _loaded[0]
 
 
 class PyCudaReservation:
@@ -98,7 +119,7 @@ class PyCudaBackend:
         self.ordinal: Final = device
         self.device: Final = cuda.Device(device)
         self._context = self.device.retain_primary_context()
-        self.driver: Final = _load_driver()
+        self.driver: Final = _driver()
         self.closed = False
         self._lock = threading.Lock()
         self._live: weakref.WeakSet[PyCudaReservation] = weakref.WeakSet()
