@@ -27,6 +27,7 @@ import _thread
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Final, TypeVar
@@ -47,6 +48,8 @@ class _State:
 STATE: Final = _State()
 _PROTECTED: Final[set[CodeType]] = set()
 _CALLBACKS: Final[set[CodeType]] = set()
+_POLL_SECONDS: Final = 0.001
+_POLLS: Final = 10_000  # give up waiting after about 10 s: deliver anyway
 
 
 def protect(function: F) -> F:
@@ -116,19 +119,33 @@ def take() -> bool:
 
 
 def redeliver() -> None:
-    """Raise a taken interrupt again in the main thread, from outside the current callback.
+    """Raise a taken interrupt again in the main thread, once it is out of gpubudget's code.
 
-    From another thread, at once. From the main thread, which is inside a callback its C++
-    caller runs, a helper thread raises it a moment later; should it land in another
-    callback, that one answers as denied and passes it on again, until the main thread is
-    back in Python code of its own, where it is raised.
+    A helper thread waits until the main thread's Python stack holds no protected function
+    (the callback that took the interrupt has returned to its C++ caller, or that caller has
+    returned to Python), then sends SIGINT to the main thread, as a Ctrl-C would: the
+    handler raises ``KeyboardInterrupt`` there, or defers it again if the main thread is
+    back in a callback by then, which then passes it on again.
     """
-    if threading.current_thread() is not threading.main_thread():
-        _thread.interrupt_main()
-        return
     try:
-        threading.Thread(target=_thread.interrupt_main, name="gpubudget-interrupt",
+        threading.Thread(target=_interrupt_main_when_out, name="gpubudget-interrupt",
                          daemon=True).start()
     except RuntimeError:  # interpreter shutting down: nothing left to interrupt
         pass
 
+
+def _interrupt_main_when_out() -> None:
+    main = threading.main_thread().ident
+    if main is None:
+        return
+    for _ in range(_POLLS):
+        frame = sys._current_frames().get(main)
+        if frame is None:
+            return  # the main thread is gone
+        if not _within(frame, _PROTECTED):
+            break
+        time.sleep(_POLL_SECONDS)
+    if hasattr(signal, "pthread_kill"):
+        signal.pthread_kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C does
+    else:  # pragma: no cover - Windows
+        _thread.interrupt_main()

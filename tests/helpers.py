@@ -1,9 +1,10 @@
-"""Helpers for tests that read and write host-backend blocks."""
+"""Helpers for tests: host blocks to write and read, and backends that fail or wait on cue."""
 
 from __future__ import annotations
 
 import ctypes
 
+from gpubudget import Budget
 from gpubudget.backends.host import HostBackend, HostReservation
 
 
@@ -17,6 +18,17 @@ def holds(address: int, size: int, byte: int) -> bool:
     return ctypes.string_at(address, size) == bytes([byte]) * size
 
 
+def consistent(budget: Budget) -> None:
+    """Assert, from outside, that a tree's bookkeeping agrees: ``check()`` passes and the
+    root's ``used`` is the sum of its live blocks and its children's shares."""
+    budget.check()
+    root = budget.root.report()
+    blocks = sum(report.live_bytes for report in root.walk())
+    reserves = sum(max(report.reserve - report.used, 0) for report in root.walk()
+                   if report.state != "released")
+    assert root.used == blocks + reserves, (root.used, blocks, reserves)
+
+
 class RecordingBackend(HostBackend):
     """Host memory that remembers the reservations it handed out."""
 
@@ -28,3 +40,51 @@ class RecordingBackend(HostBackend):
         reservation = super().reserve(nbytes)
         self.reservations.append(reservation)
         return reservation
+
+
+class ManualEvent:
+    """A stream event that completes when the test says (or when waited for)."""
+
+    def __init__(self, backend: StreamBackend, stream: int) -> None:
+        self.backend = backend
+        self.stream = stream
+        self.done = False
+
+    def query(self) -> bool:
+        if self.backend.fail_query:
+            raise RuntimeError("event query failed")
+        return self.done
+
+    def synchronize(self) -> None:
+        if self.backend.fail_query:
+            raise RuntimeError("event synchronize failed")
+        self.backend.waits += 1
+        self.done = True
+
+
+class StreamBackend(HostBackend):
+    """Host memory with streams whose work completes only when the test calls
+    :meth:`finish` (or a budget waits on an event); recording an event can be made to fail,
+    as PyCUDA does on a bad stream handle."""
+
+    synchronous = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[ManualEvent] = []
+        self.fail_record = False
+        self.fail_query = False
+        self.waits = 0
+
+    def record_event(self, stream: int) -> ManualEvent:
+        if self.fail_record:
+            raise RuntimeError(f"invalid stream handle {stream:#x}")
+        event = ManualEvent(self, stream)
+        self.events.append(event)
+        return event
+
+    def finish(self, stream: int | None = None) -> None:
+        """Complete the work queued on ``stream`` (every stream when ``None``)."""
+        for event in self.events:
+            if stream is None or event.stream == stream:
+                event.done = True

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Final
 
+from .base import Event
+
 __all__ = ["HostBackend", "HostReservation"]
 
 _MAP_NORESERVE: Final = 0x4000 if sys.platform.startswith("linux") else 0  # not in every mmap
@@ -87,5 +89,5 @@ class HostBackend:
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
-    def record_event(self, stream: int) -> _DoneEvent:
+    def record_event(self, stream: int) -> Event:
         return _DONE

@@ -1,0 +1,241 @@
+"""The tree's operations under faults: each either happens whole or changes nothing.
+
+Every test ends by checking, from outside, that ``used``, the live blocks and the arena agree
+(:func:`tests.helpers.consistent`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import pytest
+
+from gpubudget import BudgetError, BudgetNestingError, InvariantError, current_budget, gpu_budget
+from gpubudget.backends.host import HostBackend, HostReservation
+from gpubudget.units import KiB, MiB
+from tests.helpers import consistent, fill, holds
+
+
+class FailingWriterFile:
+    """A trace file on a disk that fills up after ``room`` writes."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+    def write(self, text: str) -> int:
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+        self.room -= 1
+        return len(text)
+
+    def flush(self) -> None:
+        if self.room <= 0:
+            raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_path: Any) -> None:
+    path = tmp_path / "full.jsonl"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gpu_budget("64KiB", name="pool", trace=str(path)) as pool:
+            from gpubudget.tracefile import writer_for
+
+            writer = writer_for(path)
+            writer._file = FailingWriterFile(room=2)  # type: ignore[assignment]
+            blocks = [pool.allocate(KiB) for _ in range(4)]  # the disk fills on the third
+            assert None not in blocks
+            for block in blocks:
+                assert block is not None and pool.free(block)
+            consistent(pool)
+    assert pool.state == "released"  # the reservation went back despite the dead trace
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "No space left on device" in messages[0]
+    report = pool.report()
+    assert report.trace_error is not None and "stopped" in report.trace_error
+    assert (report.allocations, report.frees) == (4, 4)
+    assert "No space left" in str(report)
+
+
+def test_a_non_string_tag_is_a_denial_and_takes_nothing() -> None:
+    with gpu_budget("64KiB", name="pool") as pool:
+        assert pool.allocate(KiB, tag=["x"]) is None  # type: ignore[arg-type]
+        report = pool.report()
+        assert (report.used, report.allocations, report.denials[0].reason) == (
+            0, 0, "invalid_tag")
+        consistent(pool)
+
+
+def test_peaks_count_only_granted_bytes() -> None:
+    with gpu_budget("64KiB", name="pool") as pool:
+        x, y = gpu_budget("64KiB", name="x"), gpu_budget("64KiB", name="y")
+        for child in (x, y):  # siblings, both entered and exited here; pinned to stay usable
+            with child:
+                child.pin()
+        mine, theirs = [], []
+        for _ in range(4):  # x and y interleave 8 KiB blocks over the whole arena
+            mine.append(x.allocate(8 * KiB))
+            theirs.append(y.allocate(8 * KiB))
+        for block in theirs:
+            assert block is not None and y.free(block)
+        assert (x.used, x.peak) == (32 * KiB, 32 * KiB)  # 8 KiB holes between x's blocks
+        assert x.allocate(16 * KiB) is None  # within every limit, but no 16 KiB hole
+        assert x.report().denials[0].reason == "fragmented"
+        assert mine[0] is not None
+        assert x.resize(mine[0], 24 * KiB) is None  # neither in place nor moved
+        assert x.peak == 32 * KiB and pool.peak == 64 * KiB
+        consistent(pool)
+        for block in mine:
+            assert block is not None and x.free(block)
+        x.unpin()
+        y.unpin()
+    assert pool.state == "released"
+
+
+def test_exit_from_another_thread_changes_nothing_and_the_right_exit_works() -> None:
+    budget = gpu_budget("1MiB", name="mine")
+    budget.__enter__()
+    errors: list[BaseException] = []
+
+    def stranger() -> None:
+        try:
+            budget.__exit__(None, None, None)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    thread = threading.Thread(target=stranger)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and isinstance(errors[0], BudgetNestingError)
+    assert "not active" in str(errors[0])
+    assert budget.state == "open" and current_budget() is budget  # nothing changed here
+    budget.__exit__(None, None, None)
+    assert budget.report().state == "released" and current_budget() is None
+    with gpu_budget("1KiB", name="later") as later:  # this context is usable again
+        assert later.parent is None
+
+
+def test_a_thousand_nested_budgets_report_print_and_serialise() -> None:
+    with gpu_budget("1MiB", name="root") as root:
+        budgets = [root]
+        for depth in range(1000):
+            budgets.append(gpu_budget("1MiB", name=f"b{depth}").__enter__())
+        leaf = budgets[-1]
+        assert leaf.allocate(KiB) is not None
+        report = root.report()
+        assert len(report.walk()) == 1001 and report.walk()[-1].used == KiB
+        text = str(report)
+        assert text.count("\n") > 2000 and "b999" in text
+        data = report.as_dict()
+        assert data["children"][0]["name"] == "b0"
+        assert report.to_json().count('"name"') == 1001
+        consistent(root)
+        for budget in reversed(budgets[1:]):
+            budget.__exit__(None, None, None)
+    assert leaf.state == "exited" and len(root.report().leaks) == 1
+
+
+class RefusingBackend(HostBackend):
+    """A backend of the user's that fails with an error of its own."""
+
+    def reserve(self, nbytes: int) -> HostReservation:
+        raise OSError(12, "the driver says no")
+
+
+def test_a_custom_backend_error_at_entry_is_a_budget_error() -> None:
+    with pytest.raises(BudgetError, match="'pool'.*OSError.*the driver says no"):
+        with gpu_budget("1MiB", name="pool", backend=RefusingBackend()):
+            pass  # pragma: no cover
+    assert current_budget() is None
+
+
+class BadReleaseBackend(HostBackend):
+    def reserve(self, nbytes: int) -> HostReservation:
+        reservation = super().reserve(nbytes)
+        original = reservation.release
+
+        def release() -> None:
+            original()
+            raise RuntimeError("free failed")
+
+        return _Wrapped(reservation, release)  # type: ignore[return-value]
+
+
+class _Wrapped:
+    def __init__(self, inner: HostReservation, release: Any) -> None:
+        self.address, self.nbytes, self.release = inner.address, inner.nbytes, release
+
+
+def test_a_reservation_that_fails_to_go_back_is_reported_not_raised() -> None:
+    with gpu_budget("1MiB", name="pool", backend=BadReleaseBackend()) as pool:
+        assert pool.allocate(KiB) is not None
+    block = pool.report().live_blocks[0].address
+    assert pool.free(block)  # the last free releases: the error is recorded, not raised
+    report = pool.report()
+    assert report.state == "released" and "free failed" in report.callback_errors[-1]
+
+
+class BrokenCopyBackend(HostBackend):
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        raise RuntimeError("copy engine fault")
+
+
+def test_a_failed_copy_leaves_the_old_block_as_it_was() -> None:
+    with gpu_budget("64KiB", name="pool", backend=BrokenCopyBackend()) as pool:
+        block = pool.allocate(KiB)
+        blocker = pool.allocate(KiB)
+        assert block is not None and blocker is not None
+        fill(block, KiB, 0x5C)
+        assert pool.resize(block, 8 * KiB) is None  # must move, and the copy fails
+        assert pool.size_of(block) == KiB and holds(block, KiB, 0x5C)
+        assert pool.used == 2 * KiB and "copy engine fault" in pool.report().callback_errors[0]
+        consistent(pool)
+
+
+def test_resize_moves_a_block_that_is_not_aligned_as_asked() -> None:
+    with gpu_budget("64KiB", align=256, name="pool") as pool:
+        first = pool.allocate(256)
+        block = pool.allocate(KiB)  # at base + 256: not a multiple of 4 KiB
+        assert first is not None and block is not None and block % (4 * KiB) != 0
+        fill(block, KiB, 0x21)
+        moved = pool.resize(block, 2 * KiB, alignment=4 * KiB)
+        assert moved is not None and moved % (4 * KiB) == 0 and holds(moved, KiB, 0x21)
+        assert pool.size_of(block) == 0
+        consistent(pool)
+
+
+def test_check_names_a_broken_ledger() -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        assert pool.allocate(KiB) is not None
+        pool.check()
+        node: Any = pool._node  # break it from inside, as a bug would
+        node.account.used += 1
+        with pytest.raises(InvariantError, match="LEDGER.*'pool'") as info:
+            pool.check()
+        assert info.value.invariant == "LEDGER"
+        node.account.used -= 1
+
+
+def test_check_names_a_registry_that_disagrees_with_the_arena() -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        block = pool.allocate(KiB)
+        assert block is not None
+        node: Any = pool._node
+        record = node.tree.live.pop(block)
+        with pytest.raises(InvariantError, match="REGISTERED"):
+            pool.check()
+        node.tree.live[block] = record
+
+
+def test_children_and_parents_see_the_public_tree() -> None:
+    with gpu_budget(MiB, name="pool") as pool:
+        with gpu_budget("1KiB", name="model") as model:
+            assert (model.root, model.parent, pool.root) == (pool, pool, pool)
+            assert pool.encloses(model) and not model.encloses(pool)
+            assert model.device is None and model.backend is pool.backend
+            with pytest.raises(TypeError, match="encloses"):
+                pool.encloses("model")  # type: ignore[arg-type]
