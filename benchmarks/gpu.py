@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu [--repeat 3] [--steps 20000]
 
-Every allocator runs the churn trace (DESIGN §8) and the model-loading trace
+Every allocator runs the churn trace (``benchmarks/traces.py``) and the model-loading trace
 (``traces.model_loading``) in one process, interleaved, ``--repeat`` times; prints Markdown
 tables of median microseconds per allocate+free pair and ratios to the ``Budget`` path.
 Allocators whose package is missing are listed as not run.

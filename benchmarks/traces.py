@@ -25,7 +25,7 @@ def log_uniform(rng: random.Random, low: int = MIN_SIZE, high: int = MAX_SIZE) -
 
 
 def churn(live: int = 1000, steps: int = 20_000, seed: int = 0) -> tuple[Trace, Trace]:
-    """DESIGN §8's churn trace: ``live`` blocks of log-uniform sizes (256 B–16 MiB), then
+    """The churn trace: ``live`` blocks of log-uniform sizes (256 B–16 MiB), then
     ``steps`` steps that each free a random block and allocate a new one in its place.
 
     Returns ``(warmup, timed)``: the fill, and the steps that are timed.

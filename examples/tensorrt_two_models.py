@@ -1,4 +1,4 @@
-"""DESIGN §1 made runnable: one TensorRT runtime, two models under sibling budgets.
+"""The motivating case made runnable: one TensorRT runtime, two models under sibling budgets.
 
 With a full TensorRT and a GPU it can run engines on, it builds two small networks (a
 detector and a classifier stand-in), deserializes each under its own budget of one shared

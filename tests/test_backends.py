@@ -41,7 +41,6 @@ def test_selection_by_argument_and_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_pycuda_unavailable_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("tests.helpers")
     if backends.cuda_usable():
         pytest.skip("a CUDA device is usable here")
     monkeypatch.delitem(backends._instances, ("pycuda", 0), raising=False)

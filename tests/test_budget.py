@@ -48,10 +48,13 @@ def test_bad_arguments_fail_at_construction_quoting_the_input(
 
 def test_repr_shows_name_limit_used_and_state() -> None:
     budget = gpu_budget("1MiB", name="det")
-    assert repr(budget) == "<Budget 'det' limit=1.00 MiB used=0 B peak=0 B new>"
+    assert all(part in repr(budget) for part in ("'det'", "1.00 MiB", "new"))
     with budget:
-        budget.allocate(1000)
+        block = budget.allocate(1000)
         assert "used=1.00 KiB" in repr(budget) and "open" in repr(budget)
+    assert "exited" in repr(budget)
+    assert block is not None and budget.free(block)
+    assert "used=0 B" in repr(budget) and "released" in repr(budget)
 
 
 # -- limits, alignment, nesting ----------------------------------------------------------------

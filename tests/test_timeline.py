@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -122,25 +121,31 @@ def test_leaks_property_and_exit_listing_with_stacks(tmp_path: Path) -> None:
     assert "quiet" not in err
 
 
-def _png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", data[16:24])
-    return width, height
+def _red_pixels(path: Path) -> int:
+    """Pixels of pure red (the denial crosses) in a PNG, read back with matplotlib."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(path))
+    red = (pixels[..., 0] > 0.9) & (pixels[..., 1] < 0.1) & (pixels[..., 2] < 0.1)
+    return int(red.sum())
 
 
-def test_plot_writes_a_sensible_png(tmp_path: Path) -> None:
+def test_plot_draws_denials_as_red_crosses_and_only_then(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    with gpu_budget("64KiB", name="root") as root:
-        with gpu_budget("16KiB", name="child") as child:
-            blocks = [child.allocate(4 * KiB) for _ in range(3)]
-            child.allocate(32 * KiB)
-            for block in blocks:
-                assert block is not None and child.free(block)
-    path = tmp_path / "timeline.png"
-    root.report().plot(str(path))
-    assert _png_size(path) == (1000, 500)
-    assert 10_000 < path.stat().st_size < 2_000_000
+    paths = []
+    for deny in (True, False):
+        with gpu_budget("64KiB", name="root") as root:
+            with gpu_budget("16KiB", name="child") as child:
+                blocks = [child.allocate(4 * KiB) for _ in range(3)]
+                if deny:
+                    assert child.allocate(32 * KiB) is None
+                for block in blocks:
+                    assert block is not None and child.free(block)
+        path = tmp_path / f"timeline-{deny}.png"
+        root.report().plot(str(path))
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        paths.append(path)
+    assert _red_pixels(paths[0]) > 20 and _red_pixels(paths[1]) == 0
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

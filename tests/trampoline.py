@@ -2,7 +2,7 @@
 
 A pybind11 instance holds its C++ object's address in the first word after ``PyObject_HEAD``;
 that object's vtable slots 4-8 are ``allocate``, ``reallocate``, ``deallocate``,
-``allocateAsync`` and ``deallocateAsync`` (DESIGN §5). :func:`verify_slots` proves the mapping
+``allocateAsync`` and ``deallocateAsync`` (seen with TensorRT-RTX 1.7.1). :func:`verify_slots` proves the mapping
 with a recording probe before any test relies on it.
 """
 
