@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final, final
 
 from . import context, interrupts
 from .backends import Backend, get_backend, validate_spec
-from .callers import user_stack
+from .callers import user_stack, user_stacklevel
 from .errors import BudgetError, BudgetNestingError
 from .interrupts import STATE, protect
 from .ledger import available
@@ -490,4 +490,4 @@ def misnested(message: str, exc_type: type[BaseException] | None) -> None:
     exit never hides the exception raised in the block)."""
     if exc_type is None:
         raise BudgetNestingError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from . import interrupts
+from .callers import user_stacklevel
 
 if TYPE_CHECKING:
     from .tracefile import TraceWriter
@@ -161,6 +162,6 @@ class Recorder:
         self.trace_error = f"trace to {path!r} stopped: {type(exc).__name__}: {exc}"
         try:
             warnings.warn(f"gpubudget: {self.trace_error}; budgets go on without it",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=user_stacklevel())
         except Exception:  # noqa: BLE001 - warnings turned into errors must not escape
             pass

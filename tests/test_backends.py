@@ -59,8 +59,9 @@ def test_fallback_to_host_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
             pass
         with gpu_budget("1MiB"):
             pass
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and "simulated in host memory" in messages[0]
+    warned = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1 and "simulated in host memory" in str(warned[0].message)
+    assert warned[0].filename == __file__  # points at the user's `with` line
     assert first.report().backend == "host"
 
 
