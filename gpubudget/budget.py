@@ -13,18 +13,18 @@ import os
 import warnings
 from contextvars import Token
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, final
+from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
 
 from . import context, interrupts
 from .backends import Backend, get_backend, validate_spec
 from .callers import user_stack, user_stacklevel
-from .errors import BudgetError, BudgetNestingError
+from .errors import AllocationDenied, BudgetError, BudgetNestingError
 from .interrupts import STATE, protect
 from .ledger import available
 from .report import BudgetReport
 from .snapshot import snapshot, watch_leaks
 from .tracefile import writer_for
-from .tree import Node, State
+from .tree import Denied, Node, State
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 
 if TYPE_CHECKING:
@@ -318,18 +318,32 @@ class Budget:
 
     # -- allocation ------------------------------------------------------------------------
 
+    @overload
+    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+                 tag: str | None = None, stream: int | None = None,
+                 raise_on_denial: Literal[False] = False) -> int | None: ...
+
+    @overload
+    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+                 tag: str | None = None, stream: int | None = None,
+                 raise_on_denial: Literal[True]) -> int: ...
+
     @protect
-    def allocate(self, size: int, alignment: int = 0, *, tag: str | None = None,
-                 stream: int | None = None) -> int | None:
+    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+                 tag: str | None = None, stream: int | None = None,
+                 raise_on_denial: bool = False) -> int | None:
         """Return the address of a block of at least ``size`` bytes, or ``None``.
 
         The block starts at a multiple of ``max(align, alignment)`` and every budget of the
         chain is charged its aligned size. ``None`` (never an exception) when a limit or the
-        arena cannot take it, ``size`` is not a positive integer, ``alignment`` is not 0 or a
-        power of two, ``tag`` is not a string, or the budget is not entered or already
-        released; each denial is counted in :meth:`report`. ``tag`` defaults to the current
-        :func:`gpubudget.label`. ``stream``: the CUDA stream the block will be used on; a
-        block freed on that stream with the same aligned size is reused at once.
+        arena cannot take it, ``size`` is not a positive integer (an ``int``, or anything
+        with ``__index__``), ``alignment`` is not 0 or a power of two, ``tag`` is not a
+        string, or the budget is not entered or already released; each denial is counted in
+        :meth:`report`. With ``raise_on_denial=True`` a denial raises
+        :class:`~gpubudget.errors.AllocationDenied` instead, saying which budget refused,
+        why, and the sizes. ``tag`` defaults to the current :func:`gpubudget.label`.
+        ``stream``: the CUDA stream the block will be used on; a block freed on that stream
+        with the same aligned size is reused at once.
 
         Examples
         --------
@@ -341,27 +355,46 @@ class Budget:
         """
         node = self._node
         tree = node.tree
+        why: list[Denied] | None = [] if raise_on_denial else None
         if tree is None:
-            self._refuse_unentered(size)
-            return None
-        if tag is None:
-            tag = _current_label()
-        stack = user_stack() if node.track_stacks else None
-        address = tree.allocate(node, size, alignment, tag, stream, stack)
-        if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
-            if address is not None:
-                tree.free(node, address, None)
-            raise KeyboardInterrupt
+            self._refuse_unentered(size, why)
+            address = None
+        else:
+            if tag is None:
+                tag = _current_label()
+            stack = user_stack() if node.track_stacks else None
+            address = tree.allocate(node, size, alignment, tag, stream, stack, why)
+            if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
+                if address is not None:
+                    tree.free(node, address, None)
+                raise KeyboardInterrupt
+        if address is None and why:
+            raise self._denied(size, why[0])
         return address
 
-    def _refuse_unentered(self, size: object) -> None:
+    def _refuse_unentered(self, size: object, why: list[Denied] | None = None) -> None:
         node = self._node
+        nbytes = as_int(size) or 0
+        reason = node.refusal or "inactive"
         with node.lock:
-            node.stats.count_denial(size if type(size) is int else 0, node.refusal or "inactive",
-                                    node.name)
+            node.stats.count_denial(nbytes, reason, node.name)
+        if why is not None:
+            why.append((reason, node.name, nbytes))
+
+    def _denied(self, size: object, why: Denied) -> AllocationDenied:
+        reason, refused_by, nbytes = why
+        whose = "its own limit" if refused_by == self.name else f"the limit of {refused_by!r}"
+        explained = {
+            "over_limit": f"over {whose}: {format_size(self.available)} available",
+            "fragmented": "no free block large enough (the arena is fragmented)",
+        }.get(reason, reason.replace("_", " "))
+        return AllocationDenied(
+            f"budget {self.name!r} refused {size!r} bytes ({format_size(nbytes)} aligned): "
+            f"{explained}", budget=self.name, refused_by=refused_by, reason=reason,
+            size=as_int(size) or 0, charged=nbytes)
 
     @protect
-    def free(self, address: int, *, stream: int | None = None) -> bool:
+    def free(self, address: SupportsIndex, *, stream: int | None = None) -> bool:
         """Free the block at ``address``, allocated by this budget or a descendant.
 
         Returns ``False`` (and changes nothing but the ``invalid_frees`` count) for an
@@ -392,7 +425,8 @@ class Budget:
         return done
 
     @protect
-    def resize(self, address: int, new_size: int, alignment: int = 0) -> int | None:
+    def resize(self, address: SupportsIndex, new_size: SupportsIndex,
+               alignment: SupportsIndex = 0) -> int | None:
         """Grow or shrink a block, keeping ``min(old, new)`` bytes; return its address.
 
         In place when the arena allows, else a new block with a device-to-device copy and the
@@ -448,6 +482,22 @@ class Budget:
         with node.lock:
             node.stats.errors.append(str(message))
             node.stats.count_denial(0, "internal_error", node.name)
+
+    def reset_peak(self) -> None:
+        """Start the peaks of this budget and its descendants again from now (``peak``,
+        the most blocks held at once, and bytes per tag), to measure one phase.
+
+        >>> with gpu_budget("1MiB", backend="host") as pool:
+        ...     block = pool.allocate(4096)
+        ...     pool.free(block)
+        ...     pool.reset_peak()
+        ...     (pool.peak, pool.allocate(1024) is not None, pool.peak)
+        True
+        (0, True, 1024)
+        """
+        node = self._node
+        with node.lock:
+            node.reset_peaks()
 
     # -- report ----------------------------------------------------------------------------
 

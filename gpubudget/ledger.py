@@ -29,7 +29,8 @@ class Account:
     none of them has a reserve, so that every one of them is charged the same delta.
     """
 
-    __slots__ = ("name", "limit", "reserve", "used", "peak", "parent", "chain", "plain")
+    __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "chain",
+                 "plain")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -39,6 +40,7 @@ class Account:
         self.reserve: Final = reserve
         self.used = 0  # aligned bytes charged now, children's included
         self.peak = 0  # highest ``used`` reached by granted charges
+        self.refusals = 0  # requests this limit refused (asked here or below), counted by callers
         self.parent: Final = parent
         self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
         self.plain: Final = not any(account.reserve for account in self.chain)

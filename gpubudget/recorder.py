@@ -40,18 +40,22 @@ Event = tuple[float, str, int, int, "str | None", int, int]
 class Stats:
     """One budget's counters; see ``BudgetReport`` for what each means."""
 
-    __slots__ = ("allocations", "frees", "invalid_frees", "denied", "largest_denied",
-                 "denials", "tags", "errors")
+    __slots__ = ("allocations", "frees", "blocks", "peak_blocks", "invalid_frees", "denied",
+                 "largest_denied", "denials", "tags", "errors", "retired")
 
     def __init__(self) -> None:
         self.allocations = 0
         self.frees = 0
+        self.blocks = 0  # live blocks now
+        self.peak_blocks = 0
         self.invalid_frees = 0
         self.denied = 0
         self.largest_denied = 0
         self.denials: dict[tuple[str, str], list[int]] = {}  # (reason, refused by) -> [n, largest]
         self.tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
         self.errors: deque[str] = deque(maxlen=KEEP_ERRORS)
+        # allocations, frees, denials of released descendants no longer listed as children
+        self.retired = [0, 0, 0]
 
     def count_denial(self, nbytes: int, reason: str, refused_by: str) -> None:
         self.denied += 1
@@ -64,6 +68,12 @@ class Stats:
             entry[0] += 1
             if nbytes > entry[1]:
                 entry[1] = nbytes
+
+    def reset_peaks(self) -> None:
+        """Peaks start again from now: block count and bytes per tag."""
+        self.peak_blocks = self.blocks
+        for entry in self.tags.values():
+            entry[1] = entry[0]
 
     def tag_grew(self, tag: str, nbytes: int) -> None:
         entry = self.tags.get(tag)
@@ -93,6 +103,9 @@ class Recorder:
     def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
                 address: int, nbytes: int, used: int, total: int) -> None:
         stats.allocations += 1
+        blocks = stats.blocks = stats.blocks + 1
+        if blocks > stats.peak_blocks:
+            stats.peak_blocks = blocks
         if tag is not None:
             stats.tag_grew(tag, nbytes)
         self.events.append((self.clock(), "alloc", budget, nbytes, tag, used, total))
@@ -103,6 +116,7 @@ class Recorder:
     def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
               used: int, total: int) -> None:
         stats.frees += 1
+        stats.blocks -= 1
         if tag is not None:
             stats.tags[tag][0] -= nbytes
         self.events.append((self.clock(), "free", budget, nbytes, tag, used, total))

@@ -13,7 +13,16 @@ from typing import Any, Final
 
 from .units import format_size
 
-__all__ = ["FRAMES_SHOWN", "BudgetReport", "Denial", "LiveBlock", "TagUsage", "TimelineEvent"]
+__all__ = [
+    "FRAMES_SHOWN",
+    "TAGS_SHOWN",
+    "BudgetReport",
+    "Denial",
+    "LiveBlock",
+    "TagUsage",
+    "TimelineEvent",
+    "Totals",
+]
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,17 @@ class TagUsage:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """Counts over a budget and all its descendants together (released ones included)."""
+
+    allocations: int
+    frees: int
+    denied: int
+    """Requests denied to any budget of the subtree (each counted once, where it was asked)."""
+    live_blocks: int
+
+
+@dataclass(frozen=True)
 class TimelineEvent:
     """One entry of a budget tree's event log."""
 
@@ -84,6 +104,8 @@ _REASONS = {
 }
 _SHOW_BLOCKS: Final = 20
 """Live blocks the text report lists per budget; the rest are counted."""
+TAGS_SHOWN: Final = 20
+"""Tags the text report lists per budget, largest peak first; the rest are counted."""
 FRAMES_SHOWN: Final = 3
 """Innermost stack frames shown per live block (text report, leaks listed at exit)."""
 
@@ -133,6 +155,14 @@ class BudgetReport:
     largest_free_block: int
     live_blocks: tuple[LiveBlock, ...]
     """Blocks this budget itself holds (children's are in their reports)."""
+    peak_blocks: int
+    """The most blocks this budget held at once."""
+    refused: int
+    """Requests this budget's limit refused, asked of it or of a budget below it (a request
+    refused here for a child counts in the child's ``denied`` and here)."""
+    totals: Totals
+    """This budget and its descendants together: the numbers ``torch.cuda.memory_stats``
+    would give for a device, for this subtree."""
     callback_errors: tuple[str, ...]
     """Errors caught and answered instead of raised: inside allocator callbacks (answered
     with ``None``), stream events and copies that failed (the operation refused or the
@@ -189,6 +219,8 @@ class BudgetReport:
                 value = getattr(report, field.name)
                 if field.name == "children":
                     value = [made.pop(id(child)) for child in report.children]
+                elif isinstance(value, Totals):
+                    value = dataclasses.asdict(value)
                 elif isinstance(value, tuple):
                     value = [_plain(item) for item in value]
                 fields[field.name] = value
@@ -228,9 +260,16 @@ class BudgetReport:
         )
         if self.denied:
             detail += f" (largest {format_size(self.largest_denied)})"
+        if self.refused:
+            detail += f", refused {self.refused} by its limit"
         if self.invalid_frees:
             detail += f", invalid frees {self.invalid_frees}"
         lines.append(detail)
+        if self.children:
+            totals = self.totals
+            lines.append(
+                f"{rest}  with the budgets below: allocations {totals.allocations}, frees "
+                f"{totals.frees}, denied {totals.denied}, live blocks {totals.live_blocks}")
         if not first:  # a root: children share its arena
             lines.append(
                 f"{rest}  free in arena {format_size(self.free_bytes)}, "
@@ -245,7 +284,7 @@ class BudgetReport:
         if self.live_blocks:
             lines.append(
                 f"{rest}  live blocks: {len(self.live_blocks)} "
-                f"({format_size(self.live_bytes)})"
+                f"({format_size(self.live_bytes)}; at most {self.peak_blocks} at once)"
             )
             for block in self.live_blocks[:_SHOW_BLOCKS]:
                 tag = f"  {block.tag}" if block.tag else ""
@@ -256,10 +295,13 @@ class BudgetReport:
                 lines.append(f"{rest}    ... {len(self.live_blocks) - _SHOW_BLOCKS} more")
         if self.by_tag:
             lines.append(f"{rest}  by tag (live / peak):")
-            for usage in sorted(self.by_tag, key=lambda u: -u.peak):
+            ranked = sorted(self.by_tag, key=lambda u: -u.peak)
+            for usage in ranked[:TAGS_SHOWN]:
                 lines.append(
                     f"{rest}    {usage.tag}: {format_size(usage.live)} / {format_size(usage.peak)}"
                 )
+            if len(ranked) > TAGS_SHOWN:
+                lines.append(f"{rest}    ... {len(ranked) - TAGS_SHOWN} more tags")
         if self.outside_bytes is not None:
             lines.append(
                 f"{rest}  device memory taken outside budgets meanwhile: "

@@ -14,7 +14,15 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .ledger import available
-from .report import FRAMES_SHOWN, BudgetReport, Denial, LiveBlock, TagUsage, TimelineEvent
+from .report import (
+    FRAMES_SHOWN,
+    BudgetReport,
+    Denial,
+    LiveBlock,
+    TagUsage,
+    TimelineEvent,
+    Totals,
+)
 from .tree import Node, Tree
 from .units import format_size
 
@@ -44,7 +52,7 @@ def snapshot(node: Node) -> BudgetReport:
             children = tuple(made.pop(child) for child in member.children)
             blocks = sorted(own.get(member, ()), key=lambda block: block.address)
             made[member] = _report(member, tree, tuple(blocks), children, free_bytes,
-                                   largest_free)
+                                   largest_free, _totals(member, children))
         report = made[node]
         if tree is None:
             return report
@@ -61,9 +69,19 @@ def snapshot(node: Node) -> BudgetReport:
                                outside_bytes=outside, trace_error=trace_error)
 
 
+def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
+    allocations, frees, denied = node.own_counts()
+    return Totals(
+        allocations + sum(child.totals.allocations for child in children),
+        frees + sum(child.totals.frees for child in children),
+        denied + sum(child.totals.denied for child in children),
+        node.stats.blocks + sum(child.totals.live_blocks for child in children),
+    )
+
+
 def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
-            children: tuple[BudgetReport, ...], free_bytes: int,
-            largest_free: int) -> BudgetReport:
+            children: tuple[BudgetReport, ...], free_bytes: int, largest_free: int,
+            totals: Totals) -> BudgetReport:
     stats, account = node.stats, node.account
     return BudgetReport(
         name=node.name,
@@ -86,6 +104,9 @@ def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
         free_bytes=free_bytes if node.state in ("open", "exited") else 0,
         largest_free_block=largest_free if node.state in ("open", "exited") else 0,
         live_blocks=blocks,
+        peak_blocks=stats.peak_blocks,
+        refused=account.refusals,
+        totals=totals,
         callback_errors=tuple(stats.errors),
         by_tag=tuple(TagUsage(tag, live, peak) for tag, (live, peak) in stats.tags.items()),
         children=children,

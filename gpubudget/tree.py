@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, SupportsIndex
 
 from .arena import Arena
 from .backends import Backend, Reservation, device_of
@@ -47,9 +47,11 @@ if TYPE_CHECKING:
     from .budget import Budget  # the public face; only named here, never imported at run time
     from .tracefile import TraceWriter
 
-__all__ = ["Live", "Node", "State", "Tree"]
+__all__ = ["Denied", "Live", "Node", "State", "Tree"]
 
 State = Literal["new", "open", "exited", "released"]
+Denied = tuple[str, str, int]
+"""Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
 # A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
 # allocation, and a class instance costs several times more to create.
 Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
@@ -172,14 +174,26 @@ class Node:
             released = [child for child in parent.children if child.state == "released"]
             for child in released[: max(len(released) - KEEP_RELEASED_CHILDREN, 0)]:
                 parent.children.remove(child)
+                parent.stats.retired = [sum(counts) for counts in zip(
+                    parent.stats.retired, *(member.own_counts() for member in child.subtree()))]
             node = parent
 
     def releasable(self) -> bool:
-        return (self.state == "exited" and self.live_blocks() == 0 and not self.pins
+        return (self.state == "exited" and not self.stats.blocks and not self.pins
                 and not self.unreleased)
 
-    def live_blocks(self) -> int:
-        return self.stats.allocations - self.stats.frees
+    def own_counts(self) -> tuple[int, int, int]:
+        """Allocations, frees and denials of this budget, with those of descendants it no
+        longer lists."""
+        stats = self.stats
+        return (stats.allocations + stats.retired[0], stats.frees + stats.retired[1],
+                stats.denied + stats.retired[2])
+
+    def reset_peaks(self) -> None:
+        """Lock held: peaks of this budget and its descendants start again from now."""
+        for node in self.subtree():
+            node.account.peak = node.account.used
+            node.stats.reset_peaks()
 
     # -- the tree below --------------------------------------------------------------------
 
@@ -225,26 +239,28 @@ class Tree:
 
     # -- the three operations --------------------------------------------------------------
 
-    def allocate(self, node: Node, size: int, alignment: int, tag: str | None,
-                 stream: int | None, stack: tuple[str, ...] | None) -> int | None:
-        """A block of at least ``size`` bytes for ``node``, or ``None`` (each denial recorded)."""
+    def allocate(self, node: Node, size: SupportsIndex, alignment: SupportsIndex, tag: str | None,
+                 stream: int | None, stack: tuple[str, ...] | None,
+                 why: list[Denied] | None = None) -> int | None:
+        """A block of at least ``size`` bytes for ``node``, or ``None`` (each denial recorded,
+        and appended to ``why`` when given)."""
         if type(size) is not int:
             number = as_int(size)
             if number is None:
-                self._deny(node, 0, 0, None, 0, "invalid_size", node.name)
+                self._deny(node, 0, 0, None, 0, "invalid_size", node.name, why)
                 return None
             size = number
         if size <= 0:
-            self._deny(node, size, 0, None, 0, "invalid_size", node.name)
+            self._deny(node, size, 0, None, 0, "invalid_size", node.name, why)
             return None
         if tag is not None and type(tag) is not str:
-            self._deny(node, size, 0, None, size, "invalid_tag", node.name)
+            self._deny(node, size, 0, None, size, "invalid_tag", node.name, why)
             return None
         granularity = node.granularity
         if alignment:
             checked = alignment if type(alignment) is int else as_int(alignment)
             if checked is None or not is_power_of_two(checked):
-                self._deny(node, size, 0, tag, size, "invalid_alignment", node.name)
+                self._deny(node, size, 0, tag, size, "invalid_alignment", node.name, why)
                 return None
             alignment = checked
             if alignment > granularity:
@@ -255,13 +271,14 @@ class Tree:
         with self.lock:
             if node.refusal is not None:
                 self._deny_locked(node, size, alignment, tag, nbytes, node.refusal,
-                                         node.name)
+                                  node.name, why)
                 return None
             account = node.account
             refused = refusal(account, nbytes)
             if refused is not None:
+                refused.refusals += 1
                 self._deny_locked(node, size, alignment, tag, nbytes, "over_limit",
-                                         refused.name)
+                                  refused.name, why)
                 return None
             if self.pending:
                 address = self._place_with_pending(nbytes, granularity, stream)
@@ -269,17 +286,20 @@ class Tree:
                 address = self.arena.allocate(nbytes, granularity)
             if address is None:
                 self._deny_locked(node, size, alignment, tag, nbytes, "fragmented",
-                                         node.name)
+                                  node.name, why)
                 return None
             charge(account, nbytes)  # the commit: ledger, registry, record
             self.live[address] = (node, nbytes, tag, stack)
-            self.recorder.granted(node.stats, node.id, size, alignment, tag, address, nbytes, account.used, self.root.account.used)
+            self.recorder.granted(node.stats, node.id, size, alignment, tag, address, nbytes,
+                                  account.used, self.root.account.used)
         return address
 
-    def free(self, node: Node, address: int, stream: int | None) -> bool:
+    def free(self, node: Node, address: SupportsIndex, stream: int | None) -> bool:
         """Free a block of ``node`` or a descendant; ``False`` (counted) if it is not one."""
         with self.lock:
-            record = self.live.get(address) if type(address) is int else None
+            if type(address) is not int:
+                address = as_int(address) or 0  # not integer-like: no block starts at 0
+            record = self.live.get(address)
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 node.stats.invalid_frees += 1
                 return False
@@ -307,11 +327,14 @@ class Tree:
                 owner.release_if_unused()
         return True
 
-    def resize(self, node: Node, address: int, new_size: int, alignment: int) -> int | None:
+    def resize(self, node: Node, address: SupportsIndex, new_size: SupportsIndex,
+               alignment: SupportsIndex) -> int | None:
         """Grow or shrink a block in place, else move it (copying ``min(old, new)`` bytes),
         else ``None`` with the old block untouched."""
         with self.lock:
-            record = self.live.get(address) if type(address) is int else None
+            if type(address) is not int:
+                address = as_int(address) or 0
+            record = self.live.get(address)
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
                 return None
@@ -350,22 +373,23 @@ class Tree:
         self.free(owner, address, None)
         return moved
 
-    def owner(self, address: int) -> Live | None:
+    def owner(self, address: SupportsIndex) -> Live | None:
         with self.lock:
-            return self.live.get(address) if type(address) is int else None
+            return self.live.get(address if type(address) is int else as_int(address) or 0)
 
     # -- internals -------------------------------------------------------------------------
 
     def _deny(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
-              reason: str, refused_by: str) -> None:
+              reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
         with self.lock:
-            self._deny_locked(node, size, alignment, tag, nbytes, reason, refused_by)
-            return None
+            self._deny_locked(node, size, alignment, tag, nbytes, reason, refused_by, why)
 
     def _deny_locked(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
-                     reason: str, refused_by: str) -> None:
+                     reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
         self.recorder.denied(node.stats, node.id, size, alignment, tag, nbytes, reason,
                              refused_by, node.account.used, self.root.account.used)
+        if why is not None:
+            why.append((reason, refused_by, nbytes))
 
     def _place_with_pending(self, nbytes: int, alignment: int, stream: int | None) -> int | None:
         """Placement while stream-ordered frees are pending: retire the finished ones, reuse

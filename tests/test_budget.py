@@ -86,14 +86,14 @@ def test_requested_alignment_above_align_is_honoured_and_charged() -> None:
 @pytest.mark.parametrize("alignment", [3, -4, 1000, 2.0, "x"])
 def test_bad_alignment_is_denied_not_raised(alignment: object) -> None:
     with gpu_budget("1MiB") as root:
-        assert root.allocate(100, alignment) is None  # type: ignore[arg-type]
+        assert root.allocate(100, alignment) is None  # type: ignore[call-overload]
         assert root.report().denials[0].reason == "invalid_alignment"
 
 
 @pytest.mark.parametrize("size", [0, -1, True, 1.5, None, "1KiB"])
 def test_bad_size_is_denied_not_raised(size: object) -> None:
     with gpu_budget("1MiB") as root:
-        assert root.allocate(size) is None  # type: ignore[arg-type]
+        assert root.allocate(size) is None  # type: ignore[call-overload]
         report = root.report()
         assert report.denied == 1 and report.denials[0].reason == "invalid_size"
 
@@ -363,3 +363,113 @@ def test_threads_never_share_blocks_or_corrupt_accounting() -> None:
         assert sum(c.report().allocations for c in children) == sum(
             c.report().frees for c in children
         )
+
+
+# -- what issue reports and callers ask -----------------------------------------------------------
+
+
+class Index:
+    """An integer-like value, as numpy.int64 is: it has __index__, it is not an int."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_integer_like_sizes_are_sizes_and_floats_are_not() -> None:
+    with gpu_budget(Index(1 << 20), align=Index(512), name="pool") as pool:  # type: ignore[arg-type]
+        assert pool.limit == 1 << 20 and pool.align == 512
+        block = pool.allocate(Index(1000), Index(1024))
+        assert block is not None and block % 1024 == 0 and pool.used == 1024
+        assert pool.resize(Index(block), Index(2048)) == block
+        assert pool.free(Index(block))
+        assert pool.allocate(1000.0) is None  # type: ignore[call-overload]
+        assert pool.report().denials[0].reason == "invalid_size"
+    with pytest.raises(TypeError, match="1.5"):
+        gpu_budget(1.5)  # type: ignore[arg-type]
+
+
+def test_raise_on_denial_says_who_refused_why_and_how_much() -> None:
+    from gpubudget import AllocationDenied
+
+    with gpu_budget("1MiB", name="pool") as pool:
+        with gpu_budget("2MiB", name="model") as model:  # overcommitted: the pool is the cap
+            assert model.allocate(600 * KiB) is not None
+            with pytest.raises(AllocationDenied) as info:
+                model.allocate(500 * KiB, raise_on_denial=True)
+            denied = info.value
+            assert isinstance(denied, MemoryError)
+            assert (denied.budget, denied.refused_by, denied.reason) == ("model", "pool", "over_limit")
+            assert (denied.size, denied.charged) == (500 * KiB, 500 * KiB)
+            assert "'model'" in str(denied) and "'pool'" in str(denied) and "500.00 KiB" in str(denied)
+            with pytest.raises(AllocationDenied, match="invalid size"):
+                model.allocate(0, raise_on_denial=True)
+            address: int = model.allocate(KiB, raise_on_denial=True)  # typed as an int
+            assert model.free(address)
+            assert model.report().denied == 2  # counted like any denial
+    late = gpu_budget("1MiB", name="late")
+    with pytest.raises(AllocationDenied, match="inactive"):
+        late.allocate(1, raise_on_denial=True)
+
+
+def test_reset_peak_measures_one_phase_of_a_subtree() -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        with gpu_budget("1MiB", name="model") as model:
+            loading = [model.allocate(100 * KiB, tag="weights") for _ in range(3)]
+            for block in loading[1:]:
+                assert block is not None and model.free(block)
+            pool.reset_peak()
+            assert (pool.peak, model.peak) == (100 * KiB, 100 * KiB)
+            serving = model.allocate(10 * KiB, tag="activations")
+            assert (pool.peak, model.peak) == (110 * KiB, 110 * KiB)
+            report = model.report()
+            assert report.peak_blocks == 2
+            assert {u.tag: u.peak for u in report.by_tag} == {"weights": 100 * KiB,
+                                                              "activations": 10 * KiB}
+            for block in (loading[0], serving):
+                assert block is not None and model.free(block)
+
+
+def test_reports_roll_up_the_subtree_and_count_refusals_where_they_happen() -> None:
+    with gpu_budget("64KiB", name="pool") as pool:
+        with gpu_budget("1MiB", name="a") as a:
+            blocks = [a.allocate(8 * KiB) for _ in range(3)]
+            with gpu_budget("1MiB", name="a1") as a1:
+                kept = a1.allocate(32 * KiB)
+                assert a1.allocate(32 * KiB) is None  # the pool's limit refuses
+            assert blocks[0] is not None and a.free(blocks[0])
+        report = pool.report()
+        a_report = report.children[0]
+        assert (report.totals.allocations, report.totals.frees) == (4, 1)
+        assert report.totals.denied == 1 and report.totals.live_blocks == 3
+        assert (a_report.totals.allocations, a_report.totals.live_blocks) == (4, 3)
+        assert (report.denied, report.refused) == (0, 1)  # refused here, asked below
+        assert (a_report.children[0].denied, a_report.children[0].refused) == (1, 0)
+        assert a_report.peak_blocks == 3 and a_report.children[0].peak_blocks == 1
+        text = str(report)
+        assert "refused 1 by its limit" in text and "with the budgets below: allocations 4" in text
+        for block in blocks[1:]:
+            assert block is not None and a.free(block)
+        assert kept is not None and a1.free(kept)
+
+
+def test_released_children_beyond_those_listed_still_count_in_totals() -> None:
+    with gpu_budget("1MiB", name="server") as server:
+        for request in range(50):  # a budget per request: only the last 32 stay listed
+            with gpu_budget("64KiB", name=f"request-{request}") as budget:
+                block = budget.allocate(KiB)
+                assert block is not None and budget.free(block)
+        report = server.report()
+        assert len(report.children) == 32
+        assert (report.totals.allocations, report.totals.frees) == (50, 50)
+
+
+def test_the_text_report_caps_tags() -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        for index in range(30):
+            assert pool.allocate(KiB + index * 256, tag=f"tag-{index:02d}") is not None
+        text = str(pool.report()).split("by tag")[1]
+    assert "tag-29" in text and "tag-00" not in text  # largest peaks first
+    assert "... 10 more tags" in text

@@ -154,7 +154,7 @@ def test_internal_errors_are_caught_recorded_and_denied(capfd: pytest.CaptureFix
         budget_type = type(budget)
         original = budget_type.allocate
         try:
-            budget_type.allocate = explode  # type: ignore[method-assign]
+            budget_type.allocate = explode  # type: ignore[method-assign, assignment]
             assert cpp.allocate(KiB) is None
         finally:
             budget_type.allocate = original  # type: ignore[method-assign]

@@ -63,7 +63,7 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
 
 def test_a_non_string_tag_is_a_denial_and_takes_nothing() -> None:
     with gpu_budget("64KiB", name="pool") as pool:
-        assert pool.allocate(KiB, tag=["x"]) is None  # type: ignore[arg-type]
+        assert pool.allocate(KiB, tag=["x"]) is None  # type: ignore[call-overload]
         report = pool.report()
         assert (report.used, report.allocations, report.denials[0].reason) == (
             0, 0, "invalid_tag")
