@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
@@ -474,6 +475,23 @@ class Budget:
             if node.pins > 0:
                 node.pins -= 1
                 node.release_if_unused()
+
+    def record_denial(self, size: int, reason: str) -> None:
+        """Count a request an adapter refused before asking (for instance ``wrong_device``:
+        a TensorRT call made while another CUDA device is current)."""
+        node = self._node
+        if node.tree is None:
+            self._refuse_unentered(size)
+        else:
+            node.tree.deny(node, as_int(size) or 0, str(reason))
+
+    def report_usage(self, source: str, probe: Callable[[], tuple[int, int]]) -> None:
+        """For adapters: ``probe()`` answers ``(bytes charged, bytes in live arrays or
+        tensors)`` for ``source`` (``"torch"``, ``"cupy"``); reports show it, and the rest as
+        cached. Called outside the tree's lock; one that raises is noted in the report."""
+        node = self._node
+        with node.lock:
+            node.probes[str(source)] = probe
 
     def record_error(self, message: str) -> None:
         """Record an error caught inside a callback, counted as a denial (``internal_error``)

@@ -22,6 +22,7 @@ __all__ = [
     "TagUsage",
     "TimelineEvent",
     "Totals",
+    "Usage",
 ]
 
 
@@ -44,7 +45,8 @@ class Denial:
     reason: str
     """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``,
     ``invalid_tag``, ``invalid_address`` (resizing a block that is not there), ``inactive``,
-    ``released``, ``interrupted`` (a Ctrl-C arrived during the call) or ``internal_error``."""
+    ``released``, ``interrupted`` (a Ctrl-C arrived during the call), ``wrong_device`` (an
+    adapter was called while another CUDA device was current) or ``internal_error``."""
     refused_by: str
     """Name of the budget whose limit or arena refused (this budget or an ancestor)."""
     count: int
@@ -59,6 +61,19 @@ class TagUsage:
     tag: str
     live: int
     peak: int
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one allocator routed into a budget (CuPy, PyTorch) holds there."""
+
+    source: str
+    charged: int
+    """Bytes of the budget's blocks it holds (what the budget is charged for it)."""
+    in_use: int
+    """Of those, bytes in live arrays or tensors."""
+    cached: int
+    """Of those, bytes it keeps for reuse (``charged - in_use``)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +115,7 @@ _REASONS = {
     "inactive": "not entered yet:",
     "released": "already released:",
     "interrupted": "interrupted (Ctrl-C) in",
+    "wrong_device": "another CUDA device was current, asked of",
     "internal_error": "internal error in",
 }
 _SHOW_BLOCKS: Final = 20
@@ -163,6 +179,8 @@ class BudgetReport:
     totals: Totals
     """This budget and its descendants together: the numbers ``torch.cuda.memory_stats``
     would give for a device, for this subtree."""
+    usage: tuple[Usage, ...]
+    """Per framework routed into this budget (``gpubudget.cupy``, ``gpubudget.torch``)."""
     callback_errors: tuple[str, ...]
     """Errors caught and answered instead of raised: inside allocator callbacks (answered
     with ``None``), stream events and copies that failed (the operation refused or the
@@ -302,6 +320,10 @@ class BudgetReport:
                 )
             if len(ranked) > TAGS_SHOWN:
                 lines.append(f"{rest}    ... {len(ranked) - TAGS_SHOWN} more tags")
+        for held in self.usage:
+            lines.append(
+                f"{rest}  {held.source}: {format_size(held.charged)} charged, "
+                f"{format_size(held.in_use)} in use, {format_size(held.cached)} cached")
         if self.outside_bytes is not None:
             lines.append(
                 f"{rest}  device memory taken outside budgets meanwhile: "

@@ -22,8 +22,9 @@ from .report import (
     TagUsage,
     TimelineEvent,
     Totals,
+    Usage,
 )
-from .tree import Node, Tree
+from .tree import Node, Probe, Tree
 from .units import format_size
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ def snapshot(node: Node) -> BudgetReport:
     tree = node.tree
     outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
     with node.lock:
+        probed = [(member, tuple(member.probes.items())) for member in node.subtree()]
+    usage = {member: _usage(member, probes) for member, probes in probed}  # adapters' code:
+    with node.lock:  # outside the lock
         nodes = node.subtree()
         own: dict[Node, list[LiveBlock]] = {}
         free_bytes = largest_free = 0
@@ -52,7 +56,8 @@ def snapshot(node: Node) -> BudgetReport:
             children = tuple(made.pop(child) for child in member.children)
             blocks = sorted(own.get(member, ()), key=lambda block: block.address)
             made[member] = _report(member, tree, tuple(blocks), children, free_bytes,
-                                   largest_free, _totals(member, children))
+                                   largest_free, _totals(member, children),
+                                   usage.get(member, ()))
         report = made[node]
         if tree is None:
             return report
@@ -81,7 +86,7 @@ def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
 
 def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
             children: tuple[BudgetReport, ...], free_bytes: int, largest_free: int,
-            totals: Totals) -> BudgetReport:
+            totals: Totals, usage: tuple[Usage, ...]) -> BudgetReport:
     stats, account = node.stats, node.account
     return BudgetReport(
         name=node.name,
@@ -107,10 +112,25 @@ def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
         peak_blocks=stats.peak_blocks,
         refused=account.refusals,
         totals=totals,
+        usage=usage,
         callback_errors=tuple(stats.errors),
         by_tag=tuple(TagUsage(tag, live, peak) for tag, (live, peak) in stats.tags.items()),
         children=children,
     )
+
+
+def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ...]:
+    """Ask each adapter what it holds of ``node``; one that fails is left out, and said."""
+    found = []
+    for source, probe in probes:
+        try:
+            charged, in_use = probe()
+        except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
+            with node.lock:
+                node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
+            continue
+        found.append(Usage(source, charged, in_use, charged - in_use))
+    return tuple(found)
 
 
 def _outside_bytes(tree: Tree) -> int | None:

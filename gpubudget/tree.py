@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex
 
 from .arena import Arena
@@ -47,9 +48,11 @@ if TYPE_CHECKING:
     from .budget import Budget  # the public face; only named here, never imported at run time
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Node", "State", "Tree"]
+__all__ = ["Denied", "Live", "Node", "Probe", "State", "Tree"]
 
 State = Literal["new", "open", "exited", "released"]
+Probe = Callable[[], tuple[int, int]]
+"""An adapter's usage of a budget: (bytes charged, bytes in live arrays or tensors)."""
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
 # A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
@@ -70,7 +73,7 @@ class Node:
 
     __slots__ = ("budget", "id", "name", "align", "track_stacks", "account", "stats", "lock",
                  "tree", "parent", "children", "granularity", "state", "refusal", "pins",
-                 "unreleased")
+                 "unreleased", "probes")
 
     def __init__(self, budget: Budget, name: str | None, limit: int, reserve: int, align: int,
                  track_stacks: bool) -> None:
@@ -90,6 +93,7 @@ class Node:
         self.refusal: str | None = "inactive"
         self.pins = 0  # objects (a TensorRT runtime) that may still allocate through it
         self.unreleased = 0  # children entered and not yet released
+        self.probes: dict[str, Probe] = {}  # adapters' usage, read for reports
 
     # -- entering --------------------------------------------------------------------------
 
@@ -378,6 +382,10 @@ class Tree:
             return self.live.get(address if type(address) is int else as_int(address) or 0)
 
     # -- internals -------------------------------------------------------------------------
+
+    def deny(self, node: Node, size: int, reason: str) -> None:
+        """Count a request an adapter refused before it asked (``wrong_device``)."""
+        self._deny(node, size, 0, None, size, reason, node.name)
 
     def _deny(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
               reason: str, refused_by: str, why: list[Denied] | None = None) -> None:

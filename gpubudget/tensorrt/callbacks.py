@@ -4,6 +4,8 @@ Routing. An allocator is bound to one budget. An allocation goes to the innermos
 active in the calling context when the bound budget encloses it (one runtime, two models in
 two child budgets), else to the bound budget (TensorRT's own threads, whose context is empty,
 or calls after the block has exited). Frees and resizes find the owning budget by address.
+An allocation asked while another CUDA device than the budget's is current is denied
+(``wrong_device``): TensorRT would get memory of the wrong device.
 
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
@@ -19,6 +21,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from .. import interrupts
+from ..backends import current_device
 from ..budget import Budget
 from ..interrupts import STATE, callback
 from ..context import ACTIVE, LABEL
@@ -35,6 +38,7 @@ class AllocatorMethods:
     ``IGpuAllocator``) by :func:`allocator_class`."""
 
     budget: Budget
+    device: int | None  # the budget tree's CUDA device, None on host memory
     phase: str | None  # the tag of blocks allocated through it, unless a label says otherwise
     deserializing: int  # deserialize_cuda_engine calls in progress (phase "deserialize")
     lock: threading.Lock
@@ -59,6 +63,9 @@ class AllocatorMethods:
                 current = chain[-1]
                 if current is not target and target.encloses(current):
                     target = current
+            if self.device is not None and current_device() != self.device:
+                target.record_denial(size, "wrong_device")  # never another device's memory
+                return None
             address = target.allocate(size, alignment, tag=LABEL.get() or self.phase,
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
@@ -97,14 +104,13 @@ class AllocatorMethods:
 
     def _failed(self, where: str, exc: BaseException, answer: A) -> A:
         """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread."""
-        if isinstance(exc, KeyboardInterrupt):
-            interrupts.take()
-            interrupts.redeliver()
-            message = f"{where}: interrupted (Ctrl-C), raised again in the main thread"
-        else:
-            message = f"{where}: {type(exc).__name__}: {exc}"
         try:
-            self.budget.record_error(message)
+            if isinstance(exc, KeyboardInterrupt):
+                interrupts.take()
+                interrupts.redeliver()
+                self.budget.record_denial(0, "interrupted")
+            else:
+                self.budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
         except BaseException:  # noqa: BLE001 - nothing may leave a callback
             pass
         return answer
@@ -132,6 +138,7 @@ def allocator_class(module: ModuleType) -> type:
             def __init__(self: Any, budget: Budget) -> None:
                 base.__init__(self)
                 self.budget = budget
+                self.device = budget.device
                 self.phase = None
                 self.deserializing = 0
                 self.lock = threading.Lock()
