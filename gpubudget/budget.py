@@ -390,8 +390,8 @@ class Budget:
             "fragmented": "no free block large enough (the arena is fragmented)",
         }.get(reason, reason.replace("_", " "))
         return AllocationDenied(
-            f"budget {self.name!r} refused {size!r} bytes ({format_size(nbytes)} aligned): "
-            f"{explained}", budget=self.name, refused_by=refused_by, reason=reason,
+            f"budget {self.name!r} (limit {format_size(self.limit)}) refused {size!r} bytes "
+            f"({format_size(nbytes)} aligned): {explained}", budget=self.name, refused_by=refused_by, reason=reason,
             size=as_int(size) or 0, charged=nbytes)
 
     @protect
@@ -492,6 +492,16 @@ class Budget:
         node = self._node
         with node.lock:
             node.probes[str(source)] = probe
+
+    def call_on_exit(self, hook: Callable[[], None]) -> None:
+        """For adapters: call ``hook()`` once this budget's scope has ended (at once if it has
+        already). Hooks run outside the tree's lock; one that raises is noted in the report."""
+        node = self._node
+        with node.lock:
+            if node.state in ("new", "open"):
+                node.exit_hooks.append(hook)
+                return
+        hook()
 
     def record_error(self, message: str) -> None:
         """Record an error caught inside a callback, counted as a denial (``internal_error``)

@@ -32,7 +32,17 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Final, TypeVar
 
-__all__ = ["STATE", "callback", "defer", "install", "protect", "raise_here", "redeliver", "take"]
+__all__ = [
+    "STATE",
+    "callback",
+    "defer",
+    "install",
+    "pass_on",
+    "protect",
+    "raise_here",
+    "redeliver",
+    "take",
+]
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -116,6 +126,13 @@ def take() -> bool:
     """Whether an interrupt is pending, clearing it."""
     pending, STATE.pending = STATE.pending, False
     return pending
+
+
+def pass_on() -> None:
+    """For a callback on its way out: an interrupt deferred while it ran goes on to the main
+    thread (see :func:`redeliver`)."""
+    if STATE.pending and take():
+        redeliver()
 
 
 def redeliver() -> None:

@@ -73,7 +73,7 @@ class Node:
 
     __slots__ = ("budget", "id", "name", "align", "track_stacks", "account", "stats", "lock",
                  "tree", "parent", "children", "granularity", "state", "refusal", "pins",
-                 "unreleased", "probes")
+                 "unreleased", "probes", "exit_hooks")
 
     def __init__(self, budget: Budget, name: str | None, limit: int, reserve: int, align: int,
                  track_stacks: bool) -> None:
@@ -94,6 +94,7 @@ class Node:
         self.pins = 0  # objects (a TensorRT runtime) that may still allocate through it
         self.unreleased = 0  # children entered and not yet released
         self.probes: dict[str, Probe] = {}  # adapters' usage, read for reports
+        self.exit_hooks: list[Callable[[], None]] = []  # adapters' calls when the scope ends
 
     # -- entering --------------------------------------------------------------------------
 
@@ -148,17 +149,26 @@ class Node:
     # -- leaving ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """The scope ended: stop being ``open``, and release if nothing holds the budget."""
+        """The scope ended: stop being ``open``, release if nothing holds the budget, then
+        run the adapters' exit hooks (outside the lock; one that fails is reported)."""
         tree = self.tree
         if tree is None:
             return
         if self.parent is None:
             tree.note_free_at_exit()
         with tree.lock:
-            if self.state == "open":
-                self.state = "exited"
-                tree.recorder.exited(self.id, root=self.parent is None)
-                self.release_if_unused()
+            if self.state != "open":
+                return
+            self.state = "exited"
+            tree.recorder.exited(self.id, root=self.parent is None)
+            self.release_if_unused()
+            hooks, self.exit_hooks = self.exit_hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
+                with tree.lock:
+                    self.stats.errors.append(f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:
         """Lock held: release this budget, then each ancestor it was the last hold on, once

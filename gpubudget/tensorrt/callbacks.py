@@ -121,8 +121,8 @@ class AllocatorMethods:
 
 def _handed_back(answer: A) -> A:
     """The callback's answer; a Ctrl-C deferred during the call goes to the main thread."""
-    if STATE.pending and interrupts.take():
-        interrupts.redeliver()
+    if STATE.pending:
+        interrupts.pass_on()
     return answer
 
 
