@@ -5,15 +5,20 @@
 Every allocator runs the churn trace (``benchmarks/traces.py``) and the model-loading trace
 (``traces.model_loading``) in one process, interleaved, ``--repeat`` times; prints Markdown
 tables of median microseconds per allocate+free pair and ratios to the ``Budget`` path.
-Allocators whose package is missing are listed as not run.
+Allocators whose package is missing are listed as not run. A third table times CuPy arrays and
+PyTorch tensors created and deleted through their own pools and routed into a budget
+(``gpubudget.cupy.allocations``, ``gpubudget.torch.allocations``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import platform
+import random
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,10 +56,10 @@ def _open_trt_methods() -> Opened:
 def _open_pycuda() -> Opened:
     import pycuda.driver as cuda
 
-    from gpubudget.backends import get_backend
-
-    get_backend("pycuda")  # the primary context, current on this thread
-    return cuda.mem_alloc, lambda a: a.free(), lambda: None
+    cuda.init()
+    context = cuda.Device(0).retain_primary_context()
+    context.push()  # the primary context, current on this thread while the trace runs
+    return cuda.mem_alloc, lambda a: a.free(), cuda.Context.pop
 
 
 def _open_cupy_runtime() -> Opened:
@@ -131,12 +136,92 @@ def tables(steps: int, repeat: int) -> list[str]:
     return rows
 
 
+def _sizes(count: int) -> list[int]:
+    """Log-uniform array sizes, 256 B to 4 MiB, the same every run."""
+    rng = random.Random(7)
+    return [int(2 ** rng.uniform(8, 22)) for _ in range(count)]
+
+
+def _cupy_arrays(routed: bool, sizes: list[int]) -> float:
+    cp = importlib.import_module("cupy")
+    from gpubudget import cupy as gbc
+    from gpubudget import gpu_budget
+
+    with contextlib.ExitStack() as stack:
+        if routed:
+            stack.enter_context(gpu_budget("8GiB", name="cupy-bench", backend="pycuda"))
+            stack.enter_context(gbc.allocations())
+        for size in sizes[:100]:  # warm-up
+            cp.empty(size, cp.uint8)
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for size in sizes:
+            array = cp.empty(size, cp.uint8)
+            del array
+        cp.cuda.Device().synchronize()
+        return time.perf_counter() - start
+
+
+def _torch_tensors(routed: bool, sizes: list[int]) -> float:
+    torch = importlib.import_module("torch")
+    from gpubudget import gpu_budget
+    from gpubudget import torch as gbt
+
+    with contextlib.ExitStack() as stack:
+        if routed:
+            stack.enter_context(gpu_budget("8GiB", name="torch-bench", backend="pycuda"))
+            stack.enter_context(gbt.allocations())
+        for size in sizes[:100]:  # warm-up: the pools' first segments
+            torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for size in sizes:
+            tensor = torch.empty(size, dtype=torch.uint8, device="cuda")
+            del tensor
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+FRAMEWORKS: dict[str, Callable[[list[int]], float]] = {
+    "CuPy arrays, CuPy's default pool": lambda sizes: _cupy_arrays(False, sizes),
+    "CuPy arrays, routed into a budget": lambda sizes: _cupy_arrays(True, sizes),
+    "PyTorch tensors, PyTorch's caching allocator": lambda sizes: _torch_tensors(False, sizes),
+    "PyTorch tensors, routed into a budget": lambda sizes: _torch_tensors(True, sizes),
+}
+
+
+def framework_table(count: int, repeat: int) -> list[str]:
+    """Microseconds per array/tensor created and deleted, each framework's own pool against
+    the same framework routed into a budget, interleaved."""
+    sizes = _sizes(count)
+    times: dict[str, list[float]] = {label: [] for label in FRAMEWORKS}
+    rows = ["", f"### arrays and tensors ({count} created and deleted, 256 B-4 MiB)", "",
+            "| allocation | us each | routed / own |", "| --- | ---: | ---: |"]
+    for _ in range(repeat):
+        for label, run in FRAMEWORKS.items():
+            try:
+                times[label].append(run(sizes))
+            except Exception as exc:  # noqa: BLE001 - a missing package: say so, go on
+                rows.insert(0, f"- {label}: not run ({type(exc).__name__}: {str(exc)[:120]})")
+                times[label] = []
+    us = {label: statistics.median(t) / count * 1e6 for label, t in times.items() if t}
+    labels = list(FRAMEWORKS)
+    for own, routed in (labels[0:2], labels[2:4]):
+        for label in (own, routed):
+            if label in us:
+                ratio = us[label] / us[own] if own in us else float("nan")
+                rows.append(f"| {label} | {us[label]:.2f} | {ratio:.2f}x |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="both traces on a CUDA device")
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--arrays", type=int, default=20_000)
     args = parser.parse_args(argv)
     print("\n".join(tables(args.steps, args.repeat)))
+    print("\n".join(framework_table(args.arrays, args.repeat)))
 
 
 if __name__ == "__main__":

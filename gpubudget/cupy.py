@@ -14,8 +14,9 @@ device (CuPy's allocator is per thread) is a block of the budget, tagged with th
 raises CuPy's ``OutOfMemoryError`` (also a :class:`~gpubudget.errors.AllocationDenied`) naming
 the budget, its limit and why. Arrays may outlive the block: each frees its block back to
 the budget when CuPy frees it, stream-ordered on the stream that was current when it was
-allocated. No CuPy pool caches on top of the budget: what CuPy holds is what arrays use,
-and ``report().usage`` says so. CuPy is optional and imported on first use.
+allocated (the legacy default stream, 0, included). No CuPy pool caches on top of the
+budget: what CuPy holds is what arrays use, and ``report().usage`` says so. CuPy is optional
+and imported on first use.
 
 :func:`empty` and :func:`array_on` put single arrays on budget blocks without routing.
 """
@@ -92,7 +93,7 @@ class _Block:
     @interrupts.callback
     def __del__(self) -> None:  # runs inside CuPy's deallocation: never raises
         try:
-            if self.budget.free(self.address, stream=self.stream or None):
+            if self.budget.free(self.address, stream=self.stream):
                 self.held.change(-self.nbytes)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
@@ -118,7 +119,7 @@ class _Router:
         stream = cp.cuda.get_current_stream().ptr
         try:
             address = self.budget.allocate(size, tag=current_label() or SOURCE,
-                                           stream=stream or None, raise_on_denial=True)
+                                           stream=stream, raise_on_denial=True)
         except AllocationDenied as denied:
             raise _out_of_memory(cp, denied) from None
         nbytes = self.budget.size_of(address)

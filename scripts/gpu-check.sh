@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine: install PyCUDA (and its pure-Python needs) from the ignored .whl/ folder,
-# run the whole test suite with the GPU tests, then the GPU benchmarks. Output goes to
-# ${OUT:-gpu-out}/ as well as to the terminal.
-#   cp ../shared/wheels/device-cp312/*.whl .whl/; pip download --no-deps -d .whl contextvars-extras==0.7.0 "sentinel-value<2"
+# On a CUDA machine (one or two GPUs): install PyCUDA and gpubudget's pure-Python needs from the
+# ignored .whl/ folder, run the whole test suite (the GPU tests verbose), the demo traced and
+# fitted, and the GPU benchmarks. Output goes to ${OUT:-gpu-out}/ as well as to the terminal.
+#   mkdir -p .whl && cp ../shared/wheels/device-cp312/*.whl .whl/
+#   pip download --no-deps -d .whl contextvars-extras==0.7.0 "sentinel-value<2"
 #   bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,10 +11,11 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 --version;
+{ date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; python3 --version;
   python3 -c 'import pycuda, cupy, torch; print("pycuda", pycuda.VERSION_TEXT, "cupy", cupy.__version__, "torch", torch.__version__)'; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
+python3 -m pytest tests -q -p no:cacheprovider --ignore=tests/gpu 2>&1 | tail -n 15 | tee "$out/cpu-tests.txt"
 GPUBUDGET_TRACE="$out/demo-trace.jsonl" python3 -m gpubudget demo --plot "$out/demo-gpu.png" 2>&1 | tee "$out/demo.txt"
 python3 -m gpubudget fit "$out/demo-trace.jsonl" 2>&1 | tee -a "$out/demo.txt"
 python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"

@@ -20,6 +20,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _host_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Overrides the suite-wide fixture: GPU tests run on the PyCUDA backend."""
+    """Overrides the suite-wide fixture: GPU tests run on the PyCUDA backend, with device 0's
+    primary context current in the test's thread (as CuPy or PyTorch would leave it), so
+    that the tests' own PyCUDA calls have a context."""
+    import pycuda.driver as cuda
+
     monkeypatch.setenv("GPUBUDGET_BACKEND", "pycuda")
-    yield
+    cuda.init()
+    context = cuda.Device(0).retain_primary_context()
+    context.push()
+    try:
+        yield
+    finally:
+        cuda.Context.pop()
+
+
+def devices() -> int:
+    import pycuda.driver as cuda
+
+    cuda.init()
+    return int(cuda.Device.count())
+
+
+two_devices = pytest.mark.skipif(
+    not cuda_usable() or devices() < 2, reason="needs two CUDA devices (nvidia-h200-x2)")

@@ -96,7 +96,7 @@ def test_cupy_array_on_a_budget_block_computes() -> None:
         assert float(y[0, 0]) == pytest.approx(999 * 1000 / 2)
         del x
         assert budget.used == 0  # freed back when the array died
-        with pytest.raises(BudgetError, match="refused"):
+        with pytest.raises(cp.cuda.memory.OutOfMemoryError, match="'cupy'.*refused"):
             gbc.empty((100 * MiB,), "uint8")
 
 
@@ -124,34 +124,50 @@ def test_root_larger_than_the_device_raises_with_free_and_total() -> None:
     assert "free of" in str(info.value) and "total" in str(info.value)
 
 
-SPIN = r"""
-extern "C" __global__ void spin_fill(unsigned char* p, size_t n, long long cycles, unsigned char v) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
+GATE = r"""
+extern "C" __global__ void gate_fill(volatile int* gate, unsigned char* p, size_t n,
+                                     unsigned char v) {
+    if (threadIdx.x == 0) {
+        long long start = clock64();  // waits for the host to open the gate (60 s at most)
+        while (*gate == 0 && clock64() - start < 120000000000LL) { }
+    }
+    __syncthreads();
     for (size_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = v;
 }
 """
 
 
 def test_stream_ordered_reuse_waits_for_the_freeing_stream() -> None:
+    """A kernel on stream A holds the block until the test opens a gate in pinned host
+    memory: no timing assumption, the work on A is unfinished for as long as we say."""
     cp = _cp()
-    kernel = cp.RawKernel(SPIN, "spin_fill")
+    import numpy as np
+
+    kernel = cp.RawKernel(GATE, "gate_fill")
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    gate_memory = cp.cuda.alloc_pinned_memory(4)
+    gate = np.frombuffer(gate_memory, np.int32, 1)
+    gate[0] = 0
     size = 4 * MiB
     with gpu_budget("64MiB", name="streams") as budget:
         block = budget.allocate(size, stream=a.ptr)
         assert block is not None
-        with a:  # a long kernel on A writes 0xAA into the block, after ~1 s of spinning
-            kernel((1,), (256,), (cp.uint64(block), cp.uint64(size), cp.int64(2_000_000_000), cp.uint8(0xAA)))
-        assert budget.free(block, stream=a.ptr)
-        other = budget.allocate(size, stream=b.ptr)
-        assert other is not None and other != block  # B must not get A's block yet
-        same = budget.allocate(size, stream=a.ptr)
-        assert same == block  # the same stream reuses it at once: ordered after the kernel
-        with a:
-            kernel((1,), (256,), (cp.uint64(same), cp.uint64(size), cp.int64(0), cp.uint8(0x55)))
+        try:
+            with a:  # A writes 0xAA into the block once the gate opens
+                kernel((1,), (256,), (cp.uint64(gate_memory.ptr), cp.uint64(block),
+                                      cp.uint64(size), cp.uint8(0xAA)))
+            assert budget.free(block, stream=a.ptr)
+            other = budget.allocate(size, stream=b.ptr)
+            assert other is not None and other != block  # B must not get A's block yet
+            same = budget.allocate(size, stream=a.ptr)
+            assert same == block  # the same stream reuses it at once: ordered after A's work
+            with a:
+                kernel((1,), (256,), (cp.uint64(gate_memory.ptr), cp.uint64(same),
+                                      cp.uint64(size), cp.uint8(0x55)))
+        finally:
+            gate[0] = 1
         a.synchronize()
-        assert _read(same, size) == b"\x55" * size  # the kernel's write came first, ours last
+        assert _read(same, size) == b"\x55" * size  # the first kernel's write came first
         budget.free(same, stream=a.ptr)
         a.synchronize()
         again = budget.allocate(size, stream=b.ptr)
