@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 from gpubudget import Budget
 from gpubudget.backends.host import HostBackend, HostReservation
@@ -16,6 +17,13 @@ def fill(address: int, size: int, byte: int) -> None:
 def holds(address: int, size: int, byte: int) -> bool:
     """Whether every byte of a host-backend block still holds ``byte``."""
     return ctypes.string_at(address, size) == bytes([byte]) * size
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python subprocess that imports gpubudget and the tests from this
+    checkout, keeping whatever path the suite itself runs with."""
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def consistent(budget: Budget) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import subprocess_env
+
 from gpubudget.tensorrt import MODULE_NAMES
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
@@ -21,7 +23,7 @@ EXPECTED = {
 
 
 def run(path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "GPUBUDGET_BACKEND": "host", "PYTHONPATH": str(path.parent.parent)}
+    env = subprocess_env(GPUBUDGET_BACKEND="host")
     return subprocess.run(
         [sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=120
     )

@@ -24,7 +24,7 @@ import pytest
 import gpubudget
 from gpubudget import gpu_budget, interrupts
 from gpubudget.units import KiB
-from tests.helpers import consistent
+from tests.helpers import consistent, subprocess_env
 
 PACKAGE = os.path.dirname(gpubudget.__file__)
 
@@ -208,7 +208,7 @@ def test_a_ctrl_c_in_a_callback_is_answered_and_raised_again_in_python(tmp_path:
             pool.check()
             print("used", pool.used)
     """))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "GPUBUDGET_BACKEND": "host"}
+    env = subprocess_env(GPUBUDGET_BACKEND="host")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=env, timeout=60)
     assert result.returncode == 0, result.stderr

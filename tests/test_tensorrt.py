@@ -14,7 +14,7 @@ import pytest
 
 from gpubudget import BudgetError, gpu_budget, label
 from gpubudget import tensorrt as gbt
-from tests.helpers import fill, holds
+from tests.helpers import fill, holds, subprocess_env
 from tests.trampoline import Trampoline, verify_slots
 
 trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
@@ -259,6 +259,6 @@ def test_interpreter_exit_with_live_objects_is_silent(tmp_path: Any) -> None:
         assert all(blocks)
         print("done")
     """))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "GPUBUDGET_BACKEND": "host"}
+    env = subprocess_env(GPUBUDGET_BACKEND="host")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")

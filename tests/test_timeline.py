@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import subprocess_env
+
 import gpubudget.recorder as recorder_module
 from gpubudget import gpu_budget, label
 
@@ -112,7 +114,7 @@ def test_leaks_property_and_exit_listing_with_stacks(tmp_path: Path) -> None:
         with gpu_budget("1MiB", name="quiet", backend="host") as quiet:
             quiet.allocate(4096)
     """))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = subprocess_env()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 0
     err = result.stderr

@@ -17,7 +17,7 @@ from gpubudget import BudgetError, gpu_budget
 from gpubudget import torch as gbt
 from gpubudget.units import KiB, MiB
 from tests.fakes import SEGMENT, DeviceHostBackend, fake_torch
-from tests.helpers import consistent
+from tests.helpers import consistent, subprocess_env
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_interpreter_exit_with_live_tensors_is_silent(tmp_path: Path) -> None:
         atexit.register(lambda: None)
         print("done")
     """))
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = subprocess_env()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=env, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")

@@ -7,7 +7,8 @@ freeing, copying, asking for free memory, creating events) runs with this device
 context pushed on PyCUDA's stack and popped after, so the caller's current context (another
 device's, say) is what it was. Events on raw stream handles (TensorRT, CuPy and PyTorch pass
 ``cudaStream_t`` values as integers) go through the driver API with ``ctypes``, since
-PyCUDA's ``Event.record`` wants a PyCUDA ``Stream``; they are created once and reused. At
+PyCUDA's ``Event.record`` wants a PyCUDA ``Stream``; they are created once and reused, and
+skipped when the stream has no work left. At
 interpreter exit, reservations still held are freed while the context is alive, and later
 releases become no-ops, so exit with live blocks is silent.
 """
@@ -41,6 +42,7 @@ def _load_driver() -> ctypes.CDLL:
     lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
     lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
     lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cuStreamQuery.argtypes = [ctypes.c_void_p]
     return lib
 
 
@@ -112,6 +114,21 @@ class PyCudaEvent:
             self._backend.recycle_event(handle)
 
 
+class _Finished:
+    """The event of a stream that had no work left when it was asked: done already."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_FINISHED: Final = _Finished()
+
+
 class PyCudaBackend:
     """Device memory through PyCUDA, in the primary context of device ``device``."""
 
@@ -170,7 +187,11 @@ class PyCudaBackend:
         with self.active():
             cuda.memcpy_dtod(dst, src, nbytes)
 
-    def record_event(self, stream: int) -> PyCudaEvent:
+    def record_event(self, stream: int) -> PyCudaEvent | _Finished:
+        """An event after the work queued on ``stream`` so far; when the stream has none
+        left (one driver call says so), no event is needed."""
+        if self.driver.cuStreamQuery(stream or None) == _CUDA_SUCCESS:
+            return _FINISHED
         with self._lock:
             handle = self._events.pop() if self._events else None
         if handle is None:

@@ -25,6 +25,8 @@ def _host_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     that the tests' own PyCUDA calls have a context."""
     import pycuda.driver as cuda
 
+    from gpubudget.context import ACTIVE
+
     monkeypatch.setenv("GPUBUDGET_BACKEND", "pycuda")
     cuda.init()
     context = cuda.Device(0).retain_primary_context()
@@ -33,6 +35,9 @@ def _host_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
     finally:
         cuda.Context.pop()
+        leaked = ACTIVE.get()
+        ACTIVE.set(())
+        assert leaked == (), f"test left budgets active: {leaked}"
 
 
 def devices() -> int:

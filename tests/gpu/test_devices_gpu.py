@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import types
 from typing import Any
@@ -79,16 +80,17 @@ def test_the_default_device_follows_the_thread_each_time() -> None:
 @two_devices
 def test_memory_taken_outside_is_counted_per_device() -> None:
     cp = pytest.importorskip("cupy")
-    with cp.cuda.Device(0):
-        zero = gpu_budget("64MiB", name="zero", device=0).__enter__()
-    one = gpu_budget("64MiB", name="one", device=1)
-    with cp.cuda.Device(1):
-        with one:
+    with cp.cuda.Device(0), gpu_budget("64MiB", name="zero", device=0) as zero:
+        one = gpu_budget("64MiB", name="one", device=1)
+        elsewhere = contextvars.Context()  # a context where 'zero' is not active: a root
+        with cp.cuda.Device(1):
+            elsewhere.run(one.__enter__)
             taken = cp.cuda.runtime.malloc(512 * MiB)  # someone else's memory on device 1
             outside_one = one.report().outside_bytes
             cp.cuda.runtime.free(taken)
-    outside_zero = zero.report().outside_bytes
-    zero.__exit__(None, None, None)
+            elsewhere.run(one.__exit__, None, None, None)
+        outside_zero = zero.report().outside_bytes
+    assert one.device == 1 and zero.device == 0
     assert outside_one is not None and 512 * MiB <= outside_one < 600 * MiB
     assert outside_zero is not None and outside_zero < 64 * MiB
 
