@@ -1,14 +1,17 @@
 """PyCUDA backend: one ``cuMemAlloc`` per root budget, in a device's primary context.
 
-One backend instance per device. The primary context is the one the CUDA runtime, TensorRT,
-CuPy and PyTorch use; a context made with ``make_context()`` would be a different one, and
-its pointers would belong to it. Every driver call that needs a current context (allocating,
-freeing, copying, asking for free memory, creating events) runs with this device's primary
-context pushed on PyCUDA's stack and popped after, so the caller's current context (another
-device's, say) is what it was. Events on raw stream handles (TensorRT, CuPy and PyTorch pass
-``cudaStream_t`` values as integers) go through the driver API with ``ctypes``, since
-PyCUDA's ``Event.record`` wants a PyCUDA ``Stream``; they are created once and reused, and
-skipped when the stream has no work left. At
+One backend instance per device. PyCUDA initializes the driver and names the device; the
+driver calls themselves go through ``ctypes`` on the same ``libcuda``, because PyCUDA's own
+context stack re-activates *its* top context when it pops, which would undo a device the
+caller chose through CuPy, PyTorch or ``cudaSetDevice``. The primary context is the one the
+CUDA runtime, TensorRT, CuPy and PyTorch use (a context made with ``make_context()`` would be
+a different one, and its pointers would belong to it). Every call that needs a current
+context (allocating, freeing, copying, asking for free memory, creating events) pushes this
+device's primary context and pops it after, so the caller's current context is exactly what
+it was; when it already is this one, nothing is pushed.
+
+Events on raw stream handles (TensorRT, CuPy and PyTorch pass ``cudaStream_t`` values as
+integers) are created once and reused, and skipped when the stream has no work left. At
 interpreter exit, reservations still held are freed while the context is alive, and later
 releases become no-ops, so exit with live blocks is silent.
 """
@@ -29,20 +32,37 @@ import pycuda.driver as cuda
 __all__ = ["PyCudaBackend", "PyCudaEvent", "PyCudaReservation", "current_device"]
 
 _CUDA_SUCCESS: Final = 0
+_CUDA_ERROR_OUT_OF_MEMORY: Final = 2
 _CUDA_ERROR_NOT_READY: Final = 600
 _CU_EVENT_DISABLE_TIMING: Final = 2
+_p = ctypes.c_void_p
+_SIGNATURES: Final = {
+    "cuEventCreate": [ctypes.POINTER(_p), ctypes.c_uint],
+    "cuEventRecord": [_p, _p],
+    "cuEventQuery": [_p],
+    "cuEventSynchronize": [_p],
+    "cuEventDestroy_v2": [_p],
+    "cuStreamQuery": [_p],
+    "cuStreamSynchronize": [_p],
+    "cuCtxGetDevice": [ctypes.POINTER(ctypes.c_int)],
+    "cuCtxGetCurrent": [ctypes.POINTER(_p)],
+    "cuCtxPushCurrent_v2": [_p],
+    "cuCtxPopCurrent_v2": [ctypes.POINTER(_p)],
+    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_p), ctypes.c_int],
+    "cuMemAlloc_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+    "cuMemFree_v2": [ctypes.c_uint64],
+    "cuMemGetInfo_v2": [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)],
+    "cuMemcpyDtoD_v2": [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t],
+    "cuPointerGetAttribute": [_p, ctypes.c_int, ctypes.c_uint64],
+}
 
 
 def _load_driver() -> ctypes.CDLL:
     name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     lib = ctypes.CDLL(name)
-    lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuEventQuery.argtypes = [ctypes.c_void_p]
-    lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
-    lib.cuEventDestroy_v2.argtypes = [ctypes.c_void_p]
-    lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    lib.cuStreamQuery.argtypes = [ctypes.c_void_p]
+    for function, argtypes in _SIGNATURES.items():
+        getattr(lib, function).argtypes = argtypes
     return lib
 
 
@@ -51,15 +71,20 @@ _loaded: list[ctypes.CDLL] = []
 
 def _driver() -> ctypes.CDLL:
     if not _loaded:
+        cuda.init()
         _loaded.append(_load_driver())
     return _loaded[0]
+
+
+def _check(status: int, what: str) -> None:
+    if status != _CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call {what} failed with error {status}")
 
 
 def current_device() -> int:
     """The device of the CUDA context current in the calling thread (the one CuPy's
     ``Device(n).use()``, ``torch.cuda.set_device(n)`` and ``cudaSetDevice`` make current),
     else 0."""
-    cuda.init()
     device = ctypes.c_int(0)
     if _driver().cuCtxGetDevice(ctypes.byref(device)) != _CUDA_SUCCESS:
         return 0  # no context current in this thread
@@ -69,19 +94,19 @@ def current_device() -> int:
 class PyCudaReservation:
     """A device allocation owned by a root budget."""
 
-    __slots__ = ("_allocation", "_backend", "address", "nbytes", "__weakref__")
+    __slots__ = ("_backend", "address", "nbytes", "_live", "__weakref__")
 
-    def __init__(self, backend: PyCudaBackend, allocation: cuda.DeviceAllocation, nbytes: int):
+    def __init__(self, backend: PyCudaBackend, address: int, nbytes: int) -> None:
         self._backend = backend
-        self._allocation: cuda.DeviceAllocation | None = allocation
-        self.address: Final = int(allocation)
+        self.address: Final = address
         self.nbytes: Final = nbytes
+        self._live = True
 
     def release(self) -> None:
-        allocation, self._allocation = self._allocation, None
-        if allocation is not None and not self._backend.closed:
+        live, self._live = self._live, False
+        if live and not self._backend.closed:
             with self._backend.active():
-                allocation.free()
+                _check(self._backend.driver.cuMemFree_v2(self.address), "cuMemFree")
 
 
 class PyCudaEvent:
@@ -93,7 +118,7 @@ class PyCudaEvent:
     def __init__(self, backend: PyCudaBackend, handle: int, stream: int) -> None:
         self._backend = backend
         self._handle: int | None = handle
-        backend.check(backend.driver.cuEventRecord(handle, stream or None))
+        _check(backend.driver.cuEventRecord(handle, stream or None), "cuEventRecord")
 
     def query(self) -> bool:
         if self._handle is None or self._backend.closed:
@@ -101,12 +126,12 @@ class PyCudaEvent:
         status = int(self._backend.driver.cuEventQuery(self._handle))
         if status == _CUDA_ERROR_NOT_READY:
             return False
-        self._backend.check(status)
+        _check(status, "cuEventQuery")
         return True
 
     def synchronize(self) -> None:
         if self._handle is not None and not self._backend.closed:
-            self._backend.check(self._backend.driver.cuEventSynchronize(self._handle))
+            _check(self._backend.driver.cuEventSynchronize(self._handle), "cuEventSynchronize")
 
     def __del__(self) -> None:
         handle, self._handle = self._handle, None
@@ -130,18 +155,23 @@ _FINISHED: Final = _Finished()
 
 
 class PyCudaBackend:
-    """Device memory through PyCUDA, in the primary context of device ``device``."""
+    """Device memory in the primary context of CUDA device ``device``."""
 
     name = "pycuda"
 
     def __init__(self, device: int = 0) -> None:
-        cuda.init()
+        driver = _driver()
         if not 0 <= device < cuda.Device.count():
             raise ValueError(f"no CUDA device {device}: this machine has {cuda.Device.count()}")
+        handle = ctypes.c_int()
+        _check(driver.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+        context = _p()
+        _check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle.value),
+               "cuDevicePrimaryCtxRetain")
         self.ordinal: Final = device
         self.device: Final = cuda.Device(device)
-        self._context = self.device.retain_primary_context()
-        self.driver: Final = _driver()
+        self.driver: Final = driver
+        self._context: Final = context.value
         self.closed = False
         self._lock = threading.Lock()
         self._live: weakref.WeakSet[PyCudaReservation] = weakref.WeakSet()
@@ -154,38 +184,43 @@ class PyCudaBackend:
     @contextmanager
     def active(self) -> Iterator[None]:
         """This device's primary context current for the calls inside, the caller's after."""
-        self._context.push()
+        current = _p()
+        self.driver.cuCtxGetCurrent(ctypes.byref(current))
+        if current.value == self._context:
+            yield
+            return
+        _check(self.driver.cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
         try:
             yield
         finally:
-            cuda.Context.pop()
-
-    def check(self, status: int) -> None:
-        if status != _CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver call failed with error {status}")
+            popped = _p()
+            self.driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
 
     def reserve(self, nbytes: int) -> PyCudaReservation:
-        try:
-            with self.active():
-                allocation = cuda.mem_alloc(nbytes)
-        except cuda.Error as exc:
-            raise MemoryError(str(exc)) from exc
-        reservation = PyCudaReservation(self, allocation, nbytes)
+        address = ctypes.c_uint64()
+        with self.active():
+            status = self.driver.cuMemAlloc_v2(ctypes.byref(address), nbytes)
+        if status != _CUDA_SUCCESS:
+            raise MemoryError(f"cuMemAlloc of {nbytes} bytes on device {self.ordinal} failed "
+                              f"with error {status}"
+                              + (" (out of memory)" if status == _CUDA_ERROR_OUT_OF_MEMORY
+                                 else ""))
+        reservation = PyCudaReservation(self, address.value, nbytes)
         with self._lock:
             self._live.add(reservation)
         return reservation
 
     def mem_info(self) -> tuple[int, int] | None:
-        try:
-            with self.active():
-                free, total = cuda.mem_get_info()
-        except cuda.Error:
-            return None
-        return int(free), int(total)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        with self.active():
+            status = self.driver.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+        return (free.value, total.value) if status == _CUDA_SUCCESS else None
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Device to device, complete on return (the legacy default stream is waited for)."""
         with self.active():
-            cuda.memcpy_dtod(dst, src, nbytes)
+            _check(self.driver.cuMemcpyDtoD_v2(dst, src, nbytes), "cuMemcpyDtoD")
+            _check(self.driver.cuStreamSynchronize(None), "cuStreamSynchronize")
 
     def record_event(self, stream: int) -> PyCudaEvent | _Finished:
         """An event after the work queued on ``stream`` so far; when the stream has none
@@ -195,10 +230,10 @@ class PyCudaBackend:
         with self._lock:
             handle = self._events.pop() if self._events else None
         if handle is None:
-            created = ctypes.c_void_p()
+            created = _p()
             with self.active():
-                self.check(self.driver.cuEventCreate(ctypes.byref(created),
-                                                     _CU_EVENT_DISABLE_TIMING))
+                _check(self.driver.cuEventCreate(ctypes.byref(created), _CU_EVENT_DISABLE_TIMING),
+                       "cuEventCreate")
             assert created.value is not None
             handle = created.value
         try:

@@ -21,7 +21,7 @@ def device_of_pointer(address: int) -> int:
     driver: Any = get_backend("pycuda", device=0)
     ordinal = ctypes.c_int(-1)
     status = driver.driver.cuPointerGetAttribute(
-        ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_void_p(address))
+        ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, address)
     assert status == 0, status
     return ordinal.value
 

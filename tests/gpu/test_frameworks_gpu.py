@@ -92,7 +92,8 @@ def test_torch_tensors_are_charged_capped_and_compute() -> None:
                 b = a @ a
                 assert torch.allclose(b, (a.double() @ a.double()).float(), atol=1e-2)
                 assert detector.used >= 8 * MiB and pool.used == detector.used
-                with pytest.raises(torch.OutOfMemoryError) as info:
+            with pytest.raises(torch.OutOfMemoryError) as info:
+                with gbt.allocations():
                     torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
             c = torch.empty(MiB, dtype=torch.uint8, device="cuda")  # not charged
             used = detector.used

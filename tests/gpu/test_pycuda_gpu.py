@@ -48,7 +48,7 @@ def test_root_is_one_allocation_in_the_primary_context() -> None:
         context = ctypes.c_void_p()
         primary = ctypes.c_void_p()
         # CU_POINTER_ATTRIBUTE_CONTEXT = 1
-        assert driver.cuPointerGetAttribute(ctypes.byref(context), 1, ctypes.c_void_p(block)) == 0
+        assert driver.cuPointerGetAttribute(ctypes.byref(context), 1, block) == 0
         assert driver.cuDevicePrimaryCtxRetain(ctypes.byref(primary), 0) == 0
         assert context.value == primary.value
         assert free_during - cuda.mem_get_info()[0] < MiB  # the block came from the reservation
