@@ -4,8 +4,9 @@ An :class:`Arena` manages ``[base, base + capacity)``. Every block size is a mul
 arena's ``granularity`` and every block starts at a multiple of it, so a free block can always
 be split on granularity boundaries. The arena never touches the memory it manages.
 
-Data structures (every operation is a few dictionary look-ups and one or two binary
-searches; nothing scans the blocks):
+Data structures (every operation is a few dictionary look-ups, one or two binary searches,
+and an insertion into or deletion from a sorted list, which moves the entries after it:
+O(n) in the worst case, a fast memory move in practice for the free blocks of a budget):
 
 - ``_free_keys``: a sorted list of ``size << 64 | address`` for every free block, so that
   ``bisect`` finds the smallest free block of at least ``n`` bytes (lowest address on ties);
@@ -35,7 +36,9 @@ from bisect import bisect_left, insort
 from collections.abc import Iterator
 from typing import Final, NamedTuple
 
-__all__ = ["Arena", "ArenaCorruption", "Block"]
+from .errors import InvariantError
+
+__all__ = ["Arena", "Block"]
 
 _SHIFT: Final = 64
 _MASK: Final = (1 << _SHIFT) - 1
@@ -47,14 +50,6 @@ class Block(NamedTuple):
     address: int
     size: int
     free: bool
-
-
-class ArenaCorruption(AssertionError):
-    """An arena invariant does not hold; ``invariant`` names it."""
-
-    def __init__(self, invariant: str, detail: str) -> None:
-        super().__init__(f"arena invariant {invariant} violated: {detail}")
-        self.invariant = invariant
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -192,10 +187,6 @@ class Arena:
         free_end[end] = address
         return released
 
-    def size_of(self, address: int) -> int:
-        """Size of the allocated block at ``address``, 0 if none starts there."""
-        return self._used_at.get(address, 0)
-
     def resize(self, address: int, new_size: int) -> bool:
         """Grow or shrink the allocated block at ``address`` in place.
 
@@ -241,11 +232,6 @@ class Arena:
         keys = self._free_keys
         return keys[-1] >> _SHIFT if keys else 0
 
-    @property
-    def live_blocks(self) -> int:
-        """Number of allocated blocks."""
-        return len(self._used_at)
-
     def walk(self) -> Iterator[Block]:
         """Yield every block, free and allocated, in address order."""
         blocks = [Block(a, s, True) for a, s in self._free_at.items()]
@@ -254,29 +240,29 @@ class Arena:
         yield from blocks
 
     def check(self) -> None:
-        """Raise :class:`ArenaCorruption` naming the first invariant that does not hold."""
+        """Raise :class:`InvariantError` naming the first invariant that does not hold."""
         expected = self.base
         previous_free = False
         for block in self.walk():
             if block.address != expected:
-                raise ArenaCorruption(
+                raise InvariantError(
                     "TILED", f"block at {block.address:#x}, previous block ends at {expected:#x}"
                 )
             if block.address % self.granularity or block.size % self.granularity or block.size <= 0:
-                raise ArenaCorruption("ALIGNED", f"block {block}")
+                raise InvariantError("ALIGNED", f"block {block}")
             if block.free and previous_free:
-                raise ArenaCorruption("COALESCED", f"free block {block} follows a free block")
+                raise InvariantError("COALESCED", f"free block {block} follows a free block")
             previous_free = block.free
             expected = block.address + block.size
         if expected != self.base + self.capacity:
-            raise ArenaCorruption("TILED", f"blocks end at {expected:#x}, not at the range end")
+            raise InvariantError("TILED", f"blocks end at {expected:#x}, not at the range end")
         keys = self._free_keys
         if keys != sorted(keys) or {k & _MASK: k >> _SHIFT for k in keys} != self._free_at:
-            raise ArenaCorruption("INDEXED", "sorted free index disagrees with the free map")
+            raise InvariantError("INDEXED", "sorted free index disagrees with the free map")
         if len(keys) != len(self._free_at) or self._free_end != {
             a + s: a for a, s in self._free_at.items()
         }:
-            raise ArenaCorruption("INDEXED", "free-end map disagrees with the free map")
+            raise InvariantError("INDEXED", "free-end map disagrees with the free map")
 
     def __repr__(self) -> str:
         return (

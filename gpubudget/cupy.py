@@ -4,21 +4,29 @@
 >>> from gpubudget import gpu_budget, cupy as gbc             # doctest: +SKIP
 >>> with gpu_budget("1GiB", name="preprocess") as budget:     # doctest: +SKIP
 ...     with gbc.allocations():
-...         x = cp.ones((1024, 1024), cp.float32)             # a block of the budget
+...         x = cp.ones((1024, 1024), cp.float32)             # memory of the budget
 ...     float(x.sum())
 1048576.0
 
-Under :class:`allocations`, every CuPy allocation the calling thread makes on the budget's
-device (CuPy's allocator is per thread) is a block of the budget, tagged with the current
-:func:`gpubudget.label` or ``"cupy"``; other devices keep the allocator they had. A denial
-raises CuPy's ``OutOfMemoryError`` (also a :class:`~gpubudget.errors.AllocationDenied`) naming
-the budget, its limit and why. Arrays may outlive the block: each frees its block back to
-the budget when CuPy frees it, stream-ordered on the stream that was current when it was
-allocated (the legacy default stream, 0, included). No CuPy pool caches on top of the
-budget: what CuPy holds is what arrays use, and ``report().usage`` says so. CuPy is optional
-and imported on first use.
+Each budget gets a ``cupy.cuda.MemoryPool`` whose allocator is the budget: the pool asks the
+budget for chunks, splits them among arrays and caches what arrays free, so arrays cost what
+they cost in CuPy's own pool. Under :class:`allocations`, every CuPy allocation the calling
+thread makes on the budget's device (CuPy's allocator is per thread) comes from that pool;
+other devices keep the allocator they had. Chunks are tagged with the current
+:func:`gpubudget.label` or ``"cupy"``. The budget is charged for the chunks;
+``report().usage`` shows how much of them arrays use and how much the pool caches.
 
-:func:`empty` and :func:`array_on` put single arrays on budget blocks without routing.
+Denial. When the budget refuses a chunk, the pool's cache goes back to the budget and the
+request is asked once more; then CuPy's ``OutOfMemoryError`` is raised (also an
+:class:`~gpubudget.errors.AllocationDenied`) naming the budget, its limit and why.
+
+Lifetime. Arrays may outlive the blocks. Once the budget's scope has ended and no
+``allocations`` block uses its pool, the pool's cache goes back to the budget; chunks still
+under arrays return when those arrays are gone and :func:`release_cached` runs (a later
+``allocations`` block of any budget does it too). Returning a chunk synchronizes its device
+first, as ``cudaFree`` does. CuPy is optional and imported on first use.
+
+:func:`empty` and :func:`array_on` put single arrays on budget blocks without a pool.
 """
 
 from __future__ import annotations
@@ -36,11 +44,12 @@ from .errors import AllocationDenied, BudgetError
 from .interrupts import STATE
 from .scope import current_budget, current_label
 
-__all__ = ["allocations", "array_on", "empty"]
+__all__ = ["allocations", "array_on", "empty", "release_cached"]
 
 SOURCE: Final = "cupy"
 _lock = threading.Lock()
-_held: weakref.WeakKeyDictionary[Budget, _Held] = weakref.WeakKeyDictionary()
+_pools: weakref.WeakKeyDictionary[Budget, _Pool] = weakref.WeakKeyDictionary()
+_draining: list[_Pool] = []  # retired pools whose chunks arrays still use
 _errors: dict[type, type] = {}  # CuPy's OutOfMemoryError -> our subclass of it
 
 
@@ -51,50 +60,29 @@ def _cupy() -> Any:
         raise ImportError("gpubudget.cupy needs CuPy (pip install cupy-cuda13x)") from exc
 
 
-class _Held:
-    """Bytes of one budget that CuPy arrays hold (charged, aligned); its usage probe."""
-
-    __slots__ = ("bytes", "lock")
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.lock = threading.Lock()
-
-    def change(self, delta: int) -> None:
-        with self.lock:
-            self.bytes += delta
-
-    def probe(self) -> tuple[int, int]:
-        return self.bytes, self.bytes  # nothing cached: all of it is in arrays
-
-
-def _held_of(budget: Budget) -> _Held:
-    with _lock:
-        held = _held.get(budget)
-        if held is None:
-            held = _held[budget] = _Held()
-            budget.report_usage(SOURCE, held.probe)
-        return held
-
-
 class _Block:
-    """Owns one budget block under a CuPy array; frees it when CuPy drops the memory."""
+    """Owns one budget block under CuPy memory; gives it back when CuPy drops the memory.
 
-    __slots__ = ("budget", "address", "nbytes", "stream", "held")
+    ``stream`` orders the free after the work queued there (``empty``); ``None`` means a pool
+    chunk, returned after synchronizing the device, as ``cudaFree`` would."""
 
-    def __init__(self, budget: Budget, address: int, nbytes: int, stream: int,
-                 held: _Held) -> None:
+    __slots__ = ("pool", "budget", "address", "nbytes", "stream")
+
+    def __init__(self, pool: _Pool | None, budget: Budget, address: int, nbytes: int,
+                 stream: int | None) -> None:
+        self.pool = pool
         self.budget = budget
         self.address = address
         self.nbytes = nbytes
         self.stream = stream
-        self.held = held
 
     @interrupts.callback
     def __del__(self) -> None:  # runs inside CuPy's deallocation: never raises
         try:
-            if self.budget.free(self.address, stream=self.stream):
-                self.held.change(-self.nbytes)
+            if self.pool is not None:
+                self.pool.synchronize()
+            if self.budget.free(self.address, stream=self.stream) and self.pool is not None:
+                self.pool.change(-self.nbytes)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 interrupts.defer()
@@ -102,31 +90,107 @@ class _Block:
             interrupts.pass_on()
 
 
-class _Router:
-    """The allocator function CuPy calls under :class:`allocations`."""
+class _Pool:
+    """One budget's CuPy ``MemoryPool``; its allocator gives the budget's blocks."""
 
-    def __init__(self, cp: Any, budget: Budget, device: int, previous: Any) -> None:
+    def __init__(self, cp: Any, budget: Budget, device: int) -> None:
         self.cp = cp
         self.budget = budget
         self.device = device
-        self.previous = previous  # CuPy's allocator for other devices and empty arrays
-        self.held = _held_of(budget)
+        self.lock = threading.Lock()
+        self.charged = 0  # bytes of the budget's blocks the pool holds
+        self.users = 0  # allocations blocks inside which the pool is in use
+        self.retired = False
+        self.pool: Any = cp.cuda.MemoryPool(self._chunk)
+        budget.report_usage(SOURCE, self.usage)
+        if budget.state == "open":  # else the end of the allocations block retires it
+            budget.call_on_exit(self.retire_if_unused)
+
+    def _chunk(self, size: int) -> Any:
+        """The pool's allocator: a new chunk of ``size`` bytes from the budget."""
+        tag = current_label() or SOURCE
+        try:
+            address = self.budget.allocate(size, tag=tag, raise_on_denial=True)
+        except AllocationDenied:
+            self.free_cache()  # the pool's cache goes back to the budget, then once more
+            try:
+                address = self.budget.allocate(size, tag=tag, raise_on_denial=True)
+            except AllocationDenied as denied:
+                raise _out_of_memory(self.cp, denied) from None
+        nbytes = self.budget.size_of(address)
+        self.change(nbytes)
+        owner = _Block(self, self.budget, address, nbytes, None)
+        memory = self.cp.cuda.UnownedMemory(address, size, owner, self.device)
+        return self.cp.cuda.MemoryPointer(memory, 0)
+
+    def change(self, delta: int) -> None:
+        with self.lock:
+            self.charged += delta
+
+    def synchronize(self) -> None:
+        self.cp.cuda.Device(self.device).synchronize()
+
+    def in_use(self) -> int:
+        with self.cp.cuda.Device(self.device):
+            return int(self.pool.used_bytes())
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes charged for chunks, bytes of them under live arrays)."""
+        return self.charged, self.in_use()
+
+    def free_cache(self) -> None:
+        with self.cp.cuda.Device(self.device):
+            self.pool.free_all_blocks()
+
+    def retire_if_unused(self) -> None:
+        """Once the scope has ended and no block uses the pool: give its cache back; keep
+        the pool while arrays still use its chunks (dropping it would free them)."""
+        with self.lock:
+            if self.users or self.retired or self.budget.state == "open":
+                return
+            self.retired = True
+        with _lock:
+            if _pools.get(self.budget) is self:
+                del _pools[self.budget]
+            _draining.append(self)
+        release_cached()
+
+
+class _Router:
+    """The allocator function CuPy calls under one :class:`allocations` block."""
+
+    __slots__ = ("device", "pool", "previous")
+
+    def __init__(self, pool: _Pool, previous: Any) -> None:
+        self.device = pool.device
+        self.pool = pool.pool.malloc
+        self.previous = previous  # CuPy's allocator for other devices
 
     def __call__(self, size: int) -> Any:
-        cp = self.cp
-        if size == 0 or cp.cuda.runtime.getDevice() != self.device:
+        if _current_device() != self.device:
             return self.previous(size)
-        stream = cp.cuda.get_current_stream().ptr
-        try:
-            address = self.budget.allocate(size, tag=current_label() or SOURCE,
-                                           stream=stream, raise_on_denial=True)
-        except AllocationDenied as denied:
-            raise _out_of_memory(cp, denied) from None
-        nbytes = self.budget.size_of(address)
-        self.held.change(nbytes)
-        owner = _Block(self.budget, address, nbytes, stream, self.held)
-        memory = cp.cuda.UnownedMemory(address, size, owner, self.device)
-        return cp.cuda.MemoryPointer(memory, 0)
+        return self.pool(size)
+
+
+def _current_device() -> int:
+    device: int = _cupy().cuda.runtime.getDevice()
+    return device
+
+
+def release_cached() -> None:
+    """Give the chunks that budgets' CuPy pools cache back to the budgets, and let go of the
+    retired pools whose arrays are all gone."""
+    with _lock:
+        pools = list(_pools.values()) + list(_draining)
+    done = []
+    for pool in pools:
+        pool.free_cache()
+        if pool.retired and pool.in_use() == 0:
+            done.append(pool)
+    with _lock:
+        for pool in done:
+            if pool in _draining:
+                _draining.remove(pool)
 
 
 def _out_of_memory(cp: Any, denied: AllocationDenied) -> BaseException:
@@ -172,7 +236,7 @@ class allocations:  # noqa: N801 - used like a function: ``with allocations():``
         if budget is not None and not isinstance(budget, Budget):
             raise TypeError(f"budget must be a gpubudget.Budget or None, got {budget!r}")
         self._budget = budget
-        self._entered: list[Any] = []  # CuPy's using_allocator context managers
+        self._entered: list[tuple[_Pool, Any]] = []  # with CuPy's using_allocator managers
 
     def __enter__(self) -> Budget:
         cp = _cupy()
@@ -181,14 +245,28 @@ class allocations:  # noqa: N801 - used like a function: ``with allocations():``
         if device is None:
             raise BudgetError(f"budget {budget.name!r} is in host memory, which CuPy cannot "
                               f"use; enter it on a CUDA device (backend='pycuda')")
-        manager = cp.cuda.using_allocator(_Router(cp, budget, device, cp.cuda.get_allocator()))
+        if _draining:
+            release_cached()
+        with _lock:
+            pool = _pools.get(budget)
+            if pool is None:
+                pool = _pools[budget] = _Pool(cp, budget, device)
+        with pool.lock:
+            pool.users += 1
+        manager = cp.cuda.using_allocator(_Router(pool, cp.cuda.get_allocator()))
         manager.__enter__()
-        self._entered.append(manager)
+        self._entered.append((pool, manager))
         return budget
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self._entered.pop().__exit__(exc_type, exc, tb)
+        pool, manager = self._entered.pop()
+        try:
+            manager.__exit__(exc_type, exc, tb)
+        finally:
+            with pool.lock:
+                pool.users -= 1
+            pool.retire_if_unused()
 
 
 def array_on(address: int, shape: int | tuple[int, ...], dtype: Any = "float32", *,
@@ -221,8 +299,5 @@ def empty(shape: int | tuple[int, ...], dtype: Any = "float32", *,
                                   raise_on_denial=True)
     except AllocationDenied as denied:
         raise _out_of_memory(cp, denied) from None
-    held = _held_of(target)
-    charged = target.size_of(address)
-    held.change(charged)
     return array_on(address, shape_t, dtype,
-                    owner=_Block(target, address, charged, 0, held))
+                    owner=_Block(None, target, address, target.size_of(address), 0))

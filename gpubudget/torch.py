@@ -92,7 +92,8 @@ class _Pool:
             ctypes.cast(self._free, ctypes.c_void_p).value)
         self.mempool: Any = torch.cuda.MemPool(allocator)
         budget.report_usage(SOURCE, self.usage)
-        budget.call_on_exit(self.retire_if_unused)
+        if budget.state == "open":  # else the end of the allocations block retires it
+            budget.call_on_exit(self.retire_if_unused)
 
     @interrupts.callback
     def _allocate(self, size: int, device: int, stream: int) -> int | None:

@@ -59,8 +59,55 @@ def fake_cupy() -> Any:
             self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
 
     class MemoryPointer:
-        def __init__(self, mem: UnownedMemory, offset: int) -> None:
+        def __init__(self, mem: Any, offset: int) -> None:
             self.mem, self.ptr = mem, mem.ptr + offset
+
+    class MemoryPool:
+        """Caches whole chunks: a freed array's chunk is reused by a request that fits."""
+
+        def __init__(self, allocator: Any) -> None:
+            self.allocator = allocator
+            self.cached: list[MemoryPointer] = []
+            self.in_use: dict[int, MemoryPointer] = {}
+
+        def malloc(self, size: int) -> Any:
+            index = next((i for i, c in enumerate(self.cached) if c.mem.size >= size), None)
+            chunk = self.cached.pop(index) if index is not None else self.allocator(size)
+            self.in_use[id(chunk)] = chunk
+            return Pooled(self, chunk)
+
+        def release(self, chunk: MemoryPointer) -> None:
+            del self.in_use[id(chunk)]
+            self.cached.append(chunk)
+
+        def free_all_blocks(self) -> None:
+            self.cached.clear()  # dropping a chunk drops its owner
+
+        def used_bytes(self) -> int:
+            return sum(chunk.mem.size for chunk in self.in_use.values())
+
+    class Pooled:
+        def __init__(self, pool: MemoryPool, chunk: MemoryPointer) -> None:
+            self.pool, self.chunk, self.ptr = pool, chunk, chunk.ptr
+
+        def __del__(self) -> None:
+            self.pool.release(self.chunk)
+
+    class Device:
+        def __init__(self, device: int | None = None) -> None:
+            self.id = state["device"] if device is None else device
+            self.saved: list[int] = []
+
+        def __enter__(self) -> Device:
+            self.saved.append(state["device"])
+            state["device"] = self.id
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            state["device"] = self.saved.pop()
+
+        def synchronize(self) -> None:
+            state["synchronized"] = state.get("synchronized", 0) + 1
 
     cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDevice=lambda: state["device"]),
@@ -69,6 +116,8 @@ def fake_cupy() -> Any:
         using_allocator=UsingAllocator,
         UnownedMemory=UnownedMemory,
         MemoryPointer=MemoryPointer,
+        MemoryPool=MemoryPool,
+        Device=Device,
         memory=types.SimpleNamespace(OutOfMemoryError=_CupyOutOfMemoryError),
     )
     cp.cuda = cuda

@@ -5,7 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpubudget.arena import Arena, ArenaCorruption, Block
+from gpubudget.arena import Arena, Block
+from gpubudget.errors import InvariantError
 
 BASE = 0x10000
 GRAN = 256
@@ -143,6 +144,6 @@ def test_check_names_the_broken_invariant(invariant: str) -> None:
         del arena._used_at[a]
     else:
         arena._free_keys.append(1)
-    with pytest.raises(ArenaCorruption) as info:
+    with pytest.raises(InvariantError) as info:
         arena.check()
     assert info.value.invariant == invariant

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import types
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ def cp(monkeypatch: pytest.MonkeyPatch) -> Any:
     return module
 
 
-def test_allocations_inside_the_block_are_blocks_of_the_budget(cp: Any) -> None:
+def test_allocations_come_from_a_pool_of_budget_blocks(cp: Any) -> None:
     with gpu_budget("1MiB", name="pool", backend=DeviceHostBackend(0)) as pool:
         with gpu_budget("256KiB", name="pre") as pre:
             with gbc.allocations() as routed:
@@ -31,37 +32,46 @@ def test_allocations_inside_the_block_are_blocks_of_the_budget(cp: Any) -> None:
                 with label("pre/input"):
                     x = cp.allocate(10_000)
                 y = cp.allocate(20_000)
+                del y  # back into the pool's cache, still charged
+                z = cp.allocate(15_000)  # reuses the cached chunk: no new block
             outside = cp.allocate(30_000)  # CuPy's own allocator again
             assert outside == ("default", 30_000)
-            assert pre.size_of(x.ptr) == 10_240 and pre.used == 10_240 + 20_224
-            tags = {block.address: block.tag for block in pre.report().live_blocks}
-            assert tags == {x.ptr: "pre/input", y.ptr: "cupy"}
+            assert pre.used == 10_240 + 20_224
+            tags = sorted(block.tag or "" for block in pre.report().live_blocks)
+            assert tags == ["cupy", "pre/input"]
             (usage,) = pre.report().usage
             assert (usage.source, usage.charged, usage.in_use, usage.cached) == (
-                "cupy", pre.used, pre.used, 0)
-        del x
+                "cupy", 10_240 + 20_224, 10_000 + 20_000, 224 + 240)
+        assert pre.state == "exited"  # arrays hold its chunks
+        del x, z
         gc.collect()
-        assert pre.used == 20_224  # arrays free their blocks when CuPy drops them
-        del y
-        gc.collect()
-        assert pre.state == "released" and pool.used == 0
+        gbc.release_cached()
+        assert pre.report().state == "released" and pool.used == 0
+        assert cp.state["synchronized"] >= 2  # each chunk returned after a device sync
         consistent(pool)
 
 
-def test_a_denial_is_cupys_out_of_memory_error_naming_the_budget(cp: Any) -> None:
-    with gpu_budget("64KiB", name="tiny", backend=DeviceHostBackend(0)):
+def test_a_denial_gives_the_cache_back_first_then_is_cupys_out_of_memory(cp: Any) -> None:
+    with gpu_budget("64KiB", name="tiny", backend=DeviceHostBackend(0)) as tiny:
         with gbc.allocations():
+            a = cp.allocate(40 * KiB)
+            del a  # cached by the pool: 40 KiB still charged
+            b = cp.allocate(60 * KiB)  # denied, the cache goes back, asked again: granted
+            assert tiny.used == 60 * KiB
             with pytest.raises(cp.cuda.memory.OutOfMemoryError) as info:
                 cp.allocate(100 * KiB)
+            del b
     error = info.value
     assert isinstance(error, AllocationDenied) and isinstance(error, MemoryError)
     assert "'tiny'" in str(error) and "64.00 KiB" in str(error) and "over its own limit" in str(error)
     assert error.reason == "over_limit"
+    gbc.release_cached()
 
 
 def test_other_devices_and_other_threads_keep_cupys_allocator(cp: Any) -> None:
     seen: list[Any] = []
     with gpu_budget("1MiB", name="gpu1", backend=DeviceHostBackend(1)) as budget:
+        cp.state["device"] = 1
         with gbc.allocations():
             cp.state["device"] = 0  # the thread switched to device 0
             assert cp.allocate(4096) == ("default", 4096)
@@ -72,28 +82,28 @@ def test_other_devices_and_other_threads_keep_cupys_allocator(cp: Any) -> None:
             kept = cp.allocate(4096)
         assert seen == [("default", 4096)] and budget.used == 4096
         del kept
+    cp.state["device"] = 0
+    gbc.release_cached()
 
 
-def test_frees_are_stream_ordered_on_the_allocating_stream(cp: Any) -> None:
+def test_empty_puts_one_array_on_a_block_freed_stream_ordered(cp: Any) -> None:
     from tests.helpers import StreamBackend
 
     class DeviceStreams(StreamBackend):
         ordinal = 0
 
+    cp.dtype = lambda dtype: types.SimpleNamespace(itemsize=4)
+    cp.ndarray = lambda shape, dtype, memptr: types.SimpleNamespace(data=memptr, shape=shape)
     backend = DeviceStreams()
     with gpu_budget("64KiB", name="pool", backend=backend) as pool:
-        with gbc.allocations():
-            cp.state["stream"] = 0x51
-            x = cp.allocate(16 * KiB)
-            address = x.ptr
-            del x
-            gc.collect()
-            assert pool.used == 0 and pool.report().free_bytes == 48 * KiB  # pending on 0x51
-            again = cp.allocate(16 * KiB)  # same stream, same size: reused at once
-            assert again.ptr == address
-            del again
-            gc.collect()
+        x = gbc.empty((1024,), "float32", tag="x")
+        assert pool.used == 4 * KiB and pool.report().live_blocks[0].tag == "x"
+        del x
+        gc.collect()
+        assert pool.used == 0 and pool.report().free_bytes == 60 * KiB  # pending on stream 0
         backend.finish()
+        with pytest.raises(cp.cuda.memory.OutOfMemoryError, match="'pool'"):
+            gbc.empty((64 * KiB,), "float32")
         consistent(pool)
 
 
