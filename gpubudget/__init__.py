@@ -10,6 +10,10 @@ True
 
 from __future__ import annotations
 
+import importlib.machinery
+from typing import Final
+
+from . import tree as _tree
 from .budget import TRACE_ENV, Budget, gpu_budget
 from .errors import (
     AllocationDenied,
@@ -26,6 +30,7 @@ from .units import format_size, parse_size
 
 __all__ = [
     "EVENT_LOG_LIMIT",
+    "compiled",
     "TRACE_ENV",
     "AllocationDenied",
     "BackendError",
@@ -48,3 +53,6 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+compiled: Final = str(_tree.__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+"""Whether the allocation core runs compiled (mypyc) or as pure Python; see the README."""

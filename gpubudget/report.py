@@ -44,7 +44,7 @@ class Denial:
 
     reason: str
     """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``,
-    ``invalid_tag``, ``invalid_address`` (resizing a block that is not there), ``inactive``,
+    ``invalid_tag``, ``invalid_stream``, ``invalid_address`` (resizing a block that is not there), ``inactive``,
     ``released``, ``interrupted`` (a Ctrl-C arrived during the call), ``wrong_device`` (an
     adapter was called while another CUDA device was current) or ``internal_error``."""
     refused_by: str
@@ -111,6 +111,7 @@ _REASONS = {
     "invalid_size": "invalid size, asked of",
     "invalid_alignment": "alignment not 0 or a power of two, asked of",
     "invalid_tag": "tag not a string, asked of",
+    "invalid_stream": "stream not an integer handle, asked of",
     "invalid_address": "resize of a block it does not hold, asked of",
     "inactive": "not entered yet:",
     "released": "already released:",

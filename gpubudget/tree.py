@@ -34,7 +34,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Literal, SupportsIndex
+from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
 from .backends import Backend, Reservation, device_of
@@ -253,45 +253,45 @@ class Tree:
 
     # -- the three operations --------------------------------------------------------------
 
-    def allocate(self, node: Node, size: SupportsIndex, alignment: SupportsIndex, tag: str | None,
-                 stream: int | None, stack: tuple[str, ...] | None,
+    def allocate(self, node: Node, requested: object, alignment: object, label: object,
+                 on_stream: object, stack: tuple[str, ...] | None,
                  why: list[Denied] | None = None) -> int | None:
-        """A block of at least ``size`` bytes for ``node``, or ``None`` (each denial recorded,
-        and appended to ``why`` when given)."""
-        if type(size) is not int:
-            number = as_int(size)
-            if number is None:
-                self._deny(node, 0, 0, None, 0, "invalid_size", node.name, why)
-                return None
-            size = number
-        if size <= 0:
-            self._deny(node, size, 0, None, 0, "invalid_size", node.name, why)
+        """A block of at least ``requested`` bytes for ``node``, or ``None`` (each denial
+        recorded, and appended to ``why`` when given). The arguments are the caller's, as
+        given: each is checked here."""
+        size = requested if type(requested) is int else as_int(requested)
+        if size is None or size <= 0:
+            self._deny(node, size or 0, 0, None, 0, "invalid_size", node.name, why)
             return None
-        if tag is not None and type(tag) is not str:
+        if label is not None and type(label) is not str:
             self._deny(node, size, 0, None, size, "invalid_tag", node.name, why)
             return None
+        tag: str | None = label
+        stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
+        if stream is None and on_stream is not None:
+            self._deny(node, size, 0, tag, size, "invalid_stream", node.name, why)
+            return None
         granularity = node.granularity
+        align = 0
         if alignment:
             checked = alignment if type(alignment) is int else as_int(alignment)
             if checked is None or not is_power_of_two(checked):
                 self._deny(node, size, 0, tag, size, "invalid_alignment", node.name, why)
                 return None
-            alignment = checked
-            if alignment > granularity:
-                granularity = alignment
-        else:
-            alignment = 0
+            align = checked
+            if align > granularity:
+                granularity = align
         nbytes = (size + granularity - 1) & -granularity
         with self.lock:
             if node.refusal is not None:
-                self._deny_locked(node, size, alignment, tag, nbytes, node.refusal,
+                self._deny_locked(node, size, align, tag, nbytes, node.refusal,
                                   node.name, why)
                 return None
             account = node.account
             refused = refusal(account, nbytes)
             if refused is not None:
                 refused.refusals += 1
-                self._deny_locked(node, size, alignment, tag, nbytes, "over_limit",
+                self._deny_locked(node, size, align, tag, nbytes, "over_limit",
                                   refused.name, why)
                 return None
             if self.pending:
@@ -299,21 +299,24 @@ class Tree:
             else:
                 address = self.arena.allocate(nbytes, granularity)
             if address is None:
-                self._deny_locked(node, size, alignment, tag, nbytes, "fragmented",
+                self._deny_locked(node, size, align, tag, nbytes, "fragmented",
                                   node.name, why)
                 return None
             charge(account, nbytes)  # the commit: ledger, registry, record
             self.live[address] = (node, nbytes, tag, stack)
-            self.recorder.granted(node.stats, node.id, size, alignment, tag, address, nbytes,
+            self.recorder.granted(node.stats, node.id, size, align, tag, address, nbytes,
                                   account.used, self.root.account.used)
         return address
 
-    def free(self, node: Node, address: SupportsIndex, stream: int | None) -> bool:
-        """Free a block of ``node`` or a descendant; ``False`` (counted) if it is not one."""
+    def free(self, node: Node, where: object, on_stream: object) -> bool:
+        """Free a block of ``node`` or a descendant; ``False`` (counted) if it is not one, or
+        if ``on_stream`` is not a stream."""
+        address = where if type(where) is int else as_int(where) or 0  # no block is at 0
+        stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
         with self.lock:
-            if type(address) is not int:
-                address = as_int(address) or 0  # not integer-like: no block starts at 0
             record = self.live.get(address)
+            if stream is None and on_stream is not None:
+                record = None
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 node.stats.invalid_frees += 1
                 return False
@@ -341,13 +344,12 @@ class Tree:
                 owner.release_if_unused()
         return True
 
-    def resize(self, node: Node, address: SupportsIndex, new_size: SupportsIndex,
-               alignment: SupportsIndex) -> int | None:
+    def resize(self, node: Node, where: object, new_size: object,
+               alignment: object) -> int | None:
         """Grow or shrink a block in place, else move it (copying ``min(old, new)`` bytes),
         else ``None`` with the old block untouched."""
+        address = where if type(where) is int else as_int(where) or 0
         with self.lock:
-            if type(address) is not int:
-                address = as_int(address) or 0
             record = self.live.get(address)
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
@@ -387,9 +389,10 @@ class Tree:
         self.free(owner, address, None)
         return moved
 
-    def owner(self, address: SupportsIndex) -> Live | None:
+    def owner(self, where: object) -> Live | None:
+        address = where if type(where) is int else as_int(where) or 0
         with self.lock:
-            return self.live.get(address if type(address) is int else as_int(address) or 0)
+            return self.live.get(address)
 
     # -- internals -------------------------------------------------------------------------
 

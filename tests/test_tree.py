@@ -70,6 +70,18 @@ def test_a_non_string_tag_is_a_denial_and_takes_nothing() -> None:
         consistent(pool)
 
 
+def test_a_stream_that_is_no_handle_is_refused_and_changes_nothing() -> None:
+    with gpu_budget("64KiB", name="pool") as pool:
+        assert pool.allocate(KiB, stream="default") is None  # type: ignore[call-overload]
+        assert pool.report().denials[0].reason == "invalid_stream"
+        block = pool.allocate(KiB)
+        assert block is not None
+        assert pool.free(block, stream=1.5) is False  # type: ignore[arg-type]
+        assert pool.size_of(block) == KiB and pool.report().invalid_frees == 1
+        assert pool.free(block, stream=7)
+        consistent(pool)
+
+
 def test_peaks_count_only_granted_bytes() -> None:
     with gpu_budget("64KiB", name="pool") as pool:
         x, y = gpu_budget("64KiB", name="x"), gpu_budget("64KiB", name="y")
