@@ -3,7 +3,8 @@ pure-Python bisect best-fit written here, on the same trace, side by side in one
 
     python -m benchmarks.churn [--steps N] [--repeat R]
 
-Prints microseconds per free+allocate pair (median of R runs) and the ratio.
+Prints microseconds per free+allocate pair (median of R runs) and the ratios; the aggregate
+throughput of 1 and 8 threads sharing one tree; and the bookkeeping bytes per live block.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
+import threading
 import time
+import tracemalloc
 from bisect import bisect_left, insort
 from collections.abc import Callable
 from typing import Any
 
-from gpubudget import gpu_budget
+from gpubudget import EVENT_LOG_LIMIT, gpu_budget
 
 from .traces import Trace, churn
 
@@ -212,13 +216,72 @@ def time_tensorrt_floor(warmup: Trace, timed: Trace) -> float:
                      lambda p: cpp.deallocate_async(p, 0), warmup, timed)
 
 
+def threads_table(steps: int = 20_000, counts: tuple[int, ...] = (1, 8)) -> list[str]:
+    """Aggregate pairs per second when ``n`` threads share one tree, each churning in a
+    child budget of its own (the same total work for every ``n``)."""
+    rows = ["", f"threads sharing one tree ({steps} pairs in all, each thread its own child "
+            "budget and an equal share), aggregate throughput", "",
+            "| threads | pairs/s | vs 1 thread |", "| ---: | ---: | ---: |"]
+    rates: dict[int, float] = {}
+    for count in counts:
+        shares = [churn(live=1000 // count, steps=steps // count, seed=i) for i in range(count)]
+        with gpu_budget(CAPACITY, align=ALIGN, name="shared", backend="host") as root:
+            children = [gpu_budget(CAPACITY // count, name=f"t{i}", parent=root)
+                        for i in range(count)]
+            for child in children:
+                child.__enter__()
+                child.pin()  # keeps serving after this thread leaves its scope
+                child.__exit__(None, None, None)
+            barrier = threading.Barrier(count + 1)
+
+            def work(budget: Any, warm: Trace, timed: Trace) -> None:
+                barrier.wait()
+                run_trace(budget.allocate, budget.free, warm, timed)
+
+            threads = [threading.Thread(target=work, args=(child, *share))
+                       for child, share in zip(children, shares)]
+            for thread in threads:
+                thread.start()
+            barrier.wait()
+            start = time.perf_counter()
+            for thread in threads:
+                thread.join()
+            rates[count] = steps / (time.perf_counter() - start)
+            for child in children:
+                child.unpin()
+    for count, rate in rates.items():
+        rows.append(f"| {count} | {rate:,.0f} | {rate / rates[counts[0]]:.2f}x |")
+    return rows
+
+
+def memory_table(blocks: int = 200_000) -> list[str]:
+    """Bookkeeping bytes per live block (registry, arena index, ledger), by tracemalloc."""
+    gc.collect()
+    with gpu_budget(blocks * ALIGN, align=ALIGN, name="memory", backend="host") as budget:
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        addresses = [budget.allocate(ALIGN) for _ in range(blocks)]
+        after = tracemalloc.get_traced_memory()[0]
+        list_bytes = sys.getsizeof(addresses)  # the benchmark's own list, not ours
+        tracemalloc.stop()
+        events = len(budget.report().timeline)
+        for address in addresses:
+            assert address is not None
+            budget.free(address)
+    per_block = (after - before - list_bytes) / blocks
+    return ["", f"bookkeeping per live block ({blocks} live blocks; the event log, bounded to "
+            f"{EVENT_LOG_LIMIT} events, holds {events} of them): {per_block:.0f} bytes"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
-    warmup, timed = churn(steps=args.steps)
-    for row in table(args.steps, args.repeat):
+    import gpubudget
+
+    print(f"core: {'compiled (mypyc)' if gpubudget.compiled else 'pure Python'}")
+    for row in table(args.steps, args.repeat) + threads_table(args.steps) + memory_table():
         print(row)
 
 

@@ -112,6 +112,34 @@ def model_loading(models: int = 3, seed: int = 0) -> Trace:
     return steps
 
 
+def adversarial(rounds: int = 600, seed: int = 0) -> Trace:
+    """Two size classes with interleaved lifetimes, the pattern that fragments pools.
+
+    Each round allocates a large, short-lived block (activations: 1-24 MiB, the size rising
+    and falling like a batch size that varies) and a small, long-lived one (64-512 KiB, a
+    cache entry kept to the end), then frees the large block of two rounds before. The small
+    blocks land between the large ones and pin the holes they leave, so a later large block,
+    a little bigger than any hole, needs new space. Model_loading format.
+    """
+    rng = random.Random(seed)
+    steps: Trace = []
+    large: list[int] = []
+    small: list[int] = []
+    slot = 0
+    for step in range(rounds):
+        wave = 0.5 + 0.5 * math.sin(step / 37)  # rises and falls
+        steps.append((slot, int((1 + 23 * wave) * MiB) + rng.randrange(4096)))
+        large.append(slot)
+        slot += 1
+        steps.append((slot, log_uniform(rng, 64 * KiB, 512 * KiB)))
+        small.append(slot)
+        slot += 1
+        if len(large) > 2:
+            steps.append((large.pop(0), 0))
+    steps.extend((freed, 0) for freed in large + small)
+    return steps
+
+
 def peak_live(trace: Trace, align: int = 256) -> int:
     """Highest sum of live aligned sizes over ``trace`` (model_loading format)."""
     live: dict[int, int] = {}
