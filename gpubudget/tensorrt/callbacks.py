@@ -38,6 +38,7 @@ class AllocatorMethods:
     ``IGpuAllocator``) by :func:`allocator_class`."""
 
     budget: Budget
+    root: Budget  # the root of the budget's tree: frees and resizes go through it
     device: int | None  # the budget tree's CUDA device, None on host memory
     phase: str | None  # the tag of blocks allocated through it, unless a label says otherwise
     deserializing: int  # deserialize_cuda_engine calls in progress (phase "deserialize")
@@ -70,7 +71,9 @@ class AllocatorMethods:
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             return self._failed("allocate" if stream is None else "allocate_async", exc, None)
-        return _handed_back(address)
+        if STATE.pending:
+            interrupts.pass_on()
+        return address
 
     @callback
     def deallocate(self, memory: int) -> bool:
@@ -83,11 +86,13 @@ class AllocatorMethods:
         try:
             if self.closed:
                 return True
-            done = self.budget.root.free(memory, stream=stream)
+            done = self.root.free(memory, stream=stream)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,
                                 False)
-        return _handed_back(done)
+        if STATE.pending:
+            interrupts.pass_on()
+        return done
 
     @callback
     def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
@@ -96,11 +101,13 @@ class AllocatorMethods:
         try:
             if self.closed:
                 return None
-            owner = self.budget.root.owner_of(address)
+            owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
         except BaseException as exc:  # noqa: BLE001
             return self._failed("reallocate", exc, None)
-        return _handed_back(moved)
+        if STATE.pending:
+            interrupts.pass_on()
+        return moved
 
     def _failed(self, where: str, exc: BaseException, answer: A) -> A:
         """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread."""
@@ -119,13 +126,6 @@ class AllocatorMethods:
         return f"<gpubudget allocator for {self.budget!r}>"
 
 
-def _handed_back(answer: A) -> A:
-    """The callback's answer; a Ctrl-C deferred during the call goes to the main thread."""
-    if STATE.pending:
-        interrupts.pass_on()
-    return answer
-
-
 def allocator_class(module: ModuleType) -> type:
     """The allocator class for ``module``: its ``IGpuAsyncAllocator`` (TensorRT 10 and later,
     so that stream-ordered calls arrive with their stream) or ``IGpuAllocator``, with the
@@ -138,6 +138,7 @@ def allocator_class(module: ModuleType) -> type:
             def __init__(self: Any, budget: Budget) -> None:
                 base.__init__(self)
                 self.budget = budget
+                self.root = budget.root
                 self.device = budget.device
                 self.phase = None
                 self.deserializing = 0
