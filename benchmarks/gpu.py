@@ -115,8 +115,12 @@ def tables(steps: int, repeat: int) -> list[str]:
         f"model loading ({sum(1 for _, s in load if s)} allocations, 3 models)":
             (lambda o: replay(load, o[0], o[1]), sum(1 for _, s in load if s)),
     }
+    import gpubudget
+
     usable: dict[str, Callable[[], Opened]] = {}
-    rows = [f"Python {platform.python_version()}; median of {repeat} interleaved runs", ""]
+    core = "compiled (mypyc)" if gpubudget.compiled else "pure Python"
+    rows = [f"Python {platform.python_version()}, gpubudget core {core}; median of {repeat} "
+            "interleaved runs", ""]
     for label, opener in ALLOCATORS.items():
         try:
             opener()[2]()
