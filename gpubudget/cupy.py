@@ -35,20 +35,19 @@ import importlib
 import math
 import threading
 import weakref
-from types import TracebackType
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from . import interrupts
 from .budget import Budget
-from .errors import AllocationDenied, BudgetError
+from .errors import AllocationDenied
 from .interrupts import STATE
-from .scope import current_budget, current_label
+from .routing import RoutedPool, Routing, target_budget
+from .scope import current_label
 
 __all__ = ["allocations", "array_on", "empty", "release_cached"]
 
 SOURCE: Final = "cupy"
 _lock = threading.Lock()
-_pools: weakref.WeakKeyDictionary[Budget, _Pool] = weakref.WeakKeyDictionary()
 _draining: list[_Pool] = []  # retired pools whose chunks arrays still use
 _errors: dict[type, type] = {}  # CuPy's OutOfMemoryError -> our subclass of it
 
@@ -90,21 +89,16 @@ class _Block:
             interrupts.pass_on()
 
 
-class _Pool:
+class _Pool(RoutedPool):
     """One budget's CuPy ``MemoryPool``; its allocator gives the budget's blocks."""
 
     def __init__(self, cp: Any, budget: Budget, device: int) -> None:
         self.cp = cp
-        self.budget = budget
         self.device = device
-        self.lock = threading.Lock()
         self.charged = 0  # bytes of the budget's blocks the pool holds
-        self.users = 0  # allocations blocks inside which the pool is in use
-        self.retired = False
         self.pool: Any = cp.cuda.MemoryPool(self._chunk)
+        super().__init__(budget)
         budget.report_usage(SOURCE, self.usage)
-        if budget.state == "open":  # else the end of the allocations block retires it
-            budget.call_on_exit(self.retire_if_unused)
 
     def _chunk(self, size: int) -> Any:
         """The pool's allocator: a new chunk of ``size`` bytes from the budget."""
@@ -142,16 +136,10 @@ class _Pool:
         with self.cp.cuda.Device(self.device):
             self.pool.free_all_blocks()
 
-    def retire_if_unused(self) -> None:
-        """Once the scope has ended and no block uses the pool: give its cache back; keep
-        the pool while arrays still use its chunks (dropping it would free them)."""
-        with self.lock:
-            if self.users or self.retired or self.budget.state == "open":
-                return
-            self.retired = True
+    def retire(self) -> None:
+        """Give the cache back; keep the pool while arrays still use its chunks (dropping
+        it would free them under the arrays)."""
         with _lock:
-            if _pools.get(self.budget) is self:
-                del _pools[self.budget]
             _draining.append(self)
         release_cached()
 
@@ -181,7 +169,7 @@ def release_cached() -> None:
     """Give the chunks that budgets' CuPy pools cache back to the budgets, and let go of the
     retired pools whose arrays are all gone."""
     with _lock:
-        pools = list(_pools.values()) + list(_draining)
+        pools = list(allocations._pools.values()) + list(_draining)
     done = []
     for pool in pools:
         pool.free_cache()
@@ -210,19 +198,7 @@ def _out_of_memory(cp: Any, denied: AllocationDenied) -> BaseException:
     return error
 
 
-def _target(budget: Budget | None, what: str) -> Budget:
-    target = budget if budget is not None else current_budget()
-    if target is None:
-        raise BudgetError(f"{what} needs a budget: call it inside `with gpu_budget(...)` "
-                          f"or pass budget=")
-    if not isinstance(target, Budget):
-        raise TypeError(f"budget must be a gpubudget.Budget, got {target!r}")
-    if target.state not in ("open", "exited"):
-        raise BudgetError(f"{what}: budget {target.name!r} is {target.state}")
-    return target
-
-
-class allocations:  # noqa: N801 - used like a function: ``with allocations():``
+class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
     """Route this thread's CuPy allocations on ``budget``'s device to ``budget`` (default:
     the current one) inside the ``with`` block; see the module docstring.
 
@@ -230,43 +206,23 @@ class allocations:  # noqa: N801 - used like a function: ``with allocations():``
     device memory), and ``ImportError`` without CuPy.
     """
 
-    __slots__ = ("_budget", "_entered")
+    __slots__ = ()
+    framework = "cupy"
+    _pools: ClassVar[weakref.WeakKeyDictionary[Budget, _Pool]] = weakref.WeakKeyDictionary()
+    _lock: ClassVar[threading.Lock] = _lock
 
-    def __init__(self, budget: Budget | None = None) -> None:
-        if budget is not None and not isinstance(budget, Budget):
-            raise TypeError(f"budget must be a gpubudget.Budget or None, got {budget!r}")
-        self._budget = budget
-        self._entered: list[tuple[_Pool, Any]] = []  # with CuPy's using_allocator managers
+    @classmethod
+    def framework_module(cls) -> Any:
+        return _cupy()
 
-    def __enter__(self) -> Budget:
-        cp = _cupy()
-        budget = _target(self._budget, "gpubudget.cupy.allocations()")
-        device = budget.device
-        if device is None:
-            raise BudgetError(f"budget {budget.name!r} is in host memory, which CuPy cannot "
-                              f"use; enter it on a CUDA device (backend='pycuda')")
+    def new_pool(self, module: Any, budget: Budget) -> _Pool:
         if _draining:
             release_cached()
-        with _lock:
-            pool = _pools.get(budget)
-            if pool is None:
-                pool = _pools[budget] = _Pool(cp, budget, device)
-        with pool.lock:
-            pool.users += 1
-        manager = cp.cuda.using_allocator(_Router(pool, cp.cuda.get_allocator()))
-        manager.__enter__()
-        self._entered.append((pool, manager))
-        return budget
+        assert budget.device is not None
+        return _Pool(module, budget, budget.device)
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        pool, manager = self._entered.pop()
-        try:
-            manager.__exit__(exc_type, exc, tb)
-        finally:
-            with pool.lock:
-                pool.users -= 1
-            pool.retire_if_unused()
+    def route(self, module: Any, pool: _Pool) -> Any:
+        return module.cuda.using_allocator(_Router(pool, module.cuda.get_allocator()))
 
 
 def array_on(address: int, shape: int | tuple[int, ...], dtype: Any = "float32", *,
@@ -291,7 +247,7 @@ def empty(shape: int | tuple[int, ...], dtype: Any = "float32", *,
     ``OutOfMemoryError`` (an :class:`~gpubudget.errors.AllocationDenied`) when the budget
     refuses."""
     cp = _cupy()
-    target = _target(budget, "gpubudget.cupy.empty()")
+    target = target_budget(budget, "gpubudget.cupy.empty()")
     shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = max(math.prod(shape_t) * cp.dtype(dtype).itemsize, 1)
     try:

@@ -36,13 +36,12 @@ import ctypes
 import importlib
 import threading
 import weakref
-from types import TracebackType
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from . import interrupts
 from .budget import Budget
-from .errors import BudgetError
-from .scope import current_budget, current_label
+from .routing import RoutedPool, Routing
+from .scope import current_label
 
 __all__ = ["allocations", "release_cached"]
 
@@ -52,7 +51,6 @@ _ALLOC: Final = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int
 _FREE: Final = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                 ctypes.c_void_p)
 _lock = threading.Lock()
-_pools: weakref.WeakKeyDictionary[Budget, _Pool] = weakref.WeakKeyDictionary()
 _kept: list[_Pool] = []  # pools PyTorch may still call: until retired with no segment left
 
 
@@ -75,15 +73,12 @@ def _torch() -> Any:
     return torch
 
 
-class _Pool:
+class _Pool(RoutedPool):
     """One budget's ``MemPool`` and the C callbacks that charge its segments."""
 
     def __init__(self, torch: Any, budget: Budget) -> None:
         self.torch = torch
-        self.budget = budget
-        self.lock = threading.Lock()
         self.segments: dict[int, int] = {}  # address -> charged bytes
-        self.users = 0  # allocations blocks inside which the pool is in use
         self.closed = False  # interpreter exit: answer without touching anything
         self._alloc = _ALLOC(self._allocate)
         self._free = _FREE(self._release)
@@ -91,9 +86,8 @@ class _Pool:
             ctypes.cast(self._alloc, ctypes.c_void_p).value,
             ctypes.cast(self._free, ctypes.c_void_p).value)
         self.mempool: Any = torch.cuda.MemPool(allocator)
+        super().__init__(budget)
         budget.report_usage(SOURCE, self.usage)
-        if budget.state == "open":  # else the end of the allocations block retires it
-            budget.call_on_exit(self.retire_if_unused)
 
     @interrupts.callback
     def _allocate(self, size: int, device: int, stream: int) -> int | None:
@@ -150,15 +144,10 @@ class _Pool:
         in_use = sum(int(segment.get("allocated_size", 0)) for segment in mempool.snapshot())
         return charged, in_use
 
-    def retire_if_unused(self) -> None:
-        """Once the scope has ended and no block uses the pool: drop it, give the cache back."""
+    def retire(self) -> None:
+        """Drop the pool (PyTorch keeps it while tensors are in it) and empty the cache."""
         with self.lock:
-            if self.users or self.mempool is None or self.budget.state == "open":
-                return
             mempool, self.mempool = self.mempool, None
-        with _lock:
-            if _pools.get(self.budget) is self:
-                del _pools[self.budget]
         del mempool
         self.torch.cuda.empty_cache()
         with self.lock:
@@ -174,18 +163,7 @@ def _forget(pool: _Pool) -> None:
             _kept.remove(pool)
 
 
-def _pool_for(torch: Any, budget: Budget) -> _Pool:
-    with _lock:
-        pool = _pools.get(budget)
-        if pool is None:
-            pool = _pools[budget] = _Pool(torch, budget)
-            _kept.append(pool)
-        with pool.lock:
-            pool.users += 1
-        return pool
-
-
-class allocations:  # noqa: N801 - used like a function: ``with allocations():``
+class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
     """Route this thread's PyTorch allocations on ``budget``'s device to ``budget`` (default:
     the current one) inside the ``with`` block; see the module docstring.
 
@@ -193,60 +171,35 @@ class allocations:  # noqa: N801 - used like a function: ``with allocations():``
     ``ImportError`` naming what is missing where PyTorch lacks the API it needs.
     """
 
-    __slots__ = ("_budget", "_entered")
+    __slots__ = ()
+    framework = "torch"
+    _pools: ClassVar[weakref.WeakKeyDictionary[Budget, _Pool]] = weakref.WeakKeyDictionary()
+    _lock: ClassVar[threading.Lock] = _lock
 
-    def __init__(self, budget: Budget | None = None) -> None:
-        if budget is not None and not isinstance(budget, Budget):
-            raise TypeError(f"budget must be a gpubudget.Budget or None, got {budget!r}")
-        self._budget = budget
-        self._entered: list[tuple[_Pool, Any]] = []
+    @classmethod
+    def framework_module(cls) -> Any:
+        return _torch()
 
-    def __enter__(self) -> Budget:
-        torch = _torch()
-        budget = self._budget if self._budget is not None else current_budget()
-        if budget is None:
-            raise BudgetError("gpubudget.torch.allocations() needs a budget: call it inside "
-                              "`with gpu_budget(...)` or pass budget=")
-        if budget.state not in ("open", "exited"):
-            raise BudgetError(f"gpubudget.torch.allocations(): budget {budget.name!r} is "
-                              f"{budget.state}")
-        if budget.device is None:
-            raise BudgetError(f"budget {budget.name!r} is in host memory, which PyTorch "
-                              f"cannot use; enter it on a CUDA device (backend='pycuda')")
-        pool = _pool_for(torch, budget)
-        try:
-            manager = torch.cuda.use_mem_pool(pool.mempool, device=budget.device)
-            manager.__enter__()
-        except BaseException:
-            with pool.lock:
-                pool.users -= 1
-            raise
-        self._entered.append((pool, manager))
-        return budget
+    def new_pool(self, module: Any, budget: Budget) -> _Pool:
+        pool = _Pool(module, budget)
+        _kept.append(pool)  # the class lock is held
+        return pool
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        pool, manager = self._entered.pop()
-        try:
-            manager.__exit__(exc_type, exc, tb)
-        finally:
-            with pool.lock:
-                pool.users -= 1
-            out_of_memory = getattr(pool.torch, "OutOfMemoryError", None)
-            if exc is not None and out_of_memory is not None and isinstance(exc, out_of_memory):
-                _explain(exc, pool.budget)
-            pool.retire_if_unused()
+    def route(self, module: Any, pool: _Pool) -> Any:
+        return module.cuda.use_mem_pool(pool.mempool, device=pool.budget.device)
 
-
-def _explain(exc: BaseException, budget: Budget) -> None:
-    """Add a note to PyTorch's out-of-memory error saying which budget refused and why."""
-    denials = [d for report in budget.report().walk() for d in report.denials]
-    add_note = getattr(exc, "add_note", None)  # Python 3.11 and later
-    if denials and add_note is not None:
-        last = max(denials, key=lambda denial: denial.largest)
-        add_note(f"gpubudget: budget {budget.name!r} (limit {budget.limit} bytes) refused "
-                     f"a segment: {last.reason} of {last.refused_by!r}, largest refused "
-                     f"{last.largest} bytes; see budget.report()")
+    def explain(self, exc: BaseException, pool: _Pool) -> None:
+        """Add a note to PyTorch's out-of-memory error naming the budget that refused."""
+        out_of_memory = getattr(pool.torch, "OutOfMemoryError", None)
+        add_note = getattr(exc, "add_note", None)  # Python 3.11 and later
+        if out_of_memory is None or not isinstance(exc, out_of_memory) or add_note is None:
+            return
+        denials = [d for report in pool.budget.report().walk() for d in report.denials]
+        if denials:
+            last = max(denials, key=lambda denial: denial.largest)
+            add_note(f"gpubudget: budget {pool.budget.name!r} (limit {pool.budget.limit} "
+                     f"bytes) refused a segment: {last.reason} of {last.refused_by!r}, "
+                     f"largest refused {last.largest} bytes; see budget.report()")
 
 
 def release_cached() -> None:
