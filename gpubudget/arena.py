@@ -4,12 +4,16 @@ An :class:`Arena` manages ``[base, base + capacity)``. Every block size is a mul
 arena's ``granularity`` and every block starts at a multiple of it, so a free block can always
 be split on granularity boundaries. The arena never touches the memory it manages.
 
-Data structures (every operation is a few dictionary look-ups, one or two binary searches,
-and an insertion into or deletion from a sorted list, which moves the entries after it:
-O(n) in the worst case, a fast memory move in practice for the free blocks of a budget):
+Inside, positions and sizes are counted in *units* of the granularity from ``base``
+(``unit = (address - base) // granularity``): small integers, which Python compares, hashes
+and packs faster than device addresses. Data structures (every operation is a few
+dictionary look-ups, one or two binary searches, and an insertion into or deletion from a
+sorted list, which moves the entries after it: O(n) in the worst case, a fast memory move in
+practice for the free blocks of a budget):
 
-- ``_free_keys``: a sorted list of ``size << 64 | address`` for every free block, so that
-  ``bisect`` finds the smallest free block of at least ``n`` bytes (lowest address on ties);
+- ``_free_keys``: a sorted list of ``size << bits | unit`` for every free block (``bits`` is
+  enough for any unit), so that ``bisect`` finds the smallest free block of at least ``n``
+  units (lowest position on ties);
 - ``_free_at``: free block start -> size, and ``_free_end``: free block end -> start, to find
   the neighbours of a freed block in O(1) and coalesce;
 - ``_used_at``: allocated block start -> size.
@@ -40,8 +44,6 @@ from .errors import InvariantError
 
 __all__ = ["Arena", "Block"]
 
-_SHIFT: Final = 64
-_MASK: Final = (1 << _SHIFT) - 1
 
 
 class Block(NamedTuple):
@@ -84,6 +86,9 @@ class Arena:
         "base",
         "capacity",
         "granularity",
+        "_shift",
+        "_bits",
+        "_mask",
         "_free_keys",
         "_free_at",
         "_free_end",
@@ -102,9 +107,13 @@ class Arena:
         self.base: Final = base
         self.capacity: Final = capacity
         self.granularity: Final = granularity
-        self._free_keys: list[int] = [capacity << _SHIFT | base]
-        self._free_at: dict[int, int] = {base: capacity}
-        self._free_end: dict[int, int] = {base + capacity: base}
+        self._shift: Final = granularity.bit_length() - 1  # bytes = units << shift
+        units = capacity >> self._shift
+        self._bits: Final = units.bit_length()  # a key is size << bits | unit
+        self._mask: Final = (1 << self._bits) - 1
+        self._free_keys: list[int] = [units << self._bits]
+        self._free_at: dict[int, int] = {0: units}
+        self._free_end: dict[int, int] = {units: 0}
         self._used_at: dict[int, int] = {}
 
     # -- allocation ------------------------------------------------------------------------
@@ -117,16 +126,18 @@ class Arena:
         """
         # The helpers _add_free/_remove_free are inlined in allocate and free: they are the
         # hot path of every budget, and a method call costs as much as a dictionary update.
+        shift, bits = self._shift, self._bits
+        need = size >> shift
         keys = self._free_keys
-        i = bisect_left(keys, size << _SHIFT)
+        i = bisect_left(keys, need << bits)
         if i == len(keys):
             return None
         key = keys[i]
-        address = key & _MASK
+        unit = key & self._mask
         pad = 0
-        if alignment > self.granularity and address & (alignment - 1):
-            pad = -address & (alignment - 1)
-            if (key >> _SHIFT) < size + pad:
+        if alignment > self.granularity:
+            pad = (-(self.base + (unit << shift)) & (alignment - 1)) >> shift
+            if pad and (key >> bits) < need + pad:
                 # Walk up the sizes to the first block that fits with its padding: the walk
                 # ends at the latest at a block of size + alignment - granularity bytes.
                 n = len(keys)
@@ -135,57 +146,59 @@ class Arena:
                     if i == n:
                         return None
                     key = keys[i]
-                    address = key & _MASK
-                    pad = -address & (alignment - 1)
-                    if (key >> _SHIFT) >= size + pad:
+                    unit = key & self._mask
+                    pad = (-(self.base + (unit << shift)) & (alignment - 1)) >> shift
+                    if (key >> bits) >= need + pad:
                         break
-        block = key >> _SHIFT
+        block = key >> bits
         del keys[i]
         free_at = self._free_at
         free_end = self._free_end
-        del free_at[address]
-        end = address + block
+        del free_at[unit]
+        end = unit + block
         if pad:
-            insort(keys, pad << _SHIFT | address)
-            free_at[address] = pad
-            free_end[address + pad] = address
-            address += pad
-        rest = block - pad - size
+            insort(keys, pad << bits | unit)
+            free_at[unit] = pad
+            free_end[unit + pad] = unit
+            unit += pad
+        rest = block - pad - need
         if rest:
-            start = address + size
-            insort(keys, rest << _SHIFT | start)
+            start = unit + need
+            insort(keys, rest << bits | start)
             free_at[start] = rest
             free_end[end] = start
         else:
             del free_end[end]
-        self._used_at[address] = size
-        return address
+        self._used_at[unit] = need
+        return self.base + (unit << shift)
 
     def free(self, address: int) -> int:
         """Free the block at ``address``; return its size, or 0 if no block starts there."""
-        size = self._used_at.pop(address, 0)
+        unit = self._unit(address)
+        size = self._used_at.pop(unit, 0) if unit >= 0 else 0
         if not size:
             return 0
         released = size
+        bits = self._bits
         keys = self._free_keys
         free_at = self._free_at
         free_end = self._free_end
-        end = address + size
+        end = unit + size
         following = free_at.pop(end, 0)
         if following:
-            del keys[bisect_left(keys, following << _SHIFT | end)]
+            del keys[bisect_left(keys, following << bits | end)]
             end += following
             size += following
-        start = free_end.pop(address, None)
+        start = free_end.pop(unit, None)
         if start is not None:
             preceding = free_at[start]
-            del keys[bisect_left(keys, preceding << _SHIFT | start)]
-            address = start
+            del keys[bisect_left(keys, preceding << bits | start)]
+            unit = start
             size += preceding
-        insort(keys, size << _SHIFT | address)
-        free_at[address] = size
-        free_end[end] = address
-        return released
+        insort(keys, size << bits | unit)
+        free_at[unit] = size
+        free_end[end] = unit
+        return released << self._shift
 
     def resize(self, address: int, new_size: int) -> bool:
         """Grow or shrink the allocated block at ``address`` in place.
@@ -194,24 +207,26 @@ class Arena:
         large enough. ``new_size`` must be a positive multiple of ``granularity``. Returns
         ``False`` (and changes nothing) when the block cannot be resized in place.
         """
-        size = self._used_at.get(address, 0)
+        unit = self._unit(address)
+        size = self._used_at.get(unit, 0) if unit >= 0 else 0
         if not size:
             return False
-        if new_size < size:
-            self._used_at[address] = new_size
-            self._release(address + new_size, size - new_size)
+        need = new_size >> self._shift
+        if need < size:
+            self._used_at[unit] = need
+            self._release(unit + need, size - need)
             return True
-        if new_size == size:
+        if need == size:
             return True
-        end = address + size
+        end = unit + size
         following = self._free_at.get(end, 0)
-        if following < new_size - size:
+        if following < need - size:
             return False
         self._remove_free(end, following)
-        remainder = following - (new_size - size)
+        remainder = following - (need - size)
         if remainder:
-            self._add_free(address + new_size, remainder)
-        self._used_at[address] = new_size
+            self._add_free(unit + need, remainder)
+        self._used_at[unit] = need
         return True
 
     # -- inspection ------------------------------------------------------------------------
@@ -219,7 +234,7 @@ class Arena:
     @property
     def free_bytes(self) -> int:
         """Bytes in free blocks."""
-        return sum(self._free_at.values())
+        return sum(self._free_at.values()) << self._shift
 
     @property
     def used_bytes(self) -> int:
@@ -230,12 +245,14 @@ class Arena:
     def largest_free(self) -> int:
         """Size of the largest free block (0 when full)."""
         keys = self._free_keys
-        return keys[-1] >> _SHIFT if keys else 0
+        return (keys[-1] >> self._bits) << self._shift if keys else 0
 
     def walk(self) -> Iterator[Block]:
         """Yield every block, free and allocated, in address order."""
-        blocks = [Block(a, s, True) for a, s in self._free_at.items()]
-        blocks += [Block(a, s, False) for a, s in self._used_at.items()]
+        base, shift = self.base, self._shift
+        blocks = [Block(base + (u << shift), s << shift, True) for u, s in self._free_at.items()]
+        blocks += [Block(base + (u << shift), s << shift, False)
+                   for u, s in self._used_at.items()]
         blocks.sort()
         yield from blocks
 
@@ -256,11 +273,11 @@ class Arena:
             expected = block.address + block.size
         if expected != self.base + self.capacity:
             raise InvariantError("TILED", f"blocks end at {expected:#x}, not at the range end")
-        keys = self._free_keys
-        if keys != sorted(keys) or {k & _MASK: k >> _SHIFT for k in keys} != self._free_at:
+        keys, bits = self._free_keys, self._bits
+        if keys != sorted(keys) or {k & self._mask: k >> bits for k in keys} != self._free_at:
             raise InvariantError("INDEXED", "sorted free index disagrees with the free map")
         if len(keys) != len(self._free_at) or self._free_end != {
-            a + s: a for a, s in self._free_at.items()
+            u + s: u for u, s in self._free_at.items()
         }:
             raise InvariantError("INDEXED", "free-end map disagrees with the free map")
 
@@ -270,30 +287,37 @@ class Arena:
             f"blocks={len(self._used_at)}, free_blocks={len(self._free_at)})"
         )
 
-    # -- internals -------------------------------------------------------------------------
+    # -- internals (in units) --------------------------------------------------------------
 
-    def _add_free(self, address: int, size: int) -> None:
-        insort(self._free_keys, size << _SHIFT | address)
-        self._free_at[address] = size
-        self._free_end[address + size] = address
+    def _unit(self, address: int) -> int:
+        """The unit at which ``address`` starts, -1 if it is not on a unit of this arena."""
+        offset = address - self.base
+        if offset < 0 or offset & (self.granularity - 1):
+            return -1
+        return offset >> self._shift
 
-    def _remove_free(self, address: int, size: int) -> None:
+    def _add_free(self, unit: int, size: int) -> None:
+        insort(self._free_keys, size << self._bits | unit)
+        self._free_at[unit] = size
+        self._free_end[unit + size] = unit
+
+    def _remove_free(self, unit: int, size: int) -> None:
         keys = self._free_keys
-        del keys[bisect_left(keys, size << _SHIFT | address)]
-        del self._free_at[address]
-        del self._free_end[address + size]
+        del keys[bisect_left(keys, size << self._bits | unit)]
+        del self._free_at[unit]
+        del self._free_end[unit + size]
 
-    def _release(self, address: int, size: int) -> None:
-        """Return ``[address, address + size)`` to the free blocks, merging neighbours."""
-        end = address + size
+    def _release(self, unit: int, size: int) -> None:
+        """Return ``size`` units at ``unit`` to the free blocks, merging neighbours."""
+        end = unit + size
         following = self._free_at.get(end, 0)
         if following:
             self._remove_free(end, following)
             size += following
-        start = self._free_end.get(address)
+        start = self._free_end.get(unit)
         if start is not None:
             preceding = self._free_at[start]
             self._remove_free(start, preceding)
-            address = start
+            unit = start
             size += preceding
-        self._add_free(address, size)
+        self._add_free(unit, size)

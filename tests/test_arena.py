@@ -134,14 +134,15 @@ def test_check_names_the_broken_invariant(invariant: str) -> None:
     a = arena.allocate(GRAN)
     b = arena.allocate(GRAN)
     assert a is not None and b is not None
+    unit_a, unit_b = (a - BASE) // GRAN, (b - BASE) // GRAN  # the arena counts in units
     if invariant == "COALESCED":  # b turns free without merging with the free rest
-        del arena._used_at[b]
-        arena._free_at[b] = GRAN
-        arena._free_end[b + GRAN] = b
-        arena._free_keys.append(GRAN << 64 | b)
+        del arena._used_at[unit_b]
+        arena._free_at[unit_b] = 1
+        arena._free_end[unit_b + 1] = unit_b
+        arena._free_keys.append(1 << arena._bits | unit_b)
         arena._free_keys.sort()
     elif invariant == "TILED":  # lose a block
-        del arena._used_at[a]
+        del arena._used_at[unit_a]
     else:
         arena._free_keys.append(1)
     with pytest.raises(InvariantError) as info:
