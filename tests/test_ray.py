@@ -214,8 +214,8 @@ def test_methods_keep_their_kind_name_signature_and_ray_options() -> None:
 def test_methods_run_with_the_instance_budget_current_and_steps_do_not_leak() -> None:
     decorated = budgeted()(_Kinds)
     kinds = object.__new__(decorated)  # its __init__ needs Ray: its budget is given by hand
-    budget = _open_elsewhere("actor")  # open, current nowhere: an actor between two calls
-    vars(kinds)[ray_actor._SCOPE_ATTR] = ray_actor.ActorScope(budget, contextvars.Context())
+    budget, context = _open_elsewhere("actor")  # open, current nowhere: as between two calls
+    vars(kinds)[ray_actor._SCOPE_ATTR] = ray_actor.ActorScope(budget, context)
     assert current_budget() is None
     assert kinds.plain() is budget and kinds() is budget
     assert asyncio.run(kinds.coroutine()) is budget
@@ -237,19 +237,48 @@ def test_methods_run_with_the_instance_budget_current_and_steps_do_not_leak() ->
     assert kinds.static() is None and kinds.prop is None and current_budget() is None
 
 
-def _open_elsewhere(name: str) -> Budget:
-    """An open budget entered in a thread that has finished: open, but current nowhere."""
-    opened: list[Budget] = []
+class _Ending:
+    """A class with the hooks Ray (``__ray_shutdown__``) and Serve (``__del__``) call."""
 
-    def enter() -> None:
-        budget = gpu_budget("1MiB", name=name)
-        budget.__enter__()
-        opened.append(budget)
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
 
-    thread = threading.Thread(target=enter)
-    thread.start()
-    thread.join()
-    return opened[0]
+    def __ray_shutdown__(self) -> None:
+        budget = current_budget()
+        self.seen.append(budget.name if budget is not None else None)
+
+    def __del__(self) -> None:
+        budget = current_budget()
+        self.seen.append(budget.name if budget is not None else None)
+
+
+class _AsyncEnding:
+    async def __del__(self) -> None:  # Ray Serve awaits an async __del__
+        pass
+
+
+def test_the_end_hooks_run_in_the_budget_and_then_exit_it() -> None:
+    decorated = budgeted()(_Ending)
+    ending = object.__new__(decorated)
+    _Ending.__init__(ending)
+    budget, context = _open_elsewhere("actor")
+    vars(ending)[ray_actor._SCOPE_ATTR] = ray_actor.ActorScope(budget, context)
+    ending.__ray_shutdown__()
+    assert ending.seen == ["actor"] and budget.state == "released"  # nothing held it
+    ending.__del__()  # after the budget's end: runs without one
+    assert ending.seen == ["actor", None]
+    assert inspect.iscoroutinefunction(budgeted()(_AsyncEnding).__del__)
+    plain = object.__new__(budgeted()(_Kinds))  # no hooks of its own, no scope: nothing to do
+    plain.__ray_shutdown__()  # type: ignore[attr-defined]
+
+
+def _open_elsewhere(name: str) -> tuple[Budget, contextvars.Context]:
+    """An open budget entered in a context of its own: current nowhere else, as an actor's
+    budget between two calls; and that context."""
+    context = contextvars.Context()
+    budget = gpu_budget("1MiB", name=name)
+    context.run(budget.__enter__)
+    return budget, context
 
 
 def _info(actor_id: str, gpu: str, limit: int, **fields: Any) -> ActorInfo:
@@ -644,6 +673,7 @@ def test_async_actors_run_coroutines_and_async_generators_in_the_budget_and_trac
         ("enter", "async-model", GiB)]
     assert [(e["bytes"], e["reason"]) for e in events if e["ev"] == "alloc"] == [
         (GiB // 2, None), (GiB // 2 + 256, "over_limit")]
+    assert events[-1]["ev"] == "exit"  # the budget was exited as the actor ended
 
 
 def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
@@ -680,6 +710,9 @@ def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
     finally:
         serve.shutdown()
     assert wait_for_death(entry.info.actor_id).state == "dead"
+    events = read_trace(entry.info.trace).events
+    assert [(e["ev"], e.get("tag")) for e in events] == [
+        ("enter", None), ("alloc", "weights"), ("alloc", None), ("alloc", None), ("exit", None)]
 
 
 class Squatter:

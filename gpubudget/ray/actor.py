@@ -179,7 +179,8 @@ def _decorate(cls: C, spec: ActorSpec) -> C:
     namespace: dict[str, Any] = {
         "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
         _SPEC_ATTR: spec, "__init__": _budgeted_init(vars_init(cls), cls.__name__, spec),
-        "__ray_shutdown__": _budgeted_shutdown(getattr(cls, "__ray_shutdown__", None))}
+        "__ray_shutdown__": _closing("__ray_shutdown__", getattr(cls, "__ray_shutdown__", None)),
+        "__del__": _closing("__del__", getattr(cls, "__del__", None))}
     for name, method in actor_methods(cls).items():
         namespace[name] = with_budget(method)
     made: C = type(cls)(cls.__name__, (cls,), namespace)
@@ -328,25 +329,39 @@ def _async_generator_method(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-# -- the actor's __init__ and shutdown ------------------------------------------------------
+# -- the actor's __init__, shutdown and end --------------------------------------------------
 
 
-def _budgeted_shutdown(hook: Callable[..., Any] | None) -> Callable[..., None]:
-    """``__ray_shutdown__`` (which Ray calls when an actor exits gracefully): the class's own
-    hook, with the budget current, then the budget's exit."""
+def _closing(name: str, hook: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A method ``name`` that runs the class's own ``hook`` (with the budget current), then
+    exits the actor's budget, which writes the trace's last events. For
+    ``__ray_shutdown__``, which Ray calls when an actor exits gracefully, and ``__del__``,
+    which Ray Serve calls when it stops a replica. Of the hook's kind (Serve accepts an
+    ``async def __del__``)."""
+    if hook is not None and inspect.iscoroutinefunction(hook):
+        async def close_async(self: object) -> None:
+            try:
+                await with_budget(hook)(self)
+            finally:
+                _close_scope(self)
 
-    def __ray_shutdown__(self: object) -> None:
-        scope = _scope_of(self)
+        return functools.update_wrapper(close_async, hook)
+
+    def close(self: object) -> None:
         try:
             if hook is not None:
                 with_budget(hook)(self)
         finally:
-            if scope is not None:
-                scope.close()
+            _close_scope(self)
 
-    if hook is not None and inspect.isfunction(hook):
-        functools.update_wrapper(__ray_shutdown__, hook)
-    return __ray_shutdown__
+    close.__name__ = close.__qualname__ = name
+    return functools.update_wrapper(close, hook) if inspect.isfunction(hook) else close
+
+
+def _close_scope(instance: object) -> None:
+    scope = _scope_of(instance) if hasattr(instance, "__dict__") else None
+    if scope is not None:
+        scope.close()
 
 
 def _budgeted_init(init: Callable[..., None], class_name: str, spec: ActorSpec

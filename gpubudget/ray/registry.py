@@ -8,7 +8,8 @@ actors register again).
 How a report is gathered (:func:`cluster_report`): the registry opens a new *generation*;
 each budgeted actor has a thread waiting in :meth:`Registry.next_request`, which returns, and
 the thread sends its budget's report (so a busy actor answers too, and so does a Serve
-replica, whose methods Ray Serve owns). Meanwhile the registry probes every actor it believes
+replica, whose methods Ray Serve owns). The wait is short (``POLL_SECONDS``) and renewed: Ray
+lets an actor exit gracefully only once the calls it made have returned. Meanwhile the registry probes every actor it believes
 alive with Ray's own ``__ray_ready__``: an actor that Ray says is dead is marked dead, with
 Ray's reason, and keeps its last report. The registry holds only weak handles (an actor's
 handle to itself), so it never keeps an actor alive.
@@ -134,10 +135,15 @@ class Registry:
             self._changed.notify_all()
             return generation
 
-    async def next_request(self, actor_id: str, seen: int) -> int:
-        """Wait until a report newer than generation ``seen`` is asked for; return it."""
+    async def next_request(self, actor_id: str, seen: int, wait_seconds: float) -> int:
+        """Wait until a report newer than generation ``seen`` is asked for, or for
+        ``wait_seconds``; return the generation (``seen`` if nothing was asked)."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self._book.generation > seen)
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._book.generation > seen), wait_seconds)
+            except asyncio.TimeoutError:
+                pass
             return self._book.generation
 
     async def update(self, actor_id: str, generation: int, report: BudgetReport) -> None:

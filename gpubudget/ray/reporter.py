@@ -32,6 +32,9 @@ REGISTER_SECONDS: Final = 30.0
 """How long an actor's ``__init__`` waits for the registry (its first start included)."""
 RETRY_SECONDS: Final = 10.0
 """How often an actor that lost the registry looks for one again."""
+POLL_SECONDS: Final = 2.0
+"""How long one wait for a report request lasts: an actor that exits gracefully waits for
+its pending calls, so for at most this long."""
 FLUSH_SECONDS: Final = 1.0
 """How often an actor's trace file is flushed (a killed actor loses at most that much)."""
 _log: Final = logging.getLogger("gpubudget.ray")
@@ -106,10 +109,12 @@ class Reporter:
                     wait.wait(RETRY_SECONDS)
                 continue
             try:
-                self._generation = _result(
-                    registry.next_request.remote(self.info.actor_id, self._generation))
-                _result(registry.update.remote(self.info.actor_id, self._generation,
-                                               self.snapshot()))
+                asked = _result(registry.next_request.remote(
+                    self.info.actor_id, self._generation, POLL_SECONDS))
+                if asked != self._generation:
+                    self._generation = asked
+                    _result(registry.update.remote(self.info.actor_id, asked,
+                                                   self.snapshot()))
             except Exception as exc:  # noqa: BLE001 - the registry died or was killed
                 self._registry = None
                 self._failed(f"{type(exc).__name__}: {death_cause(exc)}")
