@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +15,11 @@ EXPECTED = {
     "two_models.py": ["over its 1.5 GiB cap", "├─ detector", "└─ classifier", "denied 1x"],
     "nested_report.py": ["model-b asks for 800 KiB: None", "reserve 256.00 KiB", "never-freed"],
     "tensorrt_two_models.py": ["two_models"],
+    "ray_two_models.py": [
+        "classifier: 3.00 GiB of activations refused (over its 3.00 GiB cap)",
+        "GPU 0 (simulated, 8.00 GiB): 2 actors alive, limits 6.00 GiB, used 1.50 GiB",
+        "denied 1x, over the limit of 'classifier'",
+    ] if importlib.util.find_spec("ray") else ["Ray is not installed, so no cluster can start"],
 }
 
 

@@ -88,7 +88,8 @@ def budgeted(limit: Any = None, *, name: str | None = None, align: int = DEFAULT
         The budget's limit (``"6GiB"``, bytes). Default: the actor's share of the GPU
         (``num_gpus``) times the GPU's memory, less ``margin``, rounded down to a MiB.
     name
-        The budget's name; default the Serve deployment's name, else the class name.
+        The budget's name; default the Serve deployment's name, else the actor's name
+        (``.options(name=...)``), else the class name.
     align
         As for :func:`gpubudget.gpu_budget`.
     margin
@@ -404,9 +405,10 @@ def _open_budget(class_name: str, spec: ActorSpec
     placement = _place(runtime, who)
     limit = spec.limit if spec.limit is not None else derived_limit(
         placement.share, placement.device_memory, spec.margin, who)
-    name = spec.name or (serve[1] if serve is not None else class_name)
+    actor_name = runtime.get_actor_name() or None
+    name = spec.name or (serve[1] if serve is not None else actor_name or class_name)
     info = ActorInfo(
-        actor_id=actor_id, class_name=class_name, actor_name=runtime.get_actor_name() or None,
+        actor_id=actor_id, class_name=class_name, actor_name=actor_name,
         application=serve[0] if serve else None, deployment=serve[1] if serve else None,
         replica=serve[2] if serve else None, node_id=placement.node_id,
         node_ip=placement.node_ip, gpu_id=placement.gpu_id, ordinal=placement.ordinal,
