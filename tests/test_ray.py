@@ -39,6 +39,7 @@ from gpubudget.ray import (
     ray_command,
 )
 from gpubudget.ray import actor as ray_actor
+from gpubudget.ray import methods
 from gpubudget.ray.placement import cuda_ordinal, derived_limit, gpu_share, open_device
 from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, RegistryBook
 from gpubudget.report import BudgetReport
@@ -206,7 +207,7 @@ def test_methods_keep_their_kind_name_signature_and_ray_options() -> None:
     assert inspect.isasyncgenfunction(decorated.async_steps)
     assert decorated.plain.__ray_num_returns__ == 1  # type: ignore[attr-defined]
     assert inspect.signature(decorated.plain) == inspect.signature(_Kinds.plain)
-    wrapped = set(ray_actor.actor_methods(_Kinds))
+    wrapped = set(methods.actor_methods(_Kinds))
     assert wrapped == {"plain", "coroutine", "steps", "async_steps", "__call__"}
     assert decorated.__repr__ is _Kinds.__repr__ and decorated.static is _Kinds.static
 
@@ -215,7 +216,7 @@ def test_methods_run_with_the_instance_budget_current_and_steps_do_not_leak() ->
     decorated = budgeted()(_Kinds)
     kinds = object.__new__(decorated)  # its __init__ needs Ray: its budget is given by hand
     budget, context = _open_elsewhere("actor")  # open, current nowhere: as between two calls
-    vars(kinds)[ray_actor._SCOPE_ATTR] = ray_actor.ActorScope(budget, context)
+    vars(kinds)[methods.SCOPE_ATTRIBUTE] = methods.ActorScope(budget, context)
     assert current_budget() is None
     assert kinds.plain() is budget and kinds() is budget
     assert asyncio.run(kinds.coroutine()) is budget
@@ -262,7 +263,7 @@ def test_the_end_hooks_run_in_the_budget_and_then_exit_it() -> None:
     ending = object.__new__(decorated)
     _Ending.__init__(ending)
     budget, context = _open_elsewhere("actor")
-    vars(ending)[ray_actor._SCOPE_ATTR] = ray_actor.ActorScope(budget, context)
+    vars(ending)[methods.SCOPE_ATTRIBUTE] = methods.ActorScope(budget, context)
     ending.__ray_shutdown__()
     assert ending.seen == ["actor"] and budget.state == "released"  # nothing held it
     ending.__del__()  # after the budget's end: runs without one
