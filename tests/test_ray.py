@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -39,7 +40,7 @@ from gpubudget.ray import (
     ray_command,
 )
 from gpubudget.ray import actor as ray_actor
-from gpubudget.ray import methods
+from gpubudget.ray import methods, simulated
 from gpubudget.ray.placement import cuda_ordinal, derived_limit, gpu_share, open_device
 from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, RegistryBook
 from gpubudget.report import BudgetReport
@@ -54,6 +55,8 @@ NO_RAY = "Ray is not installed: pip install -e '.[dev,ray-serve]'"
 DEVICE_MEMORY = "8GiB"
 HALF_GPU_LIMIT = 3 * GiB
 """Half of an 8 GiB GPU, less the default 1 GiB margin."""
+ANSWER_WAIT = 30.0
+"""Seconds the registry may wait for the actors' reports (they answer at once when idle)."""
 DEATH_WAIT = 60.0
 """Seconds to wait for Ray to collect an actor whose handles are all gone."""
 
@@ -97,6 +100,7 @@ def test_default_limit_is_the_share_less_the_margin_in_whole_mib() -> None:
 
 def test_device_memory_comes_from_cuda_or_the_environment(monkeypatch: pytest.MonkeyPatch,
                                                           tmp_path: Path) -> None:
+    monkeypatch.setattr(simulated, "LEDGER_ROOT", tmp_path)
     monkeypatch.setenv("GPUBUDGET_BACKEND", "host")
     monkeypatch.delenv("GPUBUDGET_DEVICE_MEMORY", raising=False)
     with pytest.raises(PlacementError, match="GPUBUDGET_DEVICE_MEMORY is not set.*8GiB"):
@@ -105,9 +109,10 @@ def test_device_memory_comes_from_cuda_or_the_environment(monkeypatch: pytest.Mo
     with pytest.raises(PlacementError, match="actor A: .*'eight gigs'"):
         open_device(0, "node-gpu0", "actor A")
     monkeypatch.setenv("GPUBUDGET_DEVICE_MEMORY", "6GiB")
-    backend, total, simulated = open_device(0, f"test-{os.getpid()}-gpu0", "actor A")
-    assert (total, simulated) == (6 * GiB, True)
-    assert isinstance(backend, SimulatedGpu) and backend.mem_info()[1] == 6 * GiB
+    backend, total, is_simulated = open_device(0, "node-gpu0", "actor A")
+    assert (total, is_simulated) == (6 * GiB, True)
+    assert isinstance(backend, SimulatedGpu) and backend.mem_info() == (6 * GiB, 6 * GiB)
+    assert backend.directory == tmp_path / "node-gpu0"
 
 
 def test_a_simulated_gpu_is_shared_by_every_process_that_names_it(tmp_path: Path) -> None:
@@ -388,8 +393,11 @@ def ray_cluster() -> Iterator[None]:
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, runtime_env={"env_vars": {
                  "GPUBUDGET_DEVICE_MEMORY": DEVICE_MEMORY, "GPUBUDGET_BACKEND": "host"}})
+    node = ray.get_runtime_context().get_node_id()
     yield
     ray.shutdown()
+    for ledger in simulated.LEDGER_ROOT.glob(f"{node}-gpu*"):  # the simulated GPUs' records
+        shutil.rmtree(ledger, ignore_errors=True)
 
 
 def model_class(num_gpus: float, limit: str | None = None) -> ActorClass:
@@ -464,6 +472,12 @@ def trio(ray_cluster: None) -> Iterator[list[tuple[ActorHandle, dict[str, Any]]]
         ray.kill(actor)
 
 
+def report_now() -> ClusterReport:
+    """The cluster report, waiting for every live actor's answer (on a loaded machine they
+    may take longer than the default two seconds)."""
+    return cluster_report(timeout=ANSWER_WAIT)
+
+
 def pair_and_single(trio: list[tuple[ActorHandle, dict[str, Any]]]
                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     by_gpu: dict[str, list[dict[str, Any]]] = {}
@@ -502,7 +516,7 @@ def test_methods_of_every_kind_run_with_the_actor_budget(
 def test_cluster_report_lists_every_actor_on_its_gpu_with_its_use(
         ray_cluster: None, trio: list[tuple[ActorHandle, dict[str, Any]]]) -> None:
     pair, single = pair_and_single(trio)
-    report = cluster_report()
+    report = report_now()
     assert report.registry_error is None
     for _, described in trio:
         entry = report.entry(described["actor_id"])
@@ -587,7 +601,7 @@ def test_an_actor_without_a_gpu_fails_creation_saying_what_is_supported(
 def wait_for_death(actor_id: str) -> ActorEntry:
     deadline = time.monotonic() + DEATH_WAIT
     while True:
-        entry = cluster_report().entry(actor_id)
+        entry = report_now().entry(actor_id)
         assert entry is not None
         if entry.state == "dead" or time.monotonic() > deadline:
             return entry
@@ -612,7 +626,7 @@ def test_killed_and_crashed_actors_turn_dead_and_keep_their_last_report(
     entry = wait_for_death(crashed_id)
     assert entry.state == "dead" and entry.report is not None
     assert entry.report.used == GiB // 4
-    report = cluster_report()
+    report = report_now()
     assert f"Model (actor {crashed_id[:12]}): DEAD (" in str(report)
     assert report.entry(trio[0][1]["actor_id"]) is not None  # the others stay alive
 
@@ -662,19 +676,30 @@ def test_async_actors_run_coroutines_and_async_generators_in_the_budget_and_trac
     assert ray.get(actor.allocate.remote(GiB // 2)) is not None
     assert ray.get(actor.allocate.remote(GiB // 2 + 1)) is None  # over its 1 GiB
     assert [ray.get(ref) for ref in actor.names.remote(2)] == ["async-model"] * 2
-    entry = cluster_report().entry(actor_id)
+    entry = report_now().entry(actor_id)
     assert entry is not None and entry.report is not None
     assert (entry.info.limit, entry.report.used, entry.report.denied) == (GiB, GiB // 2, 1)
     actor.__ray_terminate__.remote()  # a clean exit writes out the whole trace
     assert wait_for_death(actor_id).state == "dead"
     trace = tmp_path / "traces" / f"AsyncModel.{actor_id[:12]}.jsonl"
     assert entry.info.trace == str(trace)
-    events = read_trace(trace).events
+    events = finished_trace(trace)
     assert [(e["ev"], e.get("name"), e.get("limit")) for e in events[:1]] == [
         ("enter", "async-model", GiB)]
     assert [(e["bytes"], e["reason"]) for e in events if e["ev"] == "alloc"] == [
         (GiB // 2, None), (GiB // 2 + 256, "over_limit")]
     assert events[-1]["ev"] == "exit"  # the budget was exited as the actor ended
+
+
+def finished_trace(path: Path) -> list[dict[str, Any]]:
+    """The events of an actor's trace once its last one, ``exit``, is there (Ray may say the
+    actor is dead a moment before its process has run its shutdown hook)."""
+    deadline = time.monotonic() + DEATH_WAIT
+    while True:
+        events = read_trace(path).events
+        if (events and events[-1]["ev"] == "exit") or time.monotonic() > deadline:
+            return events
+        time.sleep(0.1)
 
 
 def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
@@ -702,7 +727,7 @@ def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
         handle = serve.run(deployment.bind(), name="vision", route_prefix=None)
         assert handle.remote(MiB).result() == ("Detector", HALF_GPU_LIMIT, True)
         assert handle.remote(HALF_GPU_LIMIT).result() == ("Detector", HALF_GPU_LIMIT, False)
-        report = cluster_report()
+        report = report_now()
         (entry,) = [entry for entry in report.alive if entry.info.deployment == "Detector"]
         assert entry.info.application == "vision" and entry.info.replica
         assert entry.report is not None and entry.report.used == GiB + MiB
@@ -711,7 +736,7 @@ def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
     finally:
         serve.shutdown()
     assert wait_for_death(entry.info.actor_id).state == "dead"
-    events = read_trace(entry.info.trace).events
+    events = finished_trace(Path(entry.info.trace))
     assert [(e["ev"], e.get("tag")) for e in events] == [
         ("enter", None), ("alloc", "weights"), ("alloc", None), ("alloc", None), ("exit", None)]
 
@@ -728,7 +753,9 @@ def test_actors_keep_their_budgets_when_the_registry_is_gone_or_does_not_answer(
     import ray  # this test runs last: it takes the registry away
 
     ray.kill(ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE))
-    report = wait_for(lambda: cluster_report(), lambda r: r.registry_error is not None)
+    report = report_now()  # "did not answer" while Ray still has its name, then "no actor"
+    assert report.actors == () and report.registry_error is not None
+    report = wait_for(report_now, lambda r: "no actor" in (r.registry_error or ""))
     assert report.actors == () and report.registry_error is not None
     assert report.registry_error.startswith(
         "no actor 'gpubudget-registry' in namespace 'gpubudget': no budgeted actor has "
@@ -745,7 +772,7 @@ def test_actors_keep_their_budgets_when_the_registry_is_gone_or_does_not_answer(
         newcomer = model_class(num_gpus=0.5).remote(MiB)
         assert ray.get(newcomer.describe.remote())["used"] == MiB  # created and working
         assert ray.get(newcomer.registry_error.remote()) is not None
-        report = cluster_report()
+        report = report_now()
         assert report.actors == () and report.registry_error is not None
         assert report.registry_error.startswith("the registry did not answer")
         ray.kill(newcomer)

@@ -9,9 +9,9 @@ How a report is gathered (:func:`cluster_report`): the registry opens a new *gen
 each budgeted actor has a thread waiting in :meth:`Registry.next_request`, which returns, and
 the thread sends its budget's report (so a busy actor answers too, and so does a Serve
 replica, whose methods Ray Serve owns). The wait is short (``POLL_SECONDS``) and renewed: Ray
-lets an actor exit gracefully only once the calls it made have returned. Meanwhile the registry probes every actor it believes
-alive with Ray's own ``__ray_ready__``: an actor that Ray says is dead is marked dead, with
-Ray's reason, and keeps its last report. The registry holds only weak handles (an actor's
+lets an actor exit gracefully only once the calls it made have returned. Meanwhile the
+registry probes every actor it believes alive with Ray's own ``__ray_ready__``: an actor that
+Ray says is dead is marked dead, with Ray's reason, and keeps its last report. The registry holds only weak handles (an actor's
 handle to itself), so it never keeps an actor alive.
 """
 
@@ -47,6 +47,8 @@ DEAD_KEPT: Final = 100
 """Dead actors the registry remembers; older ones are forgotten (and counted)."""
 ANSWER_SECONDS: Final = 30.0
 """How long :func:`cluster_report` waits for the registry beyond its own ``timeout``."""
+CONCURRENT_CALLS: Final = 10_000
+"""Calls the registry serves at once: every budgeted actor keeps one waiting."""
 PROBE_SECONDS: Final = 1.0
 """How long a liveness probe waits: an actor busy longer than that counts as alive."""
 
@@ -194,7 +196,7 @@ def death_cause(exc: BaseException) -> str:
 def _registry_class() -> Any:
     import ray
 
-    return ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(Registry)
+    return ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=CONCURRENT_CALLS)(Registry)
 
 
 def start_registry() -> ActorHandle:
