@@ -6,7 +6,7 @@ Ray's ``num_gpus=0.5`` schedules two actors on one GPU but limits nothing. With
 
 >>> import ray                                                        # doctest: +SKIP
 >>> from gpubudget.ray import budgeted, cluster_report
->>> @ray.remote(num_gpus=0.5)
+>>> @ray.remote(num_gpus=0.5)                                         # doctest: +SKIP
 ... @budgeted()
 ... class Detector:
 ...     def infer(self, batch): ...

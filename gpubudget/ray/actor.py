@@ -113,7 +113,7 @@ def budgeted(limit: Any = None, *, name: str | None = None, align: int = DEFAULT
     >>> import ray                                                    # doctest: +SKIP
     >>> import gpubudget
     >>> from gpubudget.ray import budgeted
-    >>> @ray.remote(num_gpus=0.5)
+    >>> @ray.remote(num_gpus=0.5)                                     # doctest: +SKIP
     ... @budgeted()
     ... class Detector:
     ...     def __init__(self, plan: bytes):

@@ -29,7 +29,8 @@ T = TypeVar("T")
 __all__ = ["FLUSH_SECONDS", "REGISTER_SECONDS", "RETRY_SECONDS", "Reporter"]
 
 REGISTER_SECONDS: Final = 30.0
-"""How long an actor's ``__init__`` waits for the registry (its first start included)."""
+"""How long an actor's ``__init__`` waits for the registry (its first start included), and
+how long any call to the registry may take before the actor counts it as lost."""
 RETRY_SECONDS: Final = 10.0
 """How often an actor that lost the registry looks for one again."""
 POLL_SECONDS: Final = 2.0
@@ -110,11 +111,12 @@ class Reporter:
                 continue
             try:
                 asked = _result(registry.next_request.remote(
-                    self.info.actor_id, self._generation, POLL_SECONDS))
+                    self.info.actor_id, self._generation, POLL_SECONDS),
+                    POLL_SECONDS + REGISTER_SECONDS)
                 if asked != self._generation:
                     self._generation = asked
                     _result(registry.update.remote(self.info.actor_id, asked,
-                                                   self.snapshot()))
+                                                   self.snapshot()), REGISTER_SECONDS)
             except Exception as exc:  # noqa: BLE001 - the registry died or was killed
                 self._registry = None
                 self._failed(f"{type(exc).__name__}: {death_cause(exc)}")
