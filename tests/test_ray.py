@@ -10,6 +10,7 @@ free it when they end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import doctest
 import importlib
@@ -17,6 +18,7 @@ import importlib.util
 import inspect
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from gpubudget.ray import (
     ActorEntry,
     ActorInfo,
     ClusterReport,
+    FlatReport,
     PlacementError,
     SimulatedGpu,
     budgeted,
@@ -298,11 +301,11 @@ def _info(actor_id: str, gpu: str, limit: int, **fields: Any) -> ActorInfo:
     return ActorInfo(**values)
 
 
-def _budget_report(name: str, limit: int, used: int) -> BudgetReport:
+def _budget_report(name: str, limit: int, used: int) -> FlatReport:
     with gpu_budget(limit, name=name) as budget:
         if used:
             assert budget.allocate(used) is not None
-        return budget.report()
+        return FlatReport.of(budget.report())
 
 
 def test_cluster_report_groups_by_node_and_gpu_and_warns_of_overcommitted_gpus() -> None:
@@ -331,6 +334,8 @@ def test_cluster_report_groups_by_node_and_gpu_and_warns_of_overcommitted_gpus()
     assert "    Model (actor cccccccccccc): DEAD (killed by `ray.kill`.)" in text
     assert "      c [host] (open): used 1.00 MiB of 7.00 GiB" in text
     assert "(2 older dead actors forgotten)" in text and text.endswith("8.00 GiB")
+    assert report.to_json() == json.dumps(report.as_dict(), indent=2)  # built another way
+    assert report.to_json(indent=None) == json.dumps(report.as_dict())
     data = json.loads(report.to_json())
     assert data["registry"] == {"actor": "gpubudget/gpubudget-registry", "error": None}
     (node,) = data["nodes"]
@@ -339,6 +344,35 @@ def test_cluster_report_groups_by_node_and_gpu_and_warns_of_overcommitted_gpus()
     assert node["devices"][1]["actors"][0]["state"] == "dead"
     assert node["devices"][0]["actors"][1]["report"]["used"] == 2 * MiB
     assert data["warnings"] == list(report.warnings)
+
+
+def test_reports_of_deep_budget_trees_travel_and_render() -> None:
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(gpu_budget("1MiB", name="root"))
+        for level in range(1000):
+            stack.enter_context(gpu_budget("1KiB", name=f"level-{level}"))
+        report = root.report()
+    with pytest.raises(RecursionError):
+        pickle.dumps(report)  # what Ray would do with the nested form
+    flat = pickle.loads(pickle.dumps(FlatReport.of(report)))
+    rebuilt = flat.tree()
+    assert [(r.name, len(r.children)) for r in rebuilt.walk()] == [
+        (r.name, len(r.children)) for r in report.walk()]
+    cluster = pickle.loads(pickle.dumps(ClusterReport(
+        (ActorEntry(_info("d" * 32, "0", MiB), "alive", flat, fresh=True),))))
+    assert "└─ level-999 [host] (" in str(cluster)
+    text = cluster.to_json()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20_000)  # json.loads recurses per level; the writer did not
+    try:
+        data = json.loads(text)
+    finally:
+        sys.setrecursionlimit(limit)
+    budget = data["nodes"][0]["devices"][0]["actors"][0]["report"]
+    for _ in range(1000):
+        (budget,) = budget["children"]
+    assert budget["name"] == "level-999"
+    assert json.loads(ClusterReport(()).to_json(indent=None))["alive"] == 0
 
 
 def test_registry_book_keeps_a_bounded_number_of_dead_actors() -> None:

@@ -23,7 +23,7 @@ from .actor import ActorSpec, actor_budget, budgeted
 from .command import ray_command
 from .placement import DEFAULT_MARGIN, DEVICE_MEMORY_ENV, PlacementError
 from .registry import DEAD_KEPT, REGISTRY_NAME, REGISTRY_NAMESPACE, cluster_report
-from .report import ActorEntry, ActorInfo, ClusterReport, DeviceSummary
+from .report import ActorEntry, ActorInfo, ClusterReport, DeviceSummary, FlatReport
 from .simulated import SimulatedGpu
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ActorSpec",
     "ClusterReport",
     "DeviceSummary",
+    "FlatReport",
     "PlacementError",
     "SimulatedGpu",
     "actor_budget",

@@ -11,8 +11,9 @@ the thread sends its budget's report (so a busy actor answers too, and so does a
 replica, whose methods Ray Serve owns). The wait is short (``POLL_SECONDS``) and renewed: Ray
 lets an actor exit gracefully only once the calls it made have returned. Meanwhile the
 registry probes every actor it believes alive with Ray's own ``__ray_ready__``: an actor that
-Ray says is dead is marked dead, with Ray's reason, and keeps its last report. The registry holds only weak handles (an actor's
-handle to itself), so it never keeps an actor alive.
+Ray says is dead is marked dead, with Ray's reason, and keeps its last report. The registry
+holds only weak handles (an actor's handle to itself), so it never keeps an actor alive.
+Reports travel flat (:class:`~gpubudget.ray.report.FlatReport`), so trees of any depth do.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from ..report import BudgetReport
-from .report import ActorEntry, ActorInfo, ClusterReport
+from .report import ActorEntry, ActorInfo, ClusterReport, FlatReport
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -57,7 +57,7 @@ PROBE_SECONDS: Final = 1.0
 class _Record:
     info: ActorInfo
     handle: Any
-    report: BudgetReport | None
+    report: FlatReport | None
     answered: int = 0
     """The last generation this actor sent a report for."""
     dead: str | None = None
@@ -80,12 +80,12 @@ class RegistryBook:
     dead_order: deque[str] = field(default_factory=deque)
     dropped: int = 0
 
-    def register(self, info: ActorInfo, handle: Any, report: BudgetReport | None) -> int:
+    def register(self, info: ActorInfo, handle: Any, report: FlatReport | None) -> int:
         """Add (or renew) an actor; return the current generation."""
         self.records[info.actor_id] = _Record(info, handle, report, self.generation)
         return self.generation
 
-    def update(self, actor_id: str, generation: int, report: BudgetReport) -> None:
+    def update(self, actor_id: str, generation: int, report: FlatReport) -> None:
         record = self.records.get(actor_id)
         if record is not None:
             record.report = report
@@ -130,7 +130,7 @@ class Registry:
         self._book = RegistryBook()
         self._changed = asyncio.Condition()
 
-    async def register(self, info: ActorInfo, handle: Any, report: BudgetReport | None) -> int:
+    async def register(self, info: ActorInfo, handle: Any, report: FlatReport | None) -> int:
         """Add an actor (its handle to itself, which is weak); return the generation."""
         async with self._changed:
             generation = self._book.register(info, handle, report)
@@ -148,7 +148,7 @@ class Registry:
                 pass
             return self._book.generation
 
-    async def update(self, actor_id: str, generation: int, report: BudgetReport) -> None:
+    async def update(self, actor_id: str, generation: int, report: FlatReport) -> None:
         async with self._changed:
             self._book.update(actor_id, generation, report)
             self._changed.notify_all()

@@ -15,10 +15,10 @@ from typing import Any, Final, Literal
 from ..report import BudgetReport
 from ..units import format_size
 
-__all__ = ["ActorEntry", "ActorInfo", "ClusterReport", "DeviceSummary"]
+__all__ = ["ActorEntry", "ActorInfo", "ClusterReport", "DeviceSummary", "FlatReport"]
 
-_INDENT: Final = "    "
-"""How far an actor's budget report is indented under the actor's line."""
+_INDENT: Final = " " * 6
+"""How far an actor's budget report is indented in the text form (under the actor's line)."""
 
 
 @dataclass(frozen=True)
@@ -62,28 +62,85 @@ class ActorInfo:
 
 
 @dataclass(frozen=True)
+class FlatReport:
+    """A :class:`~gpubudget.BudgetReport` tree as a flat list, to send between processes.
+
+    Pickling the nested form recurses once per level and fails for trees a few hundred
+    budgets deep; this form is flat, and :meth:`tree` rebuilds the nested one with a loop.
+
+    >>> from gpubudget import gpu_budget
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     with gpu_budget("1KiB", name="a"), gpu_budget("1KiB", name="b"):
+    ...         pass
+    >>> flat = FlatReport.of(pool.report())
+    >>> flat.parents, [report.name for report in flat.tree().walk()]
+    ((-1, 0, 1), ['pool', 'a', 'b'])
+    """
+
+    reports: tuple[BudgetReport, ...]
+    """Every budget's own report (without children), parents before their children."""
+    parents: tuple[int, ...]
+    """The index in ``reports`` of each one's parent; -1 for the root."""
+
+    @classmethod
+    def of(cls, report: BudgetReport) -> FlatReport:
+        reports: list[BudgetReport] = []
+        parents: list[int] = []
+        stack = [(report, -1)]
+        while stack:
+            node, parent = stack.pop()
+            parents.append(parent)
+            reports.append(dataclasses.replace(node, children=()))
+            stack.extend((child, len(reports) - 1) for child in reversed(node.children))
+        return cls(tuple(reports), tuple(parents))
+
+    @property
+    def root(self) -> BudgetReport:
+        """The root budget's own report (its totals include its children's)."""
+        return self.reports[0]
+
+    def tree(self) -> BudgetReport:
+        """The nested report again."""
+        children: list[list[BudgetReport]] = [[] for _ in self.reports]
+        for index in reversed(range(len(self.reports))):  # children before their parents
+            node = dataclasses.replace(self.reports[index],
+                                       children=tuple(reversed(children[index])))
+            if self.parents[index] < 0:
+                return node
+            children[self.parents[index]].append(node)
+        raise ValueError("a flat report without a root")
+
+
+@dataclass(frozen=True)
 class ActorEntry:
     """One budgeted actor as the registry last saw it."""
 
     info: ActorInfo
     state: Literal["alive", "dead"]
-    report: BudgetReport | None
-    """Its budget tree: taken for this report when ``fresh``, else the last one received."""
+    flat: FlatReport | None
+    """Its budget tree, as sent: taken for this report when ``fresh``, else the last one
+    received (see :attr:`report`)."""
     fresh: bool
-    """Whether ``report`` was taken for this cluster report (a dead or unresponsive actor
+    """Whether the report was taken for this cluster report (a dead or unresponsive actor
     keeps the last report it sent)."""
     death: str | None = None
     """Why Ray says the actor died."""
 
     @property
+    def report(self) -> BudgetReport | None:
+        """The actor's budget tree (rebuilt from :attr:`flat` at each access)."""
+        return self.flat.tree() if self.flat is not None else None
+
+    @property
     def used(self) -> int:
-        return self.report.used if self.report is not None else 0
+        return self.flat.root.used if self.flat is not None else 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data: the actor's fields, its state and its report."""
         fields: dict[str, Any] = dataclasses.asdict(self.info)
+        report = self.report
         fields.update(state=self.state, fresh=self.fresh, death=self.death,
-                      report=self.report.as_dict() if self.report is not None else None)
+                      report=report.as_dict() if report is not None else None)
         return fields
 
 
@@ -198,7 +255,21 @@ class ClusterReport:
         }
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.as_dict(), indent=indent)
+        """The report as JSON text: what ``json.dumps(report.as_dict(), indent=indent)``
+        gives, for budget trees of any depth (each actor's report is written by
+        :meth:`~gpubudget.BudgetReport.to_json`, a loop; the rest by ``json``)."""
+        data = self.as_dict()
+        reports: dict[str, str] = {}
+        for node in data["nodes"]:
+            for device in node["devices"]:
+                for actor in device["actors"]:
+                    if actor["report"] is not None:
+                        entry = self.entry(actor["actor_id"])
+                        report = entry.report if entry is not None else None
+                        token = actor["report"] = f"\u0000report {len(reports)}\u0000"
+                        reports[json.dumps(token)] = (report.to_json(indent) if report
+                                                      is not None else "null")
+        return _splice(json.dumps(data, indent=indent), reports)
 
     def __str__(self) -> str:
         alive = len(self.alive)
@@ -218,6 +289,20 @@ class ClusterReport:
             lines.append(f"({self.dead_dropped} older dead actors forgotten)")
         lines.extend(f"warning: {warning}" for warning in self.warnings)
         return "\n".join(lines)
+
+
+def _splice(text: str, parts: dict[str, str]) -> str:
+    """``text`` with each quoted token (in order) replaced by its JSON, whose lines are
+    indented like the token's line."""
+    pieces: list[str] = []
+    done = 0
+    for token, part in parts.items():
+        at = text.index(token, done)
+        line = text[text.rfind("\n", 0, at) + 1:at]
+        margin = line[:len(line) - len(line.lstrip(" "))]
+        pieces += [text[done:at], part.replace("\n", "\n" + margin)]
+        done = at + len(token)
+    return "".join(pieces) + text[done:]
 
 
 def _summary(entries: list[ActorEntry]) -> DeviceSummary:
@@ -244,7 +329,7 @@ def _device_lines(device: DeviceSummary) -> Iterable[str]:
         yield f"    {entry.info.title}: {_status(entry)}"
         if entry.report is not None:
             for line in str(entry.report).splitlines():
-                yield _INDENT + "  " + line
+                yield _INDENT + line
 
 
 def _status(entry: ActorEntry) -> str:

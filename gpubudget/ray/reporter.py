@@ -16,10 +16,9 @@ import threading
 from typing import TYPE_CHECKING, Final, TypeVar
 
 from ..budget import Budget
-from ..report import BudgetReport
 from ..tracefile import writer_for
 from .registry import death_cause, find_registry, start_registry
-from .report import ActorInfo
+from .report import ActorInfo, FlatReport
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -53,11 +52,12 @@ class Reporter:
         self._registry: ActorHandle | None = None
         self._generation = 0
 
-    def snapshot(self) -> BudgetReport:
-        """The budget's report, without its event log (the registry does not need it); the
-        trace file, if any, is flushed first, so that it holds what the report shows."""
+    def snapshot(self) -> FlatReport:
+        """The budget's report, flat and without its event log (the registry does not need
+        it); the trace file, if any, is flushed first, so that it holds what the report
+        shows."""
         self.flush_trace()
-        return dataclasses.replace(self.budget.report(), timeline=())
+        return FlatReport.of(dataclasses.replace(self.budget.report(), timeline=()))
 
     def flush_trace(self) -> None:
         """Write out the trace's buffered events (an actor's process may end without running
