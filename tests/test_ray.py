@@ -211,6 +211,7 @@ _Kinds.plain.__ray_num_returns__ = 1  # type: ignore[attr-defined]  # as @ray.me
 def test_methods_keep_their_kind_name_signature_and_ray_options() -> None:
     decorated = budgeted()(_Kinds)
     assert decorated.__name__ == "_Kinds" and issubclass(decorated, _Kinds)
+    assert issubclass(budgeted(_Kinds), _Kinds)  # @budgeted without parentheses works too
     assert inspect.iscoroutinefunction(decorated.coroutine)
     assert inspect.isgeneratorfunction(decorated.steps)
     assert inspect.isasyncgenfunction(decorated.async_steps)
