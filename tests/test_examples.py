@@ -10,15 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import subprocess_env
-
 from gpubudget.tensorrt import MODULE_NAMES
+from tests.helpers import subprocess_env
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.py"))
 EXPECTED = {
     "two_models.py": ["over its 1.5 GiB cap", "├─ detector", "└─ classifier", "denied 1x"],
     "nested_report.py": ["model-b asks for 800 KiB: None", "reserve 256.00 KiB", "never-freed"],
     "tensorrt_two_models.py": [],  # see test_the_tensorrt_example_says_what_happened_here
+    "ray_two_models.py": [
+        "classifier: 3.00 GiB of activations refused (over its 3.00 GiB cap)",
+        "GPU 0 (simulated, 8.00 GiB): 2 actors alive, limits 6.00 GiB, used 1.50 GiB",
+        "denied 1x, over the limit of 'classifier'",
+    ] if importlib.util.find_spec("ray") else ["Ray is not installed, so no cluster can start"],
 }
 
 
