@@ -216,41 +216,57 @@ def time_tensorrt_floor(warmup: Trace, timed: Trace) -> float:
                      lambda p: cpp.deallocate_async(p, 0), warmup, timed)
 
 
+def _threaded(count: int, steps: int, make: Callable[[int], tuple[Any, Callable[[], None]]]
+              ) -> float:
+    """Pairs per second for ``count`` threads, each with ``make(i)`` = (an allocator with
+    ``allocate``/``free``, its cleanup) and an equal share of ``steps``."""
+    shares = [churn(live=1000 // count, steps=steps // count, seed=i) for i in range(count)]
+    made = [make(i) for i in range(count)]
+    barrier = threading.Barrier(count + 1)
+
+    def work(allocator: Any, warm: Trace, timed: Trace) -> None:
+        barrier.wait()
+        run_trace(allocator.allocate, allocator.free, warm, timed)
+
+    threads = [threading.Thread(target=work, args=(allocator, *share))
+               for (allocator, _), share in zip(made, shares)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    rate = steps / (time.perf_counter() - start)
+    for _, cleanup in made:
+        cleanup()
+    return rate
+
+
 def threads_table(steps: int = 20_000, counts: tuple[int, ...] = (1, 8)) -> list[str]:
     """Aggregate pairs per second when ``n`` threads share one tree, each churning in a
-    child budget of its own (the same total work for every ``n``)."""
-    rows = ["", f"threads sharing one tree ({steps} pairs in all, each thread its own child "
-            "budget and an equal share), aggregate throughput", "",
-            "| threads | pairs/s | vs 1 thread |", "| ---: | ---: | ---: |"]
-    rates: dict[int, float] = {}
+    child budget of its own (the same total work for every ``n``), beside the same threads
+    each running a textbook allocator of its own: no shared state, no lock, only the GIL."""
+    rows = ["", f"threads ({steps} pairs in all, an equal share each), aggregate throughput",
+            "", "| threads | Budget: one tree, a child each | vs 1 thread "
+            "| textbook: one each, no lock | vs 1 thread |",
+            "| ---: | ---: | ---: | ---: | ---: |"]
+    rates: dict[int, tuple[float, float]] = {}
     for count in counts:
-        shares = [churn(live=1000 // count, steps=steps // count, seed=i) for i in range(count)]
         with gpu_budget(CAPACITY, align=ALIGN, name="shared", backend="host") as root:
-            children = [gpu_budget(CAPACITY // count, name=f"t{i}", parent=root)
-                        for i in range(count)]
-            for child in children:
-                child.__enter__()
-                child.pin()  # keeps serving after this thread leaves its scope
-                child.__exit__(None, None, None)
-            barrier = threading.Barrier(count + 1)
+            def child(i: int) -> tuple[Any, Callable[[], None]]:
+                budget = gpu_budget(CAPACITY // count, name=f"t{i}", parent=root)
+                budget.__enter__()
+                budget.pin()  # keeps serving after this thread left its scope
+                budget.__exit__(None, None, None)
+                return budget, budget.unpin
 
-            def work(budget: Any, warm: Trace, timed: Trace) -> None:
-                barrier.wait()
-                run_trace(budget.allocate, budget.free, warm, timed)
-
-            threads = [threading.Thread(target=work, args=(child, *share))
-                       for child, share in zip(children, shares)]
-            for thread in threads:
-                thread.start()
-            barrier.wait()
-            start = time.perf_counter()
-            for thread in threads:
-                thread.join()
-            rates[count] = steps / (time.perf_counter() - start)
-            for child in children:
-                child.unpin()
-    for count, rate in rates.items():
-        rows.append(f"| {count} | {rate:,.0f} | {rate / rates[counts[0]]:.2f}x |")
+            shared = _threaded(count, steps, child)
+        alone = _threaded(count, steps, lambda i: (TextbookBestFit(CAPACITY), lambda: None))
+        rates[count] = (shared, alone)
+    first = rates[counts[0]]
+    for count, (shared, alone) in rates.items():
+        rows.append(f"| {count} | {shared:,.0f} | {shared / first[0]:.2f}x | {alone:,.0f} "
+                    f"| {alone / first[1]:.2f}x |")
     return rows
 
 

@@ -27,4 +27,5 @@ GPUBUDGET_TRACE="$out/demo-trace.jsonl" python3 -m gpubudget demo --plot "$out/d
 python3 -m gpubudget fit "$out/demo-trace.jsonl" 2>&1 | tee -a "$out/demo.txt"
 python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"
 python3 -m benchmarks.model_load --repeat 3 2>&1 | tee "$out/model-load.md"
+python3 -m benchmarks.fragmentation --seeds 3 2>&1 | tee "$out/fragmentation.md"
 exit "$tests"
