@@ -68,21 +68,26 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 # -- progress ------------------------------------------------------------------------------
 
 
+PROGRESS_DELAY: Final = 1.0
+"""Seconds a command runs before its progress line shows."""
+
+
 class Progress:
     """A progress line on a terminal, rewritten in place.
 
     Calls are cheap and may come often: a message is shown only when ``stream`` is a
-    terminal, once ``delay`` seconds have passed since the start, and at most every
-    ``interval`` seconds. :meth:`clear` erases it before other output.
+    terminal, once ``delay`` seconds (default :data:`PROGRESS_DELAY`) have passed since the
+    start, and at most every ``interval`` seconds. :meth:`clear` erases it before other
+    output.
     """
 
-    def __init__(self, stream: TextIO, *, delay: float = 1.0, interval: float = 0.25,
+    def __init__(self, stream: TextIO, *, delay: float | None = None, interval: float = 0.25,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stream = stream
         self.enabled = _is_terminal(stream)
         self.interval = interval
         self.clock = clock
-        self.next_at = clock() + delay
+        self.next_at = clock() + (PROGRESS_DELAY if delay is None else delay)
         self.width = 0  # characters on the line now
 
     def __call__(self, message: str) -> None:
@@ -266,9 +271,13 @@ def report_command(trace: str, plot: str | None, as_json: bool, root: str | None
             raise _Failure("--plot needs matplotlib: pip install 'gpubudget[plot]'")
     progress = Progress(sys.stderr)
     shown = printable(trace)
+    base = printable(os.path.basename(trace) or trace)
+    total = os.path.getsize(trace) if os.path.isfile(trace) else 0
+    of = f" of {format_size(total)}" if total else ""
 
     def reading(lines: int, nbytes: int) -> None:
-        progress(f"replaying {shown}: {lines:,} lines, {format_size(nbytes)}")
+        share = f" ({100 * nbytes // total}%)" if total else ""
+        progress(f"replaying {base}: {lines:,} lines, {format_size(nbytes)}{of}{share}")
 
     try:
         result = replay(trace, max_bytes=max_bytes, progress=reading)
@@ -355,7 +364,7 @@ def _fit_table(forest: dict[str, _Group]) -> list[str]:
     rows = [(head + _cell(group.name, group.count), group)
             for root in forest.values() for head, _, group in root.walk()]
     width = max(len("budget"), *(len(cell) for cell, _ in rows))
-    lines = [f"{'budget':<{width}}  {'recorded':>10}  {'peak':>10}  {'denied ask':>10}  "
+    lines = [f"{'budget':<{width}}  {'recorded':>10}  {'peak':>10}  {'denied':>10}  "
              f"{'fits in':>10}"]
     for cell, group in rows:
         denied = format_size(group.largest_denied) if group.largest_denied else "-"
@@ -380,9 +389,12 @@ def _fit_code(forest: dict[str, _Group]) -> list[str]:
         for _, tail, group in root.walk():
             indent = "    " * (len(tail) // 3)
             reserve = f", reserve={_size_literal(group.reserve)}" if group.reserve else ""
-            many = f"  # the largest of {group.count}" if group.count > 1 else ""
+            notes = [format_size(group.limit)] if _size_literal(group.limit).isdigit() else []
+            if group.count > 1:
+                notes.append(f"the largest of {group.count}")
+            comment = f"  # {', '.join(notes)}" if notes else ""
             lines.append(f"{indent}with gpu_budget({_size_literal(group.limit)}, "
-                         f"align={group.align}{reserve}, name={group.name!r}):{many}")
+                         f"align={group.align}{reserve}, name={group.name!r}):{comment}")
             if not group.children:
                 lines.append(f"{indent}    ...")
     return lines
@@ -411,8 +423,9 @@ def fit_command(paths: Sequence[str], max_bytes: int) -> int:
     fitted = failed = 0
     for path in files:
         shown = printable(path)
+        base = printable(os.path.basename(path) or path)
         try:
-            fits = fit(path, max_bytes=max_bytes, progress=_Prefixed(f"{shown}: ", progress))
+            fits = fit(path, max_bytes=max_bytes, progress=_Prefixed(f"{base}: ", progress))
         except (GpuBudgetError, ValueError) as exc:
             progress.clear()
             _say(f"error: {exc}")
@@ -447,9 +460,9 @@ class _Prefixed:
 def _fit_legend(fitted: int, failed: int) -> str:
     which = "the trace replays" if fitted == 1 else f"all {fitted} traces replay"
     skipped = f" ({failed} more could not be read: see above)" if failed else ""
-    return ("peak: the most the run was granted; denied ask: the largest request it was "
-            "refused,\nreplayed as a probe (memory the program wanted), so the fit "
-            f"grants it.\n\n# Smallest limits under which {which} without a denial{skipped}:")
+    return ("peak: the most the run was granted. denied: the largest request it was refused,"
+            "\nreplayed as a probe (memory the program wanted), so the limit found grants it."
+            f"\n\n# Smallest limits under which {which} without a denial{skipped}:")
 
 
 # -- main --------------------------------------------------------------------------------
@@ -556,7 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.reconfigure(errors="backslashreplace")  # any encoding: never a crash
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            status = _run(argv)
+            try:
+                status = _run(argv)
+            except SystemExit as done:  # argparse: --help, --version, a usage error
+                status = done.code if isinstance(done.code, int) else (
+                    0 if done.code is None else EXIT_BAD_INPUT)
             sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
             return status
     except BrokenPipeError:

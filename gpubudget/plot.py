@@ -88,8 +88,9 @@ def plot_report(report: BudgetReport, path: str | os.PathLike[str]) -> None:
     peak = max([b.limit for b in budgets] + [e.total for e in events] + [1])
     unit, scale = next((u, s) for u, s in _UNITS if peak >= s)
     end = events[-1].time if events else 1.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # glyphs missing from the font
+    # SVG keeps text as text (searchable, smaller); glyphs missing from the font only warn.
+    with warnings.catch_warnings(), plt.rc_context({"svg.fonttype": "none"}):
+        warnings.simplefilter("ignore", UserWarning)
         figure, axes = plt.subplots(figsize=(10, 5), dpi=100)
         colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
         for index, budget in enumerate(budgets):

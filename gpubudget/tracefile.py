@@ -38,7 +38,8 @@ and what is wrong:
   budgets form a tree: no self-parent, no cycle), and exits once; ``alloc``, ``free`` and
   ``resize`` name a budget entered earlier;
 - blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
-  not already live; a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
+  not live in the same tree (a block still live in another tree is dropped: that tree was
+  garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
   limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
 
 Keys not named above are ignored (room for later writers of version 1). A last line cut
@@ -336,11 +337,12 @@ class _Bad(Exception):
 class _Budget:
     """What the validator remembers of one entered budget."""
 
-    __slots__ = ("name", "line", "exited")
+    __slots__ = ("name", "line", "root", "exited")
 
-    def __init__(self, name: str, line: int) -> None:
+    def __init__(self, name: str, line: int, root: int) -> None:
         self.name = name
         self.line = line
+        self.root = root  # the id of its tree's root
         self.exited = 0  # the line of its exit, 0 while open
 
 
@@ -444,7 +446,8 @@ class _Validator:
             if above.exited:
                 raise _Bad(f"parent {self.describe(parent)} had already exited, at line "
                            f"{above.exited}")
-        self.budgets[budget] = _Budget(name, self.line)
+        root = budget if parent is None else self.budgets[parent].root
+        self.budgets[budget] = _Budget(name, self.line, root)
         return Enter(t, budget, name, parent, limit, align, reserve, backend)
 
     def alloc(self, record: dict[str, Any]) -> Alloc:
@@ -489,9 +492,11 @@ class _Validator:
         elif nbytes < size:
             raise _Bad(f"'bytes' {nbytes} is less than 'size' {size}")
         holder = self.live.get(ptr)
-        if holder is not None:
+        if holder is not None and self.budgets[holder].root == self.budgets[budget].root:
             raise _Bad(f"block {ptr:#x} is handed out again while {self.describe(holder)} "
                        f"still holds it")
+        # A block live in another tree: that tree was garbage-collected with the block (a
+        # leak) and its memory went back, to be handed out again. It is gone.
         self.live[ptr] = budget
         return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
 
