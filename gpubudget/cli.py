@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import importlib.util
 import io
+import json
 import os
 import re
 import sys
@@ -235,13 +236,12 @@ def _choose(reports: tuple[BudgetReport, ...], wanted: str | None,
                    f"{_names(reports)}")
 
 
-def _report_json(trace: str, reports: Sequence[BudgetReport], cut_short: str | None) -> str:
-    """One JSON document: ``{"trace": ..., "cut_short": ..., "roots": [report, ...]}``."""
-    import json
-
+def _report_json(trace: str, reports: Sequence[BudgetReport], result: ReplayResult) -> str:
+    """One JSON document: ``{"trace", "cut_short", "after_release", "roots": [report, ...]}``
+    (each report as ``BudgetReport.to_json`` writes it)."""
     roots = ",\n".join(report.to_json() for report in reports)
-    return (f'{{"trace": {json.dumps(trace)}, "cut_short": {json.dumps(cut_short)}, '
-            f'"roots": [\n{roots}\n]}}')
+    return (f'{{"trace": {json.dumps(trace)}, "cut_short": {json.dumps(result.cut_short)}, '
+            f'"after_release": {result.after_release}, "roots": [\n{roots}\n]}}')
 
 
 def _plot_one(chosen: list[BudgetReport], wanted: str | None, path: str) -> None:
@@ -249,9 +249,8 @@ def _plot_one(chosen: list[BudgetReport], wanted: str | None, path: str) -> None
     shown = chosen[0]
     if len(chosen) > 1:
         if wanted is None:
-            how = "pick another with --root NAME"
             _say(f"the trace has {len(chosen)} root budgets ({_names(chosen)}); the plot "
-                 f"shows the first, {shown.name!r}; {how}")
+                 f"shows the first, {shown.name!r}; pick another with --root NAME")
         else:
             _say(f"{len(chosen)} root budgets are named {wanted!r}; the plot shows the "
                  f"first; pick another with --root '{wanted}#2' (#3, ...)")
@@ -283,21 +282,26 @@ def report_command(trace: str, plot: str | None, as_json: bool, root: str | None
         result = replay(trace, max_bytes=max_bytes, progress=reading)
     finally:
         progress.clear()
-    _note_cut_short(result)
+    _note_warnings(result)
     if not result.reports:
         raise _Failure(f"{shown}: the trace holds no budget")
     chosen = _choose(result.reports, root, shown)
     if as_json:
-        print(_report_json(trace, chosen, result.cut_short))
+        print(_report_json(trace, chosen, result))
     else:
         print("\n\n".join(str(_safe_report(report)) for report in chosen))
     if plot is not None:
         _plot_one(chosen, root, plot)
 
 
-def _note_cut_short(result: ReplayResult) -> None:
+def _note_warnings(result: ReplayResult) -> None:
+    """Warnings about what the replay could not show as recorded."""
     if result.cut_short is not None:
         _say(f"warning: {result.cut_short}")
+    if result.after_release:
+        _say(f"warning: {result.after_release} allocation(s) came after their budget was "
+             f"released in this replay (something such as a TensorRT engine kept it alive "
+             f"in the recording); they were skipped. 'gpubudget fit' replays them")
 
 
 # -- fit -------------------------------------------------------------------------------
@@ -507,7 +511,8 @@ def _parser() -> argparse.ArgumentParser:
                                help="only the root budget(s) named NAME; NAME#2 for the "
                                "second of several with that name")
     report_parser.add_argument("--json", action="store_true",
-                               help='print one JSON document: {"trace", "cut_short", "roots"}')
+                               help='print one JSON document: {"trace", "cut_short", '
+                               '"after_release", "roots": [...]}')
     report_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
                                metavar="SIZE", help=size_help)
     fit_parser = commands.add_parser(

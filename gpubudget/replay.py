@@ -16,14 +16,16 @@ changes them.
 
 A file is read as a stream (:class:`~gpubudget.tracefile.TraceReader`): ``replay`` holds
 the budgets and the blocks live at once, never the whole trace. ``fit`` keeps each root's
-events in memory (as small tuples) while it searches that root's limit.
+events in memory (in flat arrays, about 60 bytes an event) while it searches that root's
+limit.
 """
 
 from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Final, Union
 
@@ -111,6 +113,9 @@ class Recorded:
     """The largest request it was denied in the recording (replayed as a probe), 0 if none."""
     denials: int = 0
     """Requests refused in the replay (its own, and its entry if that was refused)."""
+    after_release: int = 0
+    """Allocations skipped because the budget was already released in the replay (see
+    :func:`replay`)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,11 @@ class ReplayResult:
         """Budget id -> requests refused in the replay, for the budgets that refused any."""
         return {bid: b.denials for bid, b in self.budgets.items() if b.denials}
 
+    @property
+    def after_release(self) -> int:
+        """Allocations skipped because their budget was already released in the replay."""
+        return sum(b.after_release for b in self.budgets.values())
+
     def root_of(self, budget: int) -> int:
         """The id of the root of ``budget``'s tree."""
         while (parent := self.budgets[budget].parent) is not None:
@@ -141,7 +151,7 @@ class _Member:
     """One recorded budget during a replay."""
 
     __slots__ = ("entry", "limit", "chain", "budget", "context", "denials", "largest_probe",
-                 "granted_peak")
+                 "granted_peak", "after_release")
 
     def __init__(self, entry: Enter, limit: int, chain: tuple[_Member, ...]) -> None:
         self.entry = entry
@@ -152,6 +162,7 @@ class _Member:
         self.denials = 0
         self.largest_probe = 0
         self.granted_peak = 0
+        self.after_release = 0
 
     def note_granted(self) -> None:
         """After a change that the recording granted: raise the chain's granted peaks."""
@@ -163,9 +174,13 @@ class _Member:
 class _Replay:
     """One replay's state: the budgets opened, and the recorded address -> replayed block."""
 
-    def __init__(self, limits: dict[int, int], *, granted_peaks: bool = False) -> None:
+    def __init__(self, limits: dict[int, int], *, granted_peaks: bool = False,
+                 last_uses: dict[int, int] | None = None) -> None:
         self.limits = limits
         self.granted_peaks = granted_peaks
+        self.last_uses = last_uses or {}  # budget id -> index of the last event using it
+        self.unpins: dict[int, list[Budget]] = {}  # event index -> budgets to unpin after it
+        self.index = 0  # of the event being replayed
         self.backend = ReplayBackend()
         # A replay is never traced, even where GPUBUDGET_TRACE asks every root to be: that
         # could be the very file being read. No trace= means that variable's file, so the
@@ -177,8 +192,10 @@ class _Replay:
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
         backend = self.backend
+        unpins = self.unpins
         try:
-            for event in events:
+            for index, event in enumerate(events):
+                self.index = index
                 backend.now = event.t
                 if type(event) is Alloc:  # the most frequent first
                     self.alloc(event)
@@ -190,6 +207,9 @@ class _Replay:
                     self.exit(event)
                 elif type(event) is Resize:
                     self.resize(event)
+                if unpins and index in unpins:
+                    for budget in unpins.pop(index):
+                        budget.unpin()
             reports = tuple(self.report(root) for root in self.roots)
             budgets = {bid: self.recorded(member) for bid, member in self.members.items()}
         finally:
@@ -207,10 +227,15 @@ class _Replay:
         return Recorded(entry.budget, entry.name, entry.parent, member.limit, entry.limit,
                         entry.reserve, entry.align, entry.t,
                         member.budget.peak if member.budget is not None else 0,
-                        member.granted_peak, member.largest_probe, member.denials)
+                        member.granted_peak, member.largest_probe, member.denials,
+                        member.after_release)
 
     def close(self) -> None:
-        """Give the host mappings back: free what is live, exit what is open."""
+        """Give the host mappings back: unpin, free what is live, exit what is open."""
+        for budgets in self.unpins.values():
+            for budget in budgets:
+                budget.unpin()
+        self.unpins.clear()
         for member, address in self.blocks.values():
             if member.budget is not None:
                 member.budget.free(address)
@@ -249,6 +274,10 @@ class _Replay:
         member.budget = budget
         if self.granted_peaks and parent is not None:
             parent.note_granted()  # its reserve, set aside in its ancestors
+        last = self.last_uses.get(event.budget, -1)
+        if last > self.index:  # see replay(): kept from release until its last use
+            budget.pin()
+            self.unpins.setdefault(last, []).append(budget)
 
     def alloc(self, event: Alloc) -> None:
         probe = event.ptr is None
@@ -260,6 +289,9 @@ class _Replay:
         budget = member.budget
         if budget is None:
             member.denials += 1
+            return
+        if budget.state == "released":  # see replay(): kept alive in the recording
+            member.after_release += 1
             return
         address = member.context.run(budget.allocate, event.size, event.align, tag=event.tag)
         if address is None:
@@ -306,6 +338,14 @@ def replay(
 ) -> ReplayResult:
     """Replay ``trace`` in host memory and return each root's report.
 
+    A budget is released once its scope has exited, no block is live and nothing pins it
+    (a TensorRT runtime or engine); pins are not in the trace. So that an allocation the
+    recording granted after such a moment (an engine making an execution context later)
+    is replayed, a trace held in memory (a :class:`~gpubudget.tracefile.Trace`, and every
+    replay of :func:`fit`) pins each budget until the last event that allocates through it.
+    A trace read as a stream cannot look ahead: such allocations are skipped and counted
+    in :attr:`ReplayResult.after_release`.
+
     Parameters
     ----------
     trace
@@ -324,9 +364,9 @@ def replay(
     ReplayError
         A root's limit cannot be mapped in this host's address space.
     """
-    run = _Replay(limits or {}).run
     if isinstance(trace, Trace):
-        return run(trace.events)
+        return _Replay(limits or {}, last_uses=_last_uses(trace.events)).run(trace.events)
+    run = _Replay(limits or {}).run
     if isinstance(trace, TraceReader):
         return replace(run(trace), cut_short=trace.cut_short)
     with TraceReader(trace, max_bytes=max_bytes, progress=progress) as reader:
@@ -388,9 +428,7 @@ def fit(
         raise ReplayError(f"{_source_name(trace)}: the trace holds no budget")
     found: list[Fit] = []
     for number, events in enumerate(trees.values(), start=1):
-        first = events[0]
-        assert isinstance(first, Enter)
-        label = f"fitting root {number} of {len(trees)} ({first.name!r}): replay"
+        label = f"fitting root {number} of {len(trees)} ({events.enters[0].name!r}): replay"
         found += _fit_root(events, _Steps(label, tell))
     return found
 
@@ -416,13 +454,89 @@ def _source_name(trace: TraceSource) -> str:
     return trace.name if isinstance(trace, TraceReader) else os.fspath(trace)
 
 
+class _TreeEvents:
+    """One tree's events in flat arrays: about 60 bytes an event, where tuples take ~300.
+
+    ``fit`` replays each tree many times; this is what it holds meanwhile. Iterating gives
+    the events back as :data:`~gpubudget.tracefile.TraceEvent` tuples.
+    """
+
+    _ENTER, _ALLOC, _FREE, _RESIZE, _EXIT = range(5)
+
+    def __init__(self) -> None:
+        self.enters: list[Enter] = []  # few: kept as they are
+        self.kinds = array("b")
+        self.times = array("d")
+        self.budgets = array("q")
+        self.sizes = array("q")  # size; the index of an Enter in ``enters``
+        self.aligns = array("q")
+        self.addresses = array("q")  # -1 for none (addresses are >= 0)
+        self.nbytes = array("q")
+        self.tags = array("l")  # indexes into ``strings``; 0 is None
+        self.reasons = array("l")
+        self.strings: list[str | None] = [None]
+        self._string_index: dict[str | None, int] = {None: 0}
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def _string(self, text: str | None) -> int:
+        index = self._string_index.get(text)
+        if index is None:
+            index = self._string_index[text] = len(self.strings)
+            self.strings.append(text)
+        return index
+
+    def append(self, event: TraceEvent) -> None:
+        if type(event) is Alloc:
+            row = (self._ALLOC, event.size, event.align,
+                   -1 if event.ptr is None else event.ptr, event.nbytes,
+                   self._string(event.tag), self._string(event.reason))
+        elif type(event) is Free:
+            row = (self._FREE, 0, 0, event.ptr, 0, 0, 0)
+        elif type(event) is Enter:
+            row = (self._ENTER, len(self.enters), 0, 0, 0, 0, 0)
+            self.enters.append(event)
+        elif type(event) is Resize:
+            row = (self._RESIZE, event.size, event.align, event.ptr, event.nbytes, 0, 0)
+        else:
+            row = (self._EXIT, 0, 0, 0, 0, 0, 0)
+        kind, size, align, address, nbytes, tag, reason = row
+        self.kinds.append(kind)
+        self.times.append(event.t)
+        self.budgets.append(event.budget)
+        self.sizes.append(size)
+        self.aligns.append(align)
+        self.addresses.append(address)
+        self.nbytes.append(nbytes)
+        self.tags.append(tag)
+        self.reasons.append(reason)
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        strings, enters = self.strings, self.enters
+        for kind, t, budget, size, align, address, nbytes, tag, reason in zip(
+                self.kinds, self.times, self.budgets, self.sizes, self.aligns, self.addresses,
+                self.nbytes, self.tags, self.reasons):
+            if kind == self._ALLOC:
+                yield Alloc(t, budget, size, align, strings[tag],
+                            None if address < 0 else address, nbytes, strings[reason])
+            elif kind == self._FREE:
+                yield Free(t, budget, address)
+            elif kind == self._ENTER:
+                yield enters[size]
+            elif kind == self._RESIZE:
+                yield Resize(t, budget, address, size, align, nbytes)
+            else:
+                yield Exit(t, budget)
+
+
 def _split_by_root(trace: TraceSource, max_bytes: int,
-                   tell: Callable[[str], None]) -> dict[int, list[TraceEvent]]:
+                   tell: Callable[[str], None]) -> dict[int, _TreeEvents]:
     """Each root's events (its own and its descendants'), roots in the order of entry."""
     def read_progress(lines: int, nbytes: int) -> None:
         tell(f"reading: {lines:,} lines, {format_size(nbytes)}")
 
-    trees: dict[int, list[TraceEvent]] = {}
+    trees: dict[int, _TreeEvents] = {}
     root_of: dict[int, int] = {}
 
     def split(events: Iterable[TraceEvent]) -> None:
@@ -430,7 +544,9 @@ def _split_by_root(trace: TraceSource, max_bytes: int,
             if type(event) is Enter:
                 root = root_of[event.parent] if event.parent is not None else event.budget
                 root_of[event.budget] = root
-                trees.setdefault(root, []).append(event)
+                if root not in trees:
+                    trees[root] = _TreeEvents()
+                trees[root].append(event)
             else:
                 trees[root_of[event.budget]].append(event)
 
@@ -442,19 +558,30 @@ def _split_by_root(trace: TraceSource, max_bytes: int,
     return trees
 
 
-def _fit_root(events: list[TraceEvent], tell: Callable[[int], None]) -> list[Fit]:
+def _last_uses(events: Iterable[TraceEvent]) -> dict[int, int]:
+    """Budget id -> the index of the last event that allocates through it (a granted
+    allocation, a probe, a resize)."""
+    last: dict[int, int] = {}
+    for index, event in enumerate(events):
+        if type(event) is Resize or (type(event) is Alloc and (
+                event.ptr is not None or event.reason in PROBE_REASONS)):
+            last[event.budget] = index
+    return last
+
+
+def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     """Fit one root and its descendants on the events of that tree (see :func:`fit`)."""
     steps = 0
+    last_uses = _last_uses(events)
 
     def run(limits: dict[int, int], granted_peaks: bool = False) -> ReplayResult:
         nonlocal steps
         steps += 1
         tell(steps)
-        return _Replay(limits, granted_peaks=granted_peaks).run(events)
+        return _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses).run(events)
 
-    root = events[0]
-    assert isinstance(root, Enter)
-    members = [event.budget for event in events if type(event) is Enter]
+    root = events.enters[0]
+    members = [event.budget for event in events.enters]
     free = _unlimited(root, events, members, run)
     limits = {}
     for bid in members[1:]:
@@ -487,7 +614,7 @@ def _fit_root(events: list[TraceEvent], tell: Callable[[int], None]) -> list[Fit
             for bid, b in free.budgets.items()]
 
 
-def _unlimited(root: Enter, events: list[TraceEvent], members: list[int],
+def _unlimited(root: Enter, events: _TreeEvents, members: list[int],
                run: Callable[[dict[int, int], bool], ReplayResult]) -> ReplayResult:
     """A replay with every budget of the tree at one ceiling (at first the root's recorded
     limit plus its tree's largest probe), doubled until nothing is denied."""

@@ -208,6 +208,20 @@ def test_a_trace_cut_short_is_reported_with_a_warning(tmp_path: Path,
                         r"\(the writing process was killed\?\); skipped\n", err)
 
 
+def test_allocations_after_a_release_are_said(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "late.jsonl"
+    events = [HEADER,
+              {"ev": "enter", "t": 0.0, "b": 1, "name": "pool", "parent": None, "limit": MiB,
+               "align": 256, "reserve": 0},
+              {"ev": "exit", "t": 0.5, "b": 1},
+              {"ev": "alloc", "t": 1.0, "b": 1, "size": 10, "align": 0, "ptr": 4096}]
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    status, _, err = cli_run(capsys, "report", str(path))
+    assert status == 0 and "1 allocation(s) came after their budget was released in this " \
+        "replay" in one_error_line(err)
+
+
 def test_a_trace_with_no_budget(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps(HEADER) + "\n")

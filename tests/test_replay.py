@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpubudget import Budget, gpu_budget, label
-from gpubudget.replay import ReplayBackend, ReplayError, _Replay, fit, replay
+from gpubudget.replay import ReplayBackend, ReplayError, _Replay, _TreeEvents, fit, replay
 from gpubudget.tracefile import Enter, TraceReader, read_trace, writer_for
 
 MiB = 2**20
@@ -94,6 +94,22 @@ def test_replay_of_a_trace_cut_short_shows_what_was_live(tmp_path: Path) -> None
     assert result.cut_short is not None and "cut short" in result.cut_short
     model = result.reports[0].children[0]
     assert model.state == "open" and [b.tag for b in model.live_blocks] == ["w"]
+
+
+def test_allocations_after_a_release_that_pins_prevented(tmp_path: Path) -> None:
+    # The child exits with nothing live, then allocates again: in the recording something
+    # (a TensorRT engine) pinned it; the trace does not say so.
+    path = write_trace(
+        tmp_path / "t.jsonl", enter(1, "pool"), enter(2, "engine", parent=1, reserve=MiB),
+        alloc(2, 4096, 1000), {"ev": "free", "t": 0.0, "b": 2, "ptr": 4096},
+        {"ev": "exit", "t": 0.0, "b": 2}, alloc(2, 8192, 3 * MiB),
+        {"ev": "free", "t": 0.0, "b": 2, "ptr": 8192})
+    streamed = replay(path)
+    assert streamed.after_release == 1 and not streamed.denials
+    in_memory = replay(read_trace(path))  # kept from release until its last use
+    assert in_memory.after_release == 0 and in_memory.reports[0].children[0].peak == 3 * MiB
+    found = {f.name: f.limit for f in fit(path)}
+    assert found == {"pool": 3 * MiB, "engine": 3 * MiB}
 
 
 def test_untagged_blocks_take_no_label_from_the_caller(tmp_path: Path) -> None:
@@ -231,6 +247,22 @@ def record_requests(path: Path, roots: int) -> None:
                 for block in blocks[::2] + blocks[1::2]:
                     assert block is not None and model.free(block)
     writer_for(path).flush()
+
+
+def test_fit_holds_events_losslessly_in_flat_arrays(tmp_path: Path) -> None:
+    path = tmp_path / "abc.jsonl"
+    with gpu_budget("16MiB", name="pool", trace=str(path)):
+        with gpu_budget("8MiB", name="model", reserve="1MiB", align=512) as model:
+            block = model.allocate(MiB, tag="weights")
+            assert block is not None and model.resize(block, 2 * MiB) is not None
+            assert model.allocate(9 * MiB) is None and model.allocate(0) is None
+            assert model.free(block)
+    writer_for(path).flush()
+    events = read_trace(path).events
+    store = _TreeEvents()
+    for event in events:
+        store.append(event)
+    assert len(store) == len(events) and list(store) == events
 
 
 def test_fit_is_linear_in_the_number_of_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
