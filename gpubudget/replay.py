@@ -454,14 +454,16 @@ def _source_name(trace: TraceSource) -> str:
     return trace.name if isinstance(trace, TraceReader) else os.fspath(trace)
 
 
+_ENTER, _ALLOC, _FREE, _RESIZE, _EXIT = range(5)
+"""The kinds of event, as ``_TreeEvents`` stores them."""
+
+
 class _TreeEvents:
     """One tree's events in flat arrays: about 60 bytes an event, where tuples take ~300.
 
     ``fit`` replays each tree many times; this is what it holds meanwhile. Iterating gives
     the events back as :data:`~gpubudget.tracefile.TraceEvent` tuples.
     """
-
-    _ENTER, _ALLOC, _FREE, _RESIZE, _EXIT = range(5)
 
     def __init__(self) -> None:
         self.enters: list[Enter] = []  # few: kept as they are
@@ -489,18 +491,18 @@ class _TreeEvents:
 
     def append(self, event: TraceEvent) -> None:
         if type(event) is Alloc:
-            row = (self._ALLOC, event.size, event.align,
+            row = (_ALLOC, event.size, event.align,
                    -1 if event.ptr is None else event.ptr, event.nbytes,
                    self._string(event.tag), self._string(event.reason))
         elif type(event) is Free:
-            row = (self._FREE, 0, 0, event.ptr, 0, 0, 0)
+            row = (_FREE, 0, 0, event.ptr, 0, 0, 0)
         elif type(event) is Enter:
-            row = (self._ENTER, len(self.enters), 0, 0, 0, 0, 0)
+            row = (_ENTER, len(self.enters), 0, 0, 0, 0, 0)
             self.enters.append(event)
         elif type(event) is Resize:
-            row = (self._RESIZE, event.size, event.align, event.ptr, event.nbytes, 0, 0)
+            row = (_RESIZE, event.size, event.align, event.ptr, event.nbytes, 0, 0)
         else:
-            row = (self._EXIT, 0, 0, 0, 0, 0, 0)
+            row = (_EXIT, 0, 0, 0, 0, 0, 0)
         kind, size, align, address, nbytes, tag, reason = row
         self.kinds.append(kind)
         self.times.append(event.t)
@@ -514,20 +516,21 @@ class _TreeEvents:
 
     def __iter__(self) -> Iterator[TraceEvent]:
         strings, enters = self.strings, self.enters
+        make = tuple.__new__  # what the NamedTuple constructors call, without their frame
         for kind, t, budget, size, align, address, nbytes, tag, reason in zip(
                 self.kinds, self.times, self.budgets, self.sizes, self.aligns, self.addresses,
                 self.nbytes, self.tags, self.reasons):
-            if kind == self._ALLOC:
-                yield Alloc(t, budget, size, align, strings[tag],
-                            None if address < 0 else address, nbytes, strings[reason])
-            elif kind == self._FREE:
-                yield Free(t, budget, address)
-            elif kind == self._ENTER:
+            if kind == _ALLOC:
+                yield make(Alloc, (t, budget, size, align, strings[tag],
+                                   None if address < 0 else address, nbytes, strings[reason]))
+            elif kind == _FREE:
+                yield make(Free, (t, budget, address))
+            elif kind == _ENTER:
                 yield enters[size]
-            elif kind == self._RESIZE:
-                yield Resize(t, budget, address, size, align, nbytes)
+            elif kind == _RESIZE:
+                yield make(Resize, (t, budget, address, size, align, nbytes))
             else:
-                yield Exit(t, budget)
+                yield make(Exit, (t, budget))
 
 
 def _split_by_root(trace: TraceSource, max_bytes: int,
