@@ -28,6 +28,7 @@ import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from gpubudget import gpu_budget
 from gpubudget.tracefile import writer_for
@@ -75,24 +76,27 @@ def record_seeds(folder: str) -> list[bytes]:
     return seeds
 
 
-def set_field(line: bytes, key: str, raw: str) -> bytes:
-    """``line`` (a JSON object) with ``key`` set to the raw JSON text ``raw``."""
+def parsed(line: bytes) -> dict[str, Any] | None:
+    """``line`` as a JSON object, or ``None`` (not JSON, not an object, nested too deep)."""
     try:
         record = json.loads(line)
-    except ValueError:
-        return line
-    if not isinstance(record, dict):
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def set_field(line: bytes, key: str, raw: str) -> bytes:
+    """``line`` (a JSON object) with ``key`` set to the raw JSON text ``raw``."""
+    record = parsed(line)
+    if record is None:
         return line
     record[key] = "\x00PLACEHOLDER\x00"
     return json.dumps(record).replace('"\\u0000PLACEHOLDER\\u0000"', raw).encode()
 
 
 def keys_of(line: bytes) -> list[str]:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return []
-    return sorted(record) if isinstance(record, dict) else []
+    record = parsed(line)
+    return sorted(record) if record is not None else []
 
 
 def mutate(lines: list[bytes], seeds: list[bytes], rng: random.Random) -> list[bytes]:
@@ -141,11 +145,8 @@ def _field(lines: list[bytes], i: int, seeds: list[bytes], rng: random.Random) -
 
 
 def _remove(lines: list[bytes], i: int, seeds: list[bytes], rng: random.Random) -> list[bytes]:
-    try:
-        record = json.loads(lines[i])
-    except ValueError:
-        return lines
-    if isinstance(record, dict) and record:
+    record = parsed(lines[i])
+    if record:
         del record[rng.choice(sorted(record))]
         lines[i] = json.dumps(record).encode()
     return lines
@@ -154,10 +155,12 @@ def _remove(lines: list[bytes], i: int, seeds: list[bytes], rng: random.Random) 
 def _ids(lines: list[bytes], i: int, seeds: list[bytes], rng: random.Random) -> list[bytes]:
     """Parents and ids that break the tree: self, unknown, later, float, bool, duplicate."""
     key = rng.choice(["parent", "b"])
-    if key not in keys_of(lines[i]):
+    record = parsed(lines[i])
+    if record is None or key not in record:
         return lines
-    record = json.loads(lines[i])
-    own = record.get("b", 1)
+    own = record.get("b")
+    if type(own) is not int:  # an earlier mutation changed it
+        own = 1
     raw = rng.choice([str(own), str(own + 1), "999", f"{own}.0", "1.5", "true", "false",
                       "null", "-1"])
     lines[i] = set_field(lines[i], key, raw)

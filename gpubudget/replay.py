@@ -363,6 +363,19 @@ def replay(
         The file is not a valid trace (one line naming the file, the line and the problem).
     ReplayError
         A root's limit cannot be mapped in this host's address space.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from gpubudget import gpu_budget
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
+    ...     block = pool.allocate(100_000, tag="weights")
+    ...     pool.allocate(2**21) is None
+    True
+    >>> (report,) = replay(path).reports
+    >>> report.name, report.peak, report.denied, report.by_tag[0].tag
+    ('pool', 100096, 1, 'weights')
     """
     if isinstance(trace, Trace):
         return _Replay(limits or {}, last_uses=_last_uses(trace.events)).run(trace.events)
@@ -421,6 +434,19 @@ def fit(
         The file is not a valid trace.
     ReplayError
         The trace holds no budget, or a root would need more than the host can map.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from gpubudget import gpu_budget
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with gpu_budget("16MiB", name="pool", backend="host", trace=path):
+    ...     with gpu_budget("8MiB", name="model") as model:
+    ...         a, b = model.allocate(2**20), model.allocate(2**20)
+    ...         _ = model.free(a)
+    ...         c = model.allocate(2**21)          # cannot use a's hole: fragmentation
+    >>> [(f.name, f.peak, f.limit) for f in fit(path)]
+    [('pool', 3145728, 4194304), ('model', 3145728, 3145728)]
     """
     tell = progress if progress is not None else _quiet
     trees = _split_by_root(trace, max_bytes, tell)

@@ -3,6 +3,8 @@ linear in the roots), including a hypothesis test over random recorded programs.
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 import tempfile
 from pathlib import Path
@@ -378,3 +380,8 @@ def test_a_reader_can_be_replayed(tmp_path: Path) -> None:
         assert replay(reader).reports[0].peak == 3 * MiB
     with TraceReader(path) as reader:
         assert [f.limit for f in fit(reader)] == [13 * MiB, 12 * MiB]
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(importlib.import_module("gpubudget.replay"), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
