@@ -476,6 +476,39 @@ def test_standard_input(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stderr == b"gpubudget: error: -: the file is empty\n"
 
 
+def endless(first: bytes, line: bytes) -> subprocess.Popen[bytes]:
+    """A process that writes ``first``, then ``line`` for ever, into a pipe."""
+    script = ("import sys; out = sys.stdout.buffer; out.write(bytes.fromhex(sys.argv[1]))\n"
+              "line = bytes.fromhex(sys.argv[2])\n"
+              "try:\n    while True: out.write(line)\nexcept OSError: pass")
+    return subprocess.Popen([sys.executable, "-c", script, first.hex(), line.hex()],
+                            stdout=subprocess.PIPE)
+
+
+@pytest.mark.parametrize(("first", "line", "args", "message"), [
+    (HEADER_LINE, b'{"ev": "enter", "t": 0.0, "b": 1, "name": "p", "parent": null, '
+                  b'"limit": 1024, "align": 256, "reserve": 0}\n',
+     ("--max-size", "64KiB"), "budget id 1 was already entered"),
+    (HEADER_LINE, b"\n", ("--max-size", "64KiB"), "the trace passes the limit of 64.00 KiB"),
+    (b"", b"\x00" * 4096, (), "-:1: not a gpubudget trace: line longer than 1.00 MiB"),
+])
+def test_an_endless_stream_stops_at_a_limit(first: bytes, line: bytes, args: tuple[str, ...],
+                                             message: str) -> None:
+    source = endless(first, line)
+    try:
+        environment = {**os.environ, "PYTHONPATH": os.getcwd()}
+        result = subprocess.run([sys.executable, "-m", "gpubudget", "report", *args, "-"],
+                                stdin=source.stdout, capture_output=True, timeout=120,
+                                env=environment)
+    finally:
+        assert source.stdout is not None
+        source.stdout.close()
+        source.kill()
+        source.wait()
+    assert result.returncode == EXIT_BAD_INPUT
+    assert message in one_error_line(result.stderr.decode())
+
+
 @pytest.mark.parametrize("args", [
     ("--help",), ("--version",), ("demo", "--no-plot"), ("report", "{trace}"),
     ("report", "--json", "{trace}"), ("fit", "{trace}"),
