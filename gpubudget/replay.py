@@ -34,6 +34,7 @@ from .budget import TRACE_ENV, Budget
 from .errors import BudgetError, GpuBudgetError
 from .report import BudgetReport
 from .tracefile import (
+    LIMIT_REASONS,
     MAX_TRACE_BYTES,
     Alloc,
     Enter,
@@ -58,7 +59,7 @@ __all__ = [
     "replay",
 ]
 
-PROBE_REASONS: Final = frozenset({"over_limit", "fragmented"})
+PROBE_REASONS: Final = LIMIT_REASONS
 """Denial reasons whose requests are replayed as probes (a larger limit would grant them)."""
 _MAX_DOUBLINGS: Final = 64
 """How often ``fit`` doubles a root's ceiling at most (the host's address space ends first)."""

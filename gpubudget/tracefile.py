@@ -71,6 +71,7 @@ __all__ = [
     "FLUSH_EVERY",
     "FLUSH_SECONDS",
     "FORMAT",
+    "LIMIT_REASONS",
     "MAX_LINE_BYTES",
     "MAX_TRACE_BYTES",
     "VERSION",
@@ -294,7 +295,8 @@ _READ_PROGRESS_EVERY: Final = 16_384
 """Lines between two calls of a reader's progress callback."""
 _QUOTED: Final = 60
 """Characters of a bad value quoted in an error message, at most."""
-_LIMIT_REASONS: Final = frozenset({"over_limit", "fragmented"})
+LIMIT_REASONS: Final = frozenset({"over_limit", "fragmented"})
+"""Denial reasons that a larger limit can change (a request denied for one has a size)."""
 
 
 def printable(text: str) -> str:
@@ -478,7 +480,7 @@ class _Validator:
         if ptr is None:
             if reason is None:
                 raise _Bad("a denied allocation ('ptr' null) needs a 'reason'")
-            if reason in _LIMIT_REASONS and size < 1:
+            if reason in LIMIT_REASONS and size < 1:
                 raise _Bad(f"a request denied for {reason} needs 'size' >= 1, got {size}")
             return Alloc(t, budget, size, align, tag, None, size if nbytes is None else nbytes,
                          reason)
