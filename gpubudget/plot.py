@@ -1,16 +1,46 @@
-"""``BudgetReport.plot``: a PNG of used bytes over time (matplotlib, optional extra ``plot``)."""
+"""``BudgetReport.plot``: used bytes over time, as PNG, SVG or PDF (matplotlib, optional
+extra ``plot``).
+
+Names and tags are drawn as plain text: characters that are not printable are escaped and
+``$`` never starts matplotlib's math mode, whatever a budget is called.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import os
+import warnings
+from typing import TYPE_CHECKING, Any, Final
+
+from .tracefile import printable
 
 if TYPE_CHECKING:
     from .report import BudgetReport
 
-__all__ = ["plot_report"]
+__all__ = ["MAX_LINES", "PLOT_FORMATS", "plot_format", "plot_report"]
 
-_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+PLOT_FORMATS: Final = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+"""File suffix -> the format written."""
+MAX_LINES: Final = 12
+"""Budgets drawn at most: the report's own, then its descendants with the highest peaks."""
+_NAME_SHOWN: Final = 40
+"""Characters of a name shown in the legend and title, at most."""
+_UNITS: Final = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format a plot written to ``path`` gets, from its suffix (case ignored):
+    ``png``, ``svg`` or ``pdf``; ``ValueError`` naming the choices for any other.
+
+    >>> plot_format("run.svg"), plot_format("RUN.PNG")
+    ('svg', 'png')
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    found = PLOT_FORMATS.get(suffix)
+    if found is None:
+        raise ValueError(f"cannot plot to {printable(os.fspath(path))!r}: the format follows "
+                         f"the file's suffix, one of {', '.join(PLOT_FORMATS)}")
+    return found
 
 
 def _pyplot() -> Any:
@@ -24,42 +54,71 @@ def _pyplot() -> Any:
     return importlib.import_module("matplotlib.pyplot")
 
 
-def plot_report(report: BudgetReport, path: str) -> None:
-    """Draw ``report``'s timeline into ``path`` (PNG).
+def _text(name: str) -> str:
+    """``name`` as plain text for matplotlib: printable, short, no math mode."""
+    shown = printable(name)
+    if len(shown) > _NAME_SHOWN:
+        shown = shown[: _NAME_SHOWN - 1] + "…"
+    return shown.replace("$", r"\$")
+
+
+def _drawn(report: BudgetReport) -> tuple[list[BudgetReport], int]:
+    """The budgets to draw (the report's own first) and how many others are left out."""
+    others = list(report.walk()[1:])
+    if len(others) < MAX_LINES:
+        return [report] + others, 0
+    others.sort(key=lambda b: -b.peak)
+    return [report] + others[: MAX_LINES - 1], len(others) - (MAX_LINES - 1)
+
+
+def plot_report(report: BudgetReport, path: str | os.PathLike[str]) -> None:
+    """Draw ``report``'s timeline into ``path``, in the format its suffix names
+    (:func:`plot_format`).
 
     Lines: the report's budget (its ``used`` as the events recorded it: for a root, the tree's
-    total) and each child's own ``used``, as steps; each limit is a dashed line of the same
-    colour; denials are red crosses at the refusing budget's level.
+    total) and each descendant's own ``used``, as steps (at most :data:`MAX_LINES`, the
+    highest peaks, the others counted in the title); each limit is a dashed line of the same
+    colour; denials are red crosses at the refusing budget's level. Time runs from the first
+    event kept (seconds, as recorded: a replayed trace keeps its recorded times).
     """
+    kind = plot_format(path)
     plt = _pyplot()
     events = report.timeline
-    budgets = [report] + [child for child in report.walk()[1:]]
+    budgets, left_out = _drawn(report)
     peak = max([b.limit for b in budgets] + [e.total for e in events] + [1])
     unit, scale = next((u, s) for u, s in _UNITS if peak >= s)
-    figure, axes = plt.subplots(figsize=(10, 5), dpi=100)
     end = events[-1].time if events else 1.0
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for index, budget in enumerate(budgets):
-        colour = colours[index % len(colours)]
-        if budget is report and report.children:
-            points = [(e.time, e.total) for e in events]  # the whole tree under this root
-        else:
-            points = [(e.time, e.used) for e in events if e.budget == budget.name and e.kind != "deny"]
-        times = [0.0] + [t for t, _ in points] + [end]
-        values = [0] + [v for _, v in points] + [points[-1][1] if points else 0]
-        axes.step(times, [v / scale for v in values], where="post", color=colour,
-                  label=f"{budget.name} (peak {budget.peak / scale:.2f} {unit})")
-        axes.axhline(budget.limit / scale, color=colour, linestyle="--", linewidth=1)
-    denials = [e for e in events if e.kind == "deny"]
-    if denials:
-        axes.scatter([e.time for e in denials], [(e.used + e.size) / scale for e in denials],
-                     marker="x", color="red", zorder=5, label=f"denied ({len(denials)})")
-    axes.set_xlabel("seconds")
-    axes.set_ylabel(f"used ({unit})")
-    axes.set_title(f"gpubudget: {report.name} — dashed lines are limits")
-    axes.set_ylim(bottom=0, top=peak / scale * 1.08)
-    axes.legend(loc="upper left", fontsize="small")
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    plt.close(figure)
+    # SVG keeps text as text (searchable, smaller); glyphs missing from the font only warn.
+    with warnings.catch_warnings(), plt.rc_context({"svg.fonttype": "none"}):
+        warnings.simplefilter("ignore", UserWarning)
+        figure, axes = plt.subplots(figsize=(10, 5), dpi=100)
+        colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for index, budget in enumerate(budgets):
+            colour = colours[index % len(colours)]
+            if budget is report and report.children:
+                points = [(e.time, e.total) for e in events]  # the whole tree under this root
+            else:
+                points = [(e.time, e.used) for e in events
+                          if e.budget == budget.name and e.kind != "deny"]
+            times = [0.0] + [t for t, _ in points] + [end]
+            values = [0] + [v for _, v in points] + [points[-1][1] if points else 0]
+            # A leading space: matplotlib leaves labels that start with "_" out of legends.
+            axes.step(times, [v / scale for v in values], where="post", color=colour,
+                      label=f" {_text(budget.name)} (peak {budget.peak / scale:.2f} {unit})")
+            axes.axhline(budget.limit / scale, color=colour, linestyle="--", linewidth=1)
+        denials = [e for e in events if e.kind == "deny"]
+        if denials:
+            axes.scatter([e.time for e in denials], [(e.used + e.size) / scale for e in denials],
+                         marker="x", color="red", zorder=5, label=f"denied ({len(denials)})")
+        axes.set_xlabel("seconds")
+        axes.set_ylabel(f"used ({unit})")
+        more = f"; {left_out} more budgets not drawn" if left_out else ""
+        axes.set_title(f"gpubudget: {_text(report.name)} — dashed lines are limits{more}")
+        axes.set_ylim(bottom=0, top=peak / scale * 1.08)
+        axes.legend(loc="upper left", fontsize="small")
+        axes.grid(alpha=0.3)
+        figure.tight_layout()
+        try:
+            figure.savefig(os.fspath(path), format=kind)
+        finally:
+            plt.close(figure)

@@ -4,8 +4,8 @@ Format, version 1. The first line is the header::
 
     {"format": "gpubudget-trace", "version": 1, "created": "2026-11-29T18:00:00Z", "pid": 123}
 
-Then one object per event, ``t`` in seconds since the header, ``b`` a budget id unique in
-the file:
+Then one object per line and event, ``t`` in seconds since the header, ``b`` a budget id
+unique in the file:
 
 - ``{"ev": "enter", "t", "b", "name", "parent": id | null, "limit", "align", "reserve",
   "backend"}``: a budget was entered (``parent`` null for a root);
@@ -17,8 +17,35 @@ the file:
   resized in place (a move is recorded as an ``alloc`` and a ``free``);
 - ``{"ev": "exit", "t", "b"}``: the budget's ``with`` block ended.
 
-Readers refuse files of a newer version. Writers are shared per path within a process, so
-several root budgets (``GPUBUDGET_TRACE``) write one file with one header.
+Writers are shared per path within a process, so several root budgets (``GPUBUDGET_TRACE``)
+write one file with one header.
+
+Reading (:class:`TraceReader`, :func:`read_trace`) streams the file and checks every line
+against the schema above, refusing with a :class:`TraceError` that names the file, the line
+and what is wrong:
+
+- the input must be a regular file (or ``-``, standard input, when it is not a terminal),
+  at most ``max_bytes`` long (:data:`MAX_TRACE_BYTES` unless told), every line at most
+  :data:`MAX_LINE_BYTES`, UTF-8, one flat JSON object;
+- the header comes first; a newer ``version`` than :data:`VERSION` is refused;
+- ``t`` is a finite number >= 0; ``b``, ``parent``, ``limit``, ``align``, ``reserve``,
+  ``size``, ``bytes`` and ``ptr`` are integers (not floats, booleans or null, except where
+  null is allowed above) in ``[-2**63, 2**63)``, and more narrowly: ``limit`` >= 1, budget
+  ids, ``reserve``, ``bytes`` and ``ptr`` >= 0, ``align`` a power of two in ``enter`` and
+  0 or a power of two elsewhere; ``name`` a non-blank string; ``tag``, ``reason`` and
+  ``backend`` strings or null;
+- ids: a budget is entered once, under a parent entered earlier and not yet exited (so
+  budgets form a tree: no self-parent, no cycle), and exits once; ``alloc``, ``free`` and
+  ``resize`` name a budget entered earlier;
+- blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
+  not live in the same tree (a block still live in another tree is dropped: that tree was
+  garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
+  limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
+
+Keys not named above are ignored (room for later writers of version 1). A last line cut
+short without its newline (the writing process was killed mid-line) is skipped, and
+:attr:`TraceReader.cut_short` says so. The reader's memory grows with the budgets and the
+blocks live at once, never with the number of events.
 """
 
 from __future__ import annotations
@@ -26,43 +53,71 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import math
 import os
+import stat
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any, Final
+from types import TracebackType
+from typing import IO, Any, BinaryIO, Final, NamedTuple, Union
 
 from .errors import GpuBudgetError
+from .units import format_size
 
 __all__ = [
-    "FLUSH_EVERY", "FORMAT", "VERSION", "TraceError", "TraceWriter", "read_trace", "writer_for"
+    "FLUSH_EVERY",
+    "FLUSH_SECONDS",
+    "FORMAT",
+    "LIMIT_REASONS",
+    "MAX_LINE_BYTES",
+    "MAX_TRACE_BYTES",
+    "VERSION",
+    "Alloc",
+    "Enter",
+    "Exit",
+    "Free",
+    "Header",
+    "Resize",
+    "Trace",
+    "TraceError",
+    "TraceEvent",
+    "TraceReader",
+    "TraceWriter",
+    "printable",
+    "read_trace",
+    "writer_for",
 ]
 
 FORMAT: Final = "gpubudget-trace"
 VERSION: Final = 1
 FLUSH_EVERY: Final = 64
 """Events a writer buffers at most before it flushes them to the file."""
-_EVENTS: Final = {
-    "enter": ("t", "b", "name", "parent", "limit", "align", "reserve"),
-    "alloc": ("t", "b", "size", "align", "ptr"),
-    "free": ("t", "b", "ptr"),
-    "resize": ("t", "b", "ptr", "size", "align", "bytes"),
-    "exit": ("t", "b"),
-}
+FLUSH_SECONDS: Final = 0.25
+"""A writer also flushes at an event that comes this long (seconds) after its last flush."""
+MAX_LINE_BYTES: Final = 1 << 20
+"""Longest line a reader accepts, newline included (1 MiB; the writer's lines are ~100 B)."""
+MAX_TRACE_BYTES: Final = 4 << 30
+"""Largest trace a reader accepts unless told otherwise (4 GiB, about 40 million events)."""
 
 
 class TraceError(GpuBudgetError, ValueError):
-    """A trace file is missing, malformed or of a newer version."""
+    """A trace file is missing, unreadable, malformed or of a newer version."""
 
 
 class TraceWriter:
     """Appends events to one trace file, in the format above; thread-safe.
 
-    Each method writes one event. Lines are buffered and flushed every
-    :data:`FLUSH_EVERY` events, at :meth:`flush` (a root budget's exit) and at interpreter
-    exit, so a process killed outright (``SIGKILL``, the OOM killer) loses at most the last
-    ``FLUSH_EVERY - 1`` events. Errors (a full disk, a closed file) propagate to the caller:
-    budgets catch them, stop tracing that tree and say so in its report.
+    Each method writes one event. Lines are buffered and flushed to the operating system
+    every :data:`FLUSH_EVERY` events, at any event that comes :data:`FLUSH_SECONDS` or more
+    after the last flush (the header is flushed at once), at :meth:`flush` (a root budget's
+    exit) and at interpreter exit. So a process killed outright (``SIGKILL``, the OOM
+    killer) loses at most the last ``FLUSH_EVERY - 1`` events, all written within
+    ``FLUSH_SECONDS`` of the last flush; its last line may be cut short, which readers skip.
+    Errors (a full disk, a closed file) propagate to the caller: budgets catch them, stop
+    tracing that tree and say so in its report.
     """
 
     def __init__(self, path: str) -> None:
@@ -71,13 +126,14 @@ class TraceWriter:
         self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115
         self._t0 = time.perf_counter()
         self._unflushed = 0
+        self._flushed_at = -math.inf  # so that the header is flushed at once
         header = {
             "format": FORMAT,
             "version": VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "pid": os.getpid(),
         }
-        self._line(header)
+        self._line(header, self._t0)
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
@@ -115,6 +171,7 @@ class TraceWriter:
             if self._file is not None:
                 self._file.flush()
                 self._unflushed = 0
+                self._flushed_at = time.perf_counter()
 
     def close(self) -> None:
         with self._lock:
@@ -123,18 +180,20 @@ class TraceWriter:
                 file.close()
 
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
-        self._line({"ev": kind, "t": round(time.perf_counter() - self._t0, 9), **fields})
+        now = time.perf_counter()
+        self._line({"ev": kind, "t": round(now - self._t0, 9), **fields}, now)
 
-    def _line(self, record: dict[str, Any]) -> None:
+    def _line(self, record: dict[str, Any], now: float) -> None:
         line = json.dumps(record) + "\n"
         with self._lock:
             if self._file is None:
                 raise ValueError(f"trace file {self.path!r} is closed")
             self._file.write(line)
             self._unflushed += 1
-            if self._unflushed >= FLUSH_EVERY:
+            if self._unflushed >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
                 self._file.flush()
                 self._unflushed = 0
+                self._flushed_at = now
 
 
 _writers: dict[str, TraceWriter] = {}
@@ -164,53 +223,569 @@ def _close_all() -> None:
                 pass
 
 
+# -- reading -------------------------------------------------------------------------------
+
+
+class Header(NamedTuple):
+    """A trace's first line."""
+
+    version: int
+    created: str | None
+    pid: int | None
+
+
+class Enter(NamedTuple):
+    """Budget ``budget`` was entered under ``parent`` (``None`` for a root)."""
+
+    t: float
+    budget: int
+    name: str
+    parent: int | None
+    limit: int
+    align: int
+    reserve: int
+    backend: str | None
+
+
+class Alloc(NamedTuple):
+    """An allocation by ``budget``: granted at ``ptr``, or denied (``ptr`` ``None``) for
+    ``reason``."""
+
+    t: float
+    budget: int
+    size: int
+    align: int
+    tag: str | None
+    ptr: int | None
+    nbytes: int
+    reason: str | None
+
+
+class Free(NamedTuple):
+    """The live block at ``ptr`` of ``budget`` was freed."""
+
+    t: float
+    budget: int
+    ptr: int
+
+
+class Resize(NamedTuple):
+    """The live block at ``ptr`` of ``budget`` was resized in place to ``nbytes``."""
+
+    t: float
+    budget: int
+    ptr: int
+    size: int
+    align: int
+    nbytes: int
+
+
+class Exit(NamedTuple):
+    """``budget``'s ``with`` block ended."""
+
+    t: float
+    budget: int
+
+
+TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]
+"""One validated event of a trace."""
+
+_INT_RANGE: Final = 1 << 63
+_READ_PROGRESS_EVERY: Final = 16_384
+"""Lines between two calls of a reader's progress callback."""
+_QUOTED: Final = 60
+"""Characters of a bad value quoted in an error message, at most."""
+LIMIT_REASONS: Final = frozenset({"over_limit", "fragmented"})
+"""Denial reasons that a larger limit can change (a request denied for one has a size)."""
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (control characters, terminal
+    escape sequences, bidirectional overrides, line breaks, lone surrogates) written as a
+    Python escape, so that text read from a trace can be shown on a terminal safely.
+
+    >>> printable("model\\x1b[2J\\n")
+    'model\\\\x1b[2J\\\\n'
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
+def _quote(value: object) -> str:
+    """A bad value, quoted for an error message as JSON writes it: safe to print, at most
+    ~60 characters."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):  # pragma: no cover - values come from json itself
+        text = printable(repr(value))
+    return text if len(text) <= _QUOTED else text[: _QUOTED - 1] + "…"
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant)
+_scan: Final = _DECODER.raw_decode  # one value from the start, and where it ends
+_INFINITY: Final = math.inf
+
+
+class _Bad(Exception):
+    """One line's problem, before the reader adds the file name and line number."""
+
+
+class _Budget:
+    """What the validator remembers of one entered budget."""
+
+    __slots__ = ("name", "line", "root", "exited")
+
+    def __init__(self, name: str, line: int, root: int) -> None:
+        self.name = name
+        self.line = line
+        self.root = root  # the id of its tree's root
+        self.exited = 0  # the line of its exit, 0 while open
+
+
+def _field(record: dict[str, Any], key: str) -> Any:
+    try:
+        return record[key]
+    except KeyError:
+        raise _Bad(f"missing field {key!r}") from None
+
+
+def _integer(record: dict[str, Any], key: str, low: int = -_INT_RANGE) -> int:
+    value = _field(record, key)
+    if type(value) is not int:
+        raise _Bad(f"{key!r} must be an integer, got {_quote(value)}")
+    if not low <= value < _INT_RANGE:
+        bound = f">= {low}" if low > -_INT_RANGE else "within 64 bits"
+        raise _Bad(f"{key!r} must be an integer {bound} and below 2**63, got {_quote(value)}")
+    return value
+
+
+def _optional_integer(record: dict[str, Any], key: str, low: int) -> int | None:
+    if record.get(key) is None:
+        return None
+    return _integer(record, key, low)
+
+
+def _text(record: dict[str, Any], key: str, *, optional: bool) -> str | None:
+    value = record.get(key) if optional else _field(record, key)
+    if value is None and optional:
+        return None
+    if type(value) is not str:
+        kind = "a string or null" if optional else "a string"
+        raise _Bad(f"{key!r} must be {kind}, got {_quote(value)}")
+    return value
+
+
+def _time(record: dict[str, Any]) -> float:
+    value = _field(record, "t")
+    if type(value) is float:
+        if value >= 0.0 and value != math.inf:  # NaN fails the first test
+            return value
+    elif type(value) is int and 0 <= value < _INT_RANGE:
+        return float(value)
+    raise _Bad(f"'t' must be a finite number of seconds >= 0, got {_quote(value)}")
+
+
+def _alignment(record: dict[str, Any], *, zero: bool) -> int:
+    value = _integer(record, "align", 0)
+    if value == 0 and zero:
+        return 0
+    if value <= 0 or value & (value - 1):
+        allowed = "0 or a power of two" if zero else "a power of two"
+        raise _Bad(f"'align' must be {allowed}, got {value}")
+    return value
+
+
+class _Validator:
+    """The rules of the module docstring that span lines: ids, parents, live blocks."""
+
+    def __init__(self) -> None:
+        self.budgets: dict[int, _Budget] = {}
+        self.live: dict[int, int] = {}  # address -> the id of the budget that holds it
+        self.line = 0  # the line being checked
+        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent]] = {
+            "enter": self.enter, "alloc": self.alloc, "free": self.free,
+            "resize": self.resize, "exit": self.exit,
+        }
+
+    def known(self, record: dict[str, Any]) -> int:
+        budget = _integer(record, "b", 0)
+        if budget not in self.budgets:
+            raise _Bad(f"budget {budget} was not entered before this line")
+        return budget
+
+    def describe(self, budget: int) -> str:
+        return f"budget {budget} ({_quote(self.budgets[budget].name)})"
+
+    def enter(self, record: dict[str, Any]) -> Enter:
+        t = _time(record)
+        budget = _integer(record, "b", 0)
+        name = _text(record, "name", optional=False)
+        assert name is not None
+        if not name.strip():
+            raise _Bad(f"'name' must not be blank, got {_quote(name)}")
+        parent = _field(record, "parent")
+        if parent is not None:
+            parent = _integer(record, "parent", 0)
+        limit = _integer(record, "limit", 1)
+        align = _alignment(record, zero=False)
+        reserve = _integer(record, "reserve", 0)
+        backend = _text(record, "backend", optional=True)
+        earlier = self.budgets.get(budget)
+        if earlier is not None:
+            raise _Bad(f"budget id {budget} was already entered, at line {earlier.line}")
+        if parent == budget:
+            raise _Bad(f"budget {budget} names itself as its parent")
+        if parent is not None:
+            above = self.budgets.get(parent)
+            if above is None:
+                raise _Bad(f"parent {parent} was not entered before this line")
+            if above.exited:
+                raise _Bad(f"parent {self.describe(parent)} had already exited, at line "
+                           f"{above.exited}")
+        root = budget if parent is None else self.budgets[parent].root
+        self.budgets[budget] = _Budget(name, self.line, root)
+        return Enter(t, budget, name, parent, limit, align, reserve, backend)
+
+    def alloc(self, record: dict[str, Any]) -> Alloc:
+        """A granted allocation as the writer writes it, checked in one expression; anything
+        else (a denial, a problem) goes the long way, which names what is wrong."""
+        get = record.get
+        t, budget, size, align, ptr, nbytes, tag = (
+            get("t"), get("b"), get("size"), get("align"), get("ptr"), get("bytes"), get("tag"))
+        if (type(t) is float and 0.0 <= t < _INFINITY and type(budget) is int
+                and budget in self.budgets and type(size) is int and 0 < size < _INT_RANGE
+                and type(align) is int and 0 <= align < _INT_RANGE and not align & (align - 1)
+                and (tag is None or type(tag) is str) and type(ptr) is int
+                and 0 <= ptr < _INT_RANGE and ptr not in self.live and type(nbytes) is int
+                and size <= nbytes < _INT_RANGE and get("reason") is None):
+            self.live[ptr] = budget
+            return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
+        return self.checked_alloc(record)
+
+    def checked_alloc(self, record: dict[str, Any]) -> Alloc:
+        t = _time(record)
+        budget = self.known(record)
+        size = _integer(record, "size")
+        align = _alignment(record, zero=True)
+        tag = _text(record, "tag", optional=True)
+        ptr = _field(record, "ptr")
+        reason = _text(record, "reason", optional=True)
+        nbytes = _optional_integer(record, "bytes", -_INT_RANGE)
+        if ptr is None:
+            if reason is None:
+                raise _Bad("a denied allocation ('ptr' null) needs a 'reason'")
+            if reason in LIMIT_REASONS and size < 1:
+                raise _Bad(f"a request denied for {reason} needs 'size' >= 1, got {size}")
+            return Alloc(t, budget, size, align, tag, None, size if nbytes is None else nbytes,
+                         reason)
+        ptr = _integer(record, "ptr", 0)
+        if reason is not None:
+            raise _Bad(f"a granted allocation ('ptr' {ptr:#x}) has 'reason' {_quote(reason)}")
+        if size < 1:
+            raise _Bad(f"a granted allocation needs 'size' >= 1, got {size}")
+        if nbytes is None:
+            nbytes = size
+        elif nbytes < size:
+            raise _Bad(f"'bytes' {nbytes} is less than 'size' {size}")
+        holder = self.live.get(ptr)
+        if holder is not None and self.budgets[holder].root == self.budgets[budget].root:
+            raise _Bad(f"block {ptr:#x} is handed out again while {self.describe(holder)} "
+                       f"still holds it")
+        # A block live in another tree: that tree was garbage-collected with the block (a
+        # leak) and its memory went back, to be handed out again. It is gone.
+        self.live[ptr] = budget
+        return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
+
+    def held(self, record: dict[str, Any], budget: int) -> int:
+        ptr = _integer(record, "ptr", 0)
+        holder = self.live.get(ptr)
+        if holder is None:
+            raise _Bad(f"block {ptr:#x} is not live")
+        if holder != budget:
+            raise _Bad(f"block {ptr:#x} is held by {self.describe(holder)}, not by "
+                       f"{self.describe(budget)}")
+        return ptr
+
+    def free(self, record: dict[str, Any]) -> Free:
+        get = record.get
+        t, budget, ptr = get("t"), get("b"), get("ptr")
+        if (type(t) is float and 0.0 <= t < _INFINITY and type(budget) is int
+                and type(ptr) is int and self.live.get(ptr) == budget):
+            del self.live[ptr]
+            return Free(t, budget, ptr)
+        return self.checked_free(record)
+
+    def checked_free(self, record: dict[str, Any]) -> Free:
+        t = _time(record)
+        budget = self.known(record)
+        ptr = self.held(record, budget)
+        del self.live[ptr]
+        return Free(t, budget, ptr)
+
+    def resize(self, record: dict[str, Any]) -> Resize:
+        t = _time(record)
+        budget = self.known(record)
+        ptr = self.held(record, budget)
+        size = _integer(record, "size", 1)
+        align = _alignment(record, zero=True)
+        nbytes = _integer(record, "bytes", 1)
+        if nbytes < size:
+            raise _Bad(f"'bytes' {nbytes} is less than 'size' {size}")
+        return Resize(t, budget, ptr, size, align, nbytes)
+
+    def exit(self, record: dict[str, Any]) -> Exit:
+        t = _time(record)
+        budget = self.known(record)
+        entry = self.budgets[budget]
+        if entry.exited:
+            raise _Bad(f"{self.describe(budget)} already exited, at line {entry.exited}")
+        entry.exited = self.line
+        return Exit(t, budget)
+
+
+def _header(record: dict[str, Any]) -> Header:
+    if record.get("format") != FORMAT:
+        raise _Bad(f"not a gpubudget trace: the first line has no \"format\": \"{FORMAT}\"")
+    version = record.get("version")
+    if type(version) is not int or version < 1:
+        raise _Bad(f"bad trace version {_quote(version)}: expected an integer >= 1")
+    if version > VERSION:
+        raise _Bad(f"trace version {version} is newer than this gpubudget reads ({VERSION}); "
+                   f"upgrade gpubudget")
+    created = _text(record, "created", optional=True)
+    pid = _optional_integer(record, "pid", 0)
+    return Header(version, created, pid)
+
+
+def _open(path: str | os.PathLike[str], display: str) -> BinaryIO:
+    """The trace as a binary stream: a regular file, or standard input for ``-``."""
+    name = os.fspath(path)
+    if name == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise TraceError("-: standard input is a terminal; pipe a trace into it or name "
+                             "a file")
+        return sys.stdin.buffer
+    try:
+        info = os.stat(name)
+    except FileNotFoundError:
+        raise TraceError(f"{display}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"{display}: cannot read: {_reason(exc)}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise TraceError(f"{display}: is a directory, not a trace file")
+    if not stat.S_ISREG(info.st_mode):
+        raise TraceError(f"{display}: not a regular file ({_file_kind(info.st_mode)}); "
+                         f"to read a stream, pipe it into '-'")
+    try:
+        return open(name, "rb")  # noqa: SIM115 - closed by TraceReader.close
+    except OSError as exc:
+        raise TraceError(f"{display}: cannot read: {_reason(exc)}") from None
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a file"
+
+
+def _reason(exc: BaseException) -> str:
+    return printable(exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc))
+
+
+class TraceReader:
+    """The validated events of one trace file, read as a stream.
+
+    Opening reads and checks the header (:attr:`header`); iterating yields each event as a
+    :data:`TraceEvent` (once: the file is read as it goes). Every problem is a
+    :class:`TraceError` naming the file, the line and what is wrong (see the module
+    docstring for the rules). Use it as a context manager, or call :meth:`close`.
+
+    Parameters
+    ----------
+    path
+        A trace file, or ``"-"`` for standard input.
+    max_bytes
+        Refuse a trace longer than this (default :data:`MAX_TRACE_BYTES`).
+    progress
+        Called with ``(lines, bytes)`` read so far every 16,384 lines.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from gpubudget import gpu_budget
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
+    ...     block = pool.allocate(1000)
+    >>> with TraceReader(path) as reader:
+    ...     [type(event).__name__ for event in reader]
+    ['Enter', 'Alloc', 'Exit']
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.name = printable(os.fspath(path))
+        """The file's name as given, safe to print."""
+        self.max_bytes = max_bytes
+        self.lines = 0
+        """Lines read so far."""
+        self.bytes_read = 0
+        self.cut_short: str | None = None
+        """Set when the last line was cut short and skipped: a sentence saying so."""
+        self._progress = progress
+        self._prefix = ""  # what a problem on the current line means, before the message
+        self._iterated = False
+        self._file = _open(path, self.name)
+        self._owned = os.fspath(path) != "-"
+        self.size: int | None = None
+        """The file's size in bytes, ``None`` for a stream."""
+        try:
+            if self._owned:
+                self.size = os.fstat(self._file.fileno()).st_size
+                if self.size > max_bytes:
+                    raise TraceError(f"{self.name}: the trace is {format_size(self.size)}, "
+                                     f"over the limit of {format_size(max_bytes)}")
+            self.header = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (never standard input)."""
+        if self._owned:
+            self._file.close()
+
+    def __iter__(self) -> Iterator[TraceEvent]:
+        if self._iterated:
+            raise RuntimeError(f"{self.name}: a TraceReader is read once; open another")
+        self._iterated = True
+        validator = _Validator()
+        handlers = validator.handlers
+        for record in self._records():
+            validator.line = self.lines
+            kind = record.get("ev")
+            handler = handlers.get(kind) if type(kind) is str else None
+            if handler is None:
+                raise self._error(f"unknown event {_quote(kind)} (expected one of "
+                                  f"{', '.join(handlers)})")
+            try:
+                event = handler(record)
+            except _Bad as exc:
+                raise self._error(f"{kind} event: {exc}") from None
+            yield event
+
+    def _error(self, message: str) -> TraceError:
+        return TraceError(f"{self.name}:{self.lines}: {self._prefix}{message}")
+
+    def _read_header(self) -> Header:
+        self._prefix = "not a gpubudget trace: "
+        for record in self._records():
+            self._prefix = ""
+            try:
+                return _header(record)
+            except _Bad as exc:
+                raise self._error(str(exc)) from None
+        if self.cut_short is not None:
+            raise TraceError(f"{self.name}:{self.lines}: the header line is cut short (the "
+                             f"writing process was killed?)")
+        if self.lines == 0:
+            raise TraceError(f"{self.name}: the file is empty")
+        raise TraceError(f"{self.name}: no header: the file holds only blank lines")
+
+    def _records(self) -> Iterator[dict[str, Any]]:
+        """Each non-blank line as a JSON object, checked for size, encoding and syntax."""
+        readline = self._file.readline
+        limit = MAX_LINE_BYTES
+        while True:
+            try:
+                raw = readline(limit + 1)
+            except OSError as exc:
+                raise self._error(f"cannot read: {_reason(exc)}") from None
+            if not raw:
+                return
+            self.lines += 1
+            self.bytes_read += len(raw)
+            if self.bytes_read > self.max_bytes:
+                raise self._error(f"the trace passes the limit of "
+                                  f"{format_size(self.max_bytes)}")
+            if self._progress is not None and self.lines % _READ_PROGRESS_EVERY == 0:
+                self._progress(self.lines, self.bytes_read)
+            if len(raw) > limit:
+                raise self._error(f"line longer than {format_size(limit)}")
+            try:
+                record = self._parse(raw)
+            except _Bad as exc:
+                if raw.endswith(b"\n"):
+                    raise self._error(str(exc)) from None
+                self.cut_short = (f"{self.name}:{self.lines}: the last line is cut short "
+                                  f"(the writing process was killed?); skipped")
+                return
+            if record is not None:
+                yield record
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict[str, Any] | None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Bad(f"not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                       f"{exc.start + 1})") from None
+        if text.startswith("{"):  # the writer's lines: one object, then a newline
+            try:
+                found, end = _scan(text)
+            except (ValueError, RecursionError):
+                found, end = None, 0
+            if type(found) is dict and (end == len(text) or text[end:].isspace()):
+                return found
+        if not text.strip():
+            return None
+        try:
+            record = _DECODER.decode(text)
+        except RecursionError:
+            raise _Bad("JSON nested too deeply (a trace line is one flat object)") from None
+        except json.JSONDecodeError as exc:
+            raise _Bad(f"not JSON ({exc.msg} at column {exc.colno})") from None
+        except ValueError as exc:  # a constant such as NaN, an integer of 4,300+ digits
+            raise _Bad(f"not JSON this reader accepts ({printable(str(exc))[:80]})") from None
+        if type(record) is not dict:
+            raise _Bad(f"expected a JSON object, got {_json_kind(record)}")
+        return record
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else "a number"
+
+
 @dataclass(frozen=True)
 class Trace:
-    """A trace file's header and events, validated."""
+    """A trace file's header and events, validated and held in memory (small traces)."""
 
-    header: dict[str, Any]
-    events: list[dict[str, Any]]
+    header: Header
+    events: list[TraceEvent]
 
 
-def read_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read and validate a trace file; raise :class:`TraceError` with one clear line."""
-    name = os.fspath(path)
-    try:
-        with open(name, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
-    except FileNotFoundError:
-        raise TraceError(f"trace file {name!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TraceError(f"cannot read trace file {name!r}: {exc}") from None
-    if not lines:
-        raise TraceError(f"trace file {name!r} is empty")
-    records: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{name}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise TraceError(f"{name}:{number}: expected a JSON object")
-        records.append(record)
-    header = records[0]
-    if header.get("format") != FORMAT:
-        raise TraceError(f"{name}: not a gpubudget trace (no '{FORMAT}' header)")
-    version = header.get("version")
-    if not isinstance(version, int) or version < 1:
-        raise TraceError(f"{name}: bad trace version {version!r}")
-    if version > VERSION:
-        raise TraceError(
-            f"{name}: trace version {version} is newer than this gpubudget reads "
-            f"({VERSION}); upgrade gpubudget"
-        )
-    for number, event in enumerate(records[1:], start=2):
-        required = _EVENTS.get(str(event.get("ev")))
-        if required is None:
-            raise TraceError(f"{name}: event {number}: unknown event {event.get('ev')!r}")
-        missing = [key for key in required if key not in event]
-        if missing:
-            raise TraceError(f"{name}: event {number} ({event['ev']}): missing {missing}")
-    return Trace(header, records[1:])
+def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES) -> Trace:
+    """Read and validate a whole trace file into memory; :class:`TraceError` with one clear
+    line if it is not a valid trace. For large traces iterate a :class:`TraceReader`."""
+    with TraceReader(path, max_bytes=max_bytes) as reader:
+        return Trace(reader.header, list(reader))
