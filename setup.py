@@ -20,6 +20,7 @@ COMPILED = [
     "gpubudget/streams.py",
     "gpubudget/recorder.py",
     "gpubudget/tree.py",
+    "gpubudget/node.py",
 ]
 
 

@@ -25,7 +25,8 @@ from .ledger import available
 from .report import BudgetReport
 from .snapshot import snapshot, watch_leaks
 from .tracefile import writer_for
-from .tree import Denied, Node, State
+from .node import Node, State
+from .tree import Denied
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from .report import (
     Totals,
     Usage,
 )
-from .tree import Node, Probe, Tree
+from .node import Node, Probe
+from .tree import Tree
 from .units import format_size
 
 if TYPE_CHECKING:

@@ -30,200 +30,29 @@ Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 from .arena import Arena
 from .backends import Backend, Reservation, device_of
-from .errors import BudgetError, BudgetNestingError, InvariantError
-from .ledger import Account, charge, passed_up, refusal
-from .recorder import Recorder, Stats
+from .errors import BudgetError, InvariantError
+from .ledger import charge, passed_up, refusal
+from .recorder import Recorder
 from .streams import PendingFrees
 from .units import as_int, format_size, is_power_of_two, round_up
 
 if TYPE_CHECKING:
-    from .budget import Budget  # the public face; only named here, never imported at run time
+    from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Node", "Probe", "State", "Tree"]
+__all__ = ["Denied", "Live", "Tree"]
 
-State = Literal["new", "open", "exited", "released"]
-Probe = Callable[[], tuple[int, int]]
-"""An adapter's usage of a budget: (bytes charged, bytes in live arrays or tensors)."""
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
 # A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
 # allocation, and a class instance costs several times more to create.
 Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
-KEEP_RELEASED_CHILDREN: Final = 32
-"""Released children a budget keeps listing (in ``children`` and reports), the most recent."""
-_ids = itertools.count(1)
-
-
-class Node:
-    """A budget's place in its tree; see the module docstring.
-
-    ``budget`` is the public object (what ``owner_of`` answers). ``lock`` is the tree's once
-    entered (a lock of its own before). ``refusal`` is the denial reason while the budget
-    cannot allocate (``inactive`` before entry, ``released`` after), else ``None``.
-    """
-
-    __slots__ = ("budget", "id", "name", "align", "track_stacks", "account", "stats", "lock",
-                 "tree", "parent", "children", "granularity", "state", "refusal", "pins",
-                 "unreleased", "probes", "exit_hooks")
-
-    def __init__(self, budget: Budget, name: str | None, limit: int, reserve: int, align: int,
-                 track_stacks: bool) -> None:
-        self.budget: Final = budget
-        self.id: Final = next(_ids)
-        self.name: Final = name if name is not None else f"budget-{self.id}"
-        self.align: Final = align
-        self.track_stacks = track_stacks  # also true when an ancestor tracks stacks
-        self.account = Account(self.name, limit, reserve)  # re-made under the parent at entry
-        self.stats: Final = Stats()
-        self.lock = threading.Lock()
-        self.tree: Tree | None = None
-        self.parent: Node | None = None
-        self.children: list[Node] = []  # unreleased ones and the last released ones
-        self.granularity = align  # max(align, the parent's): every block is a multiple
-        self.state: State = "new"
-        self.refusal: str | None = "inactive"
-        self.pins = 0  # objects (a TensorRT runtime) that may still allocate through it
-        self.unreleased = 0  # children entered and not yet released
-        self.probes: dict[str, Probe] = {}  # adapters' usage, read for reports
-        self.exit_hooks: list[Callable[[], None]] = []  # adapters' calls when the scope ends
-
-    # -- entering --------------------------------------------------------------------------
-
-    def open_root(self, backend: Backend, writer: TraceWriter | None) -> None:
-        """Reserve the whole limit from ``backend``; ``BudgetError`` if it cannot."""
-        tree = Tree(self, backend, writer)
-        self.account = Account(self.name, self.account.limit)  # a root holds its whole limit
-        self.tree = tree
-        self.lock = tree.lock
-        self._opened()
-
-    def open_child(self, parent: Node) -> None:
-        """Enter under ``parent``, setting aside this budget's reserve there."""
-        tree = parent.tree
-        if tree is None:
-            raise BudgetNestingError(f"budget {self.name!r} entered inside {parent.name!r}, "
-                                     f"which is {parent.state}")
-        with tree.lock:
-            if parent.state != "open":
-                raise BudgetNestingError(f"budget {self.name!r} entered inside "
-                                         f"{parent.name!r}, which is {parent.state}")
-            granularity = max(self.align, parent.granularity)
-            reserve = round_up(self.account.reserve, granularity)
-            account = Account(self.name, self.account.limit, reserve, parent.account)
-            if reserve:
-                refused = refusal(parent.account, reserve)
-                if refused is not None:
-                    raise BudgetError(
-                        f"budget {self.name!r} cannot set aside reserve {format_size(reserve)}: "
-                        f"{refused.name!r} has {format_size(refused.limit - refused.used)} "
-                        f"left of {format_size(refused.limit)}")
-                charge(parent.account, reserve)
-            self.account = account
-            self.parent = parent
-            self.tree = tree
-            self.lock = tree.lock
-            self.granularity = granularity
-            self.track_stacks = self.track_stacks or parent.track_stacks
-            parent.children.append(self)
-            parent.unreleased += 1
-            self._opened()
-
-    def _opened(self) -> None:
-        assert self.tree is not None
-        self.state = "open"
-        self.refusal = None
-        account = self.account
-        self.tree.recorder.entered(
-            self.id, self.name, self.parent.id if self.parent is not None else None,
-            account.limit, self.align, account.reserve, self.tree.backend.name)
-
-    # -- leaving ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """The scope ended: stop being ``open``, release if nothing holds the budget, then
-        run the adapters' exit hooks (outside the lock; one that fails is reported)."""
-        tree = self.tree
-        if tree is None:
-            return
-        if self.parent is None:
-            tree.note_free_at_exit()
-        with tree.lock:
-            if self.state != "open":
-                return
-            self.state = "exited"
-            tree.recorder.exited(self.id, root=self.parent is None)
-            self.release_if_unused()
-            hooks, self.exit_hooks = self.exit_hooks, []
-        for hook in hooks:
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
-                with tree.lock:
-                    self.stats.errors.append(f"exit hook: {type(exc).__name__}: {exc}")
-
-    def release_if_unused(self) -> None:
-        """Lock held: release this budget, then each ancestor it was the last hold on, once
-        exited with no live block, no pin and no unreleased child."""
-        node: Node | None = self
-        while node is not None and node.releasable():
-            node.state = "released"
-            node.refusal = "released"
-            parent = node.parent
-            if parent is None:
-                assert node.tree is not None
-                node.tree.release_reservation()
-                return
-            if node.account.reserve:
-                charge(parent.account, -passed_up(node.account, node.account.used))
-            parent.unreleased -= 1
-            released = [child for child in parent.children if child.state == "released"]
-            for child in released[: max(len(released) - KEEP_RELEASED_CHILDREN, 0)]:
-                parent.children.remove(child)
-                parent.stats.retired = [sum(counts) for counts in zip(
-                    parent.stats.retired, *(member.own_counts() for member in child.subtree()))]
-            node = parent
-
-    def releasable(self) -> bool:
-        return (self.state == "exited" and not self.stats.blocks and not self.pins
-                and not self.unreleased)
-
-    def own_counts(self) -> tuple[int, int, int]:
-        """Allocations, frees and denials of this budget, with those of descendants it no
-        longer lists."""
-        stats = self.stats
-        return (stats.allocations + stats.retired[0], stats.frees + stats.retired[1],
-                stats.denied + stats.retired[2])
-
-    def reset_peaks(self) -> None:
-        """Lock held: peaks of this budget and its descendants start again from now."""
-        for node in self.subtree():
-            node.account.peak = node.account.used
-            node.stats.reset_peaks()
-
-    # -- the tree below --------------------------------------------------------------------
-
-    def subtree(self) -> list[Node]:
-        """This node and every descendant still listed, depth first, parents first."""
-        found: list[Node] = []
-        stack = [self]
-        while stack:
-            node = stack.pop()
-            found.append(node)
-            stack.extend(reversed(node.children))
-        return found
-
-    def encloses(self, other: Node) -> bool:
-        """Whether ``other`` is this node or one of its descendants."""
-        return self.account in other.account.chain
 
 
 class Tree:

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-from gpubudget import cli, gpu_budget
+from gpubudget import gpu_budget
+from gpubudget.cli import output as cli_output
+from gpubudget.cli import traces as cli_traces
 from gpubudget.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Progress, main
 from gpubudget.tracefile import writer_for
 
@@ -284,7 +286,7 @@ def test_an_internal_error_is_one_line_unless_debugging(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("bug\nsecond line")
 
-    monkeypatch.setattr(cli, "replay", broken)
+    monkeypatch.setattr(cli_traces, "replay", broken)
     status, _, err = cli_run(capsys, "report", str(path))
     assert status == EXIT_BAD_INPUT
     assert one_error_line(err) == ("gpubudget: internal error: RuntimeError: bug\\nsecond line "
@@ -300,7 +302,7 @@ def test_ctrl_c_ends_with_status_130(tmp_path: Path, capsys: pytest.CaptureFixtu
     def interrupted(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "fit", interrupted)
+    monkeypatch.setattr(cli_traces, "fit", interrupted)
     status, _, err = cli_run(capsys, "fit", str(tmp_path))
     assert status == EXIT_INTERRUPTED or "no .jsonl" in err
     record_abc(tmp_path / "abc.jsonl")
@@ -449,7 +451,7 @@ def test_progress_shows_on_a_terminal_after_its_delay_and_clears() -> None:
 def test_report_and_fit_show_progress_on_a_terminal_only(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     path = record_roots(tmp_path / "many.jsonl", *["request"] * 2000)  # 20,000+ lines
-    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(cli_output, "PROGRESS_DELAY", 0.0)
     status, _, err = cli_run(capsys, "report", str(path))
     assert status == 0 and err == ""  # captured stderr is no terminal
     terminal = Terminal()

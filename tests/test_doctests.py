@@ -15,6 +15,10 @@ MODULES = [
     "gpubudget.budget",
     "gpubudget.scope",
     "gpubudget.report",
+    "gpubudget.tracefile.format",
+    "gpubudget.replay.run",
+    "gpubudget.replay.fit",
+    "gpubudget.plot",
 ]
 
 

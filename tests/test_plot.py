@@ -3,8 +3,6 @@ capped."""
 
 from __future__ import annotations
 
-import doctest
-import importlib
 from pathlib import Path
 
 import pytest
@@ -74,8 +72,3 @@ def test_a_report_without_events(tmp_path: Path) -> None:
     path = tmp_path / "idle.png"
     root.report().plot(str(path))
     assert path.read_bytes().startswith(b"\x89PNG")
-
-
-def test_docstring_examples() -> None:
-    result = doctest.testmod(importlib.import_module("gpubudget.plot"), optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

@@ -46,7 +46,6 @@ from gpubudget.ray import actor as ray_actor
 from gpubudget.ray import methods, simulated
 from gpubudget.ray.placement import cuda_ordinal, derived_limit, gpu_share, open_device
 from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, RegistryBook
-from gpubudget.report import BudgetReport
 from gpubudget.units import GiB, MiB
 
 if TYPE_CHECKING:

@@ -4,7 +4,6 @@ callbacks through their function pointers, as PyTorch does (tests/gpu/ runs the 
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 import textwrap

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import doctest
 import functools
-import importlib
 import json
 import os
 import signal
@@ -514,8 +512,3 @@ def test_fuzz_mutations_of_a_recorded_trace(data: st.DataObject) -> None:
         path = Path(folder) / "mutated.jsonl"
         path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines) + b"\n")
         check_outcome(path)
-
-
-def test_docstring_examples() -> None:
-    result = doctest.testmod(importlib.import_module("gpubudget.tracefile"), optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0

@@ -1,326 +1,35 @@
-"""Trace files: every event of a budget tree as JSON lines, after a versioned header.
-
-Format, version 1. The first line is the header::
-
-    {"format": "gpubudget-trace", "version": 1, "created": "2026-11-29T18:00:00Z", "pid": 123}
-
-Then one object per line and event, ``t`` in seconds since the header, ``b`` a budget id
-unique in the file:
-
-- ``{"ev": "enter", "t", "b", "name", "parent": id | null, "limit", "align", "reserve",
-  "backend"}``: a budget was entered (``parent`` null for a root);
-- ``{"ev": "alloc", "t", "b", "size", "align", "tag", "ptr", "bytes", "reason"}``: an
-  allocation by budget ``b``: ``ptr`` the address handed out and ``bytes`` the aligned size
-  charged, or ``ptr`` null and ``reason`` why it was denied;
-- ``{"ev": "free", "t", "b", "ptr"}``: the block at ``ptr`` of budget ``b`` was freed;
-- ``{"ev": "resize", "t", "b", "ptr", "size", "align", "bytes"}``: the block at ``ptr`` was
-  resized in place (a move is recorded as an ``alloc`` and a ``free``);
-- ``{"ev": "exit", "t", "b"}``: the budget's ``with`` block ended.
-
-Writers are shared per path within a process, so several root budgets (``GPUBUDGET_TRACE``)
-write one file with one header.
-
-Reading (:class:`TraceReader`, :func:`read_trace`) streams the file and checks every line
-against the schema above, refusing with a :class:`TraceError` that names the file, the line
-and what is wrong:
-
-- the input must be a regular file (or ``-``, standard input, when it is not a terminal),
-  at most ``max_bytes`` long (:data:`MAX_TRACE_BYTES` unless told), every line at most
-  :data:`MAX_LINE_BYTES`, UTF-8, one flat JSON object;
-- the header comes first; a newer ``version`` than :data:`VERSION` is refused;
-- ``t`` is a finite number >= 0; ``b``, ``parent``, ``limit``, ``align``, ``reserve``,
-  ``size``, ``bytes`` and ``ptr`` are integers (not floats, booleans or null, except where
-  null is allowed above) in ``[-2**63, 2**63)``, and more narrowly: ``limit`` >= 1, budget
-  ids, ``reserve``, ``bytes`` and ``ptr`` >= 0, ``align`` a power of two in ``enter`` and
-  0 or a power of two elsewhere; ``name`` a non-blank string; ``tag``, ``reason`` and
-  ``backend`` strings or null;
-- ids: a budget is entered once, under a parent entered earlier and not yet exited (so
-  budgets form a tree: no self-parent, no cycle), and exits once; ``alloc``, ``free`` and
-  ``resize`` name a budget entered earlier;
-- blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
-  not live in the same tree (a block still live in another tree is dropped: that tree was
-  garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
-  limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
-
-Keys not named above are ignored (room for later writers of version 1). A last line cut
-short without its newline (the writing process was killed mid-line) is skipped, and
-:attr:`TraceReader.cut_short` says so. The reader's memory grows with the budgets and the
-blocks live at once, never with the number of events.
-"""
+"""Reading traces: a stream, every line checked against the format (see the package's
+docstring), every problem one :class:`~gpubudget.tracefile.TraceError` naming the file and line."""
 
 from __future__ import annotations
 
-import atexit
-import datetime
 import json
 import math
 import os
 import stat
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Any, BinaryIO, Final, NamedTuple, Union
+from typing import Any, BinaryIO, Final
 
-from .errors import GpuBudgetError
-from .units import format_size
+from ..units import format_size
+from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
+from .format import (
+    FORMAT,
+    LIMIT_REASONS,
+    MAX_LINE_BYTES,
+    MAX_TRACE_BYTES,
+    VERSION,
+    TraceError,
+    _quote,
+    printable,
+)
 
-__all__ = [
-    "FLUSH_EVERY",
-    "FLUSH_SECONDS",
-    "FORMAT",
-    "LIMIT_REASONS",
-    "MAX_LINE_BYTES",
-    "MAX_TRACE_BYTES",
-    "VERSION",
-    "Alloc",
-    "Enter",
-    "Exit",
-    "Free",
-    "Header",
-    "Resize",
-    "Trace",
-    "TraceError",
-    "TraceEvent",
-    "TraceReader",
-    "TraceWriter",
-    "printable",
-    "read_trace",
-    "writer_for",
-]
-
-FORMAT: Final = "gpubudget-trace"
-VERSION: Final = 1
-FLUSH_EVERY: Final = 64
-"""Events a writer buffers at most before it flushes them to the file."""
-FLUSH_SECONDS: Final = 0.25
-"""A writer also flushes at an event that comes this long (seconds) after its last flush."""
-MAX_LINE_BYTES: Final = 1 << 20
-"""Longest line a reader accepts, newline included (1 MiB; the writer's lines are ~100 B)."""
-MAX_TRACE_BYTES: Final = 4 << 30
-"""Largest trace a reader accepts unless told otherwise (4 GiB, about 40 million events)."""
-
-
-class TraceError(GpuBudgetError, ValueError):
-    """A trace file is missing, unreadable, malformed or of a newer version."""
-
-
-class TraceWriter:
-    """Appends events to one trace file, in the format above; thread-safe.
-
-    Each method writes one event. Lines are buffered and flushed to the operating system
-    every :data:`FLUSH_EVERY` events, at any event that comes :data:`FLUSH_SECONDS` or more
-    after the last flush (the header is flushed at once), at :meth:`flush` (a root budget's
-    exit) and at interpreter exit. So a process killed outright (``SIGKILL``, the OOM
-    killer) loses at most the last ``FLUSH_EVERY - 1`` events, all written within
-    ``FLUSH_SECONDS`` of the last flush; its last line may be cut short, which readers skip.
-    Errors (a full disk, a closed file) propagate to the caller: budgets catch them, stop
-    tracing that tree and say so in its report.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115
-        self._t0 = time.perf_counter()
-        self._unflushed = 0
-        self._flushed_at = -math.inf  # so that the header is flushed at once
-        header = {
-            "format": FORMAT,
-            "version": VERSION,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "pid": os.getpid(),
-        }
-        self._line(header, self._t0)
-
-    def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
-              reserve: int, backend: str | None) -> None:
-        """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
-        self._event("enter", {"b": budget, "name": name, "parent": parent, "limit": limit,
-                              "align": align, "reserve": reserve, "backend": backend})
-
-    def alloc(self, budget: int, size: int, align: int, tag: str | None, address: int,
-              nbytes: int) -> None:
-        """``budget`` was granted ``nbytes`` (aligned) at ``address`` for ``size`` asked."""
-        self._event("alloc", {"b": budget, "size": size, "align": align, "tag": tag,
-                              "ptr": address, "bytes": nbytes, "reason": None})
-
-    def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
-             reason: str) -> None:
-        """``budget`` refused a request of ``size`` bytes (``nbytes`` aligned) for ``reason``."""
-        self._event("alloc", {"b": budget, "size": size, "align": align, "tag": tag,
-                              "ptr": None, "bytes": nbytes, "reason": reason})
-
-    def free(self, budget: int, address: int) -> None:
-        """The block at ``address`` of ``budget`` was freed."""
-        self._event("free", {"b": budget, "ptr": address})
-
-    def resize(self, budget: int, address: int, size: int, align: int, nbytes: int) -> None:
-        """The block at ``address`` was resized in place to ``nbytes`` (aligned)."""
-        self._event("resize", {"b": budget, "ptr": address, "size": size, "align": align,
-                               "bytes": nbytes})
-
-    def exit(self, budget: int) -> None:
-        """``budget``'s ``with`` block ended."""
-        self._event("exit", {"b": budget})
-
-    def flush(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.flush()
-                self._unflushed = 0
-                self._flushed_at = time.perf_counter()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                file, self._file = self._file, None
-                file.close()
-
-    def _event(self, kind: str, fields: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        self._line({"ev": kind, "t": round(now - self._t0, 9), **fields}, now)
-
-    def _line(self, record: dict[str, Any], now: float) -> None:
-        line = json.dumps(record) + "\n"
-        with self._lock:
-            if self._file is None:
-                raise ValueError(f"trace file {self.path!r} is closed")
-            self._file.write(line)
-            self._unflushed += 1
-            if self._unflushed >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
-                self._file.flush()
-                self._unflushed = 0
-                self._flushed_at = now
-
-
-_writers: dict[str, TraceWriter] = {}
-_writers_lock = threading.Lock()
-
-
-def writer_for(path: str | os.PathLike[str]) -> TraceWriter:
-    """The process's writer for ``path`` (created, truncating the file, on first use)."""
-    key = os.path.abspath(os.fspath(path))
-    with _writers_lock:
-        writer = _writers.get(key)
-        if writer is None:
-            try:
-                writer = _writers[key] = TraceWriter(key)
-            except OSError as exc:
-                raise TraceError(f"cannot write trace file {os.fspath(path)!r}: {exc}") from exc
-        return writer
-
-
-@atexit.register
-def _close_all() -> None:
-    with _writers_lock:
-        for writer in _writers.values():
-            try:
-                writer.close()
-            except OSError:  # a full disk at exit: nothing more can be done, quietly
-                pass
-
-
-# -- reading -------------------------------------------------------------------------------
-
-
-class Header(NamedTuple):
-    """A trace's first line."""
-
-    version: int
-    created: str | None
-    pid: int | None
-
-
-class Enter(NamedTuple):
-    """Budget ``budget`` was entered under ``parent`` (``None`` for a root)."""
-
-    t: float
-    budget: int
-    name: str
-    parent: int | None
-    limit: int
-    align: int
-    reserve: int
-    backend: str | None
-
-
-class Alloc(NamedTuple):
-    """An allocation by ``budget``: granted at ``ptr``, or denied (``ptr`` ``None``) for
-    ``reason``."""
-
-    t: float
-    budget: int
-    size: int
-    align: int
-    tag: str | None
-    ptr: int | None
-    nbytes: int
-    reason: str | None
-
-
-class Free(NamedTuple):
-    """The live block at ``ptr`` of ``budget`` was freed."""
-
-    t: float
-    budget: int
-    ptr: int
-
-
-class Resize(NamedTuple):
-    """The live block at ``ptr`` of ``budget`` was resized in place to ``nbytes``."""
-
-    t: float
-    budget: int
-    ptr: int
-    size: int
-    align: int
-    nbytes: int
-
-
-class Exit(NamedTuple):
-    """``budget``'s ``with`` block ended."""
-
-    t: float
-    budget: int
-
-
-TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]
-"""One validated event of a trace."""
-
+__all__ = ["Trace", "TraceReader", "read_trace"]
 _INT_RANGE: Final = 1 << 63
 _READ_PROGRESS_EVERY: Final = 16_384
 """Lines between two calls of a reader's progress callback."""
-_QUOTED: Final = 60
-"""Characters of a bad value quoted in an error message, at most."""
-LIMIT_REASONS: Final = frozenset({"over_limit", "fragmented"})
-"""Denial reasons that a larger limit can change (a request denied for one has a size)."""
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable (control characters, terminal
-    escape sequences, bidirectional overrides, line breaks, lone surrogates) written as a
-    Python escape, so that text read from a trace can be shown on a terminal safely.
-
-    >>> printable("model\\x1b[2J\\n")
-    'model\\\\x1b[2J\\\\n'
-    """
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
-
-
-def _quote(value: object) -> str:
-    """A bad value, quoted for an error message as JSON writes it: safe to print, at most
-    ~60 characters."""
-    try:
-        text = json.dumps(value)
-    except (ValueError, RecursionError):  # pragma: no cover - values come from json itself
-        text = printable(repr(value))
-    return text if len(text) <= _QUOTED else text[: _QUOTED - 1] + "…"
 
 
 def _reject_constant(name: str) -> None:

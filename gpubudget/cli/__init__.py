@@ -1,0 +1,181 @@
+"""``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
+``ray``.
+
+Exit status: 0 done; 2 bad input or usage (one line on stderr, never a traceback; set
+``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
+141 the output was closed early (``| head``): the command stops quietly, as if killed by
+``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
+On a terminal, ``report`` and ``fit`` show a progress line on stderr once they have run for
+a second; nothing when stderr is not a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Final, NoReturn
+
+from .. import __version__
+from ..errors import GpuBudgetError
+from ..tracefile import MAX_TRACE_BYTES, printable
+from ..units import format_size, parse_size
+from .demo import demo
+from .output import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    Failure,
+    Progress,
+    say,
+    show_warning,
+)
+from .traces import fit_command, report_command
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_BROKEN_PIPE", "EXIT_INTERRUPTED", "Progress", "main"]
+
+DEBUG_ENV: Final = "GPUBUDGET_DEBUG"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {printable(message)} (see --help)\n")
+
+
+def _size_argument(text: str) -> int:
+    try:
+        return parse_size(text, what="--max-size")
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gpubudget", description="Scoped GPU memory budgets: demo and traces.")
+    parser.add_argument("--version", action="version", version=f"gpubudget {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo_parser = commands.add_parser(
+        "demo", help="two models sharing one pool: budgets at work, the report and a plot",
+        description="Run the two-models-sharing-a-pool story on the backend that --backend, "
+        "else GPUBUDGET_BACKEND, names; else on the PyCUDA backend when a GPU is usable, "
+        "else in host memory. Print the report and write a plot.",
+    )
+    demo_parser.add_argument("--plot", default="gpubudget-demo.png", metavar="FILE",
+                             help="where to write the plot, .png, .svg or .pdf "
+                             "(default: %(default)s)")
+    demo_parser.add_argument("--no-plot", action="store_true", help="write no plot")
+    demo_parser.add_argument("--backend", choices=("pycuda", "host"),
+                             help="the backend (default: GPUBUDGET_BACKEND, else PyCUDA if "
+                             "usable, else host)")
+    size_help = (f"refuse a trace longer than SIZE (default {format_size(MAX_TRACE_BYTES)}; "
+                 f"e.g. 16GiB)")
+    report_parser = commands.add_parser(
+        "report", help="replay a trace and print its report",
+        description="Replay a trace file (written with trace= or GPUBUDGET_TRACE) in host "
+        "memory, with its recorded times, and print the report of each root budget.",
+    )
+    report_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+    report_parser.add_argument("--plot", metavar="FILE",
+                               help="also draw the timeline, .png, .svg or .pdf (one root: "
+                               "the first, or the one --root names)")
+    report_parser.add_argument("--root", metavar="NAME",
+                               help="only the root budget(s) named NAME; NAME#2 for the "
+                               "second of several with that name")
+    report_parser.add_argument("--json", action="store_true",
+                               help='print one JSON document: {"trace", "cut_short", '
+                               '"after_release", "roots": [...]}')
+    report_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                               metavar="SIZE", help=size_help)
+    fit_parser = commands.add_parser(
+        "fit", help="smallest limits under which a trace replays without a denial",
+        description="Find, by replay and bisection, the smallest limit of every budget in "
+        "each trace (alignment and fragmentation included); print a table per trace and "
+        "nested 'with gpu_budget(...)' blocks that fit them all.",
+    )
+    fit_parser.add_argument("traces", nargs="+", metavar="TRACE",
+                            help="a .jsonl trace file, a directory of them, or - for "
+                            "standard input")
+    fit_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                            metavar="SIZE", help=size_help)
+    ray_parser = commands.add_parser(
+        "ray", help="the GPU budgets of every budgeted actor of a Ray cluster",
+        description="Print the cluster report: node, GPU, actor and budget of every actor "
+        "decorated with gpubudget.ray.budgeted (needs Ray: pip install 'gpubudget[ray]').")
+    ray_parser.add_argument("--address", metavar="ADDR",
+                            help="the cluster, as ray.init(address=...) takes it (default: "
+                            "RAY_ADDRESS, else the cluster started on this machine)")
+    ray_parser.add_argument("--json", action="store_true", help="print one JSON document")
+    return parser
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            demo(None if args.no_plot else args.plot, args.backend)
+            return 0
+        if args.command == "report":
+            report_command(args.trace, args.plot, args.json, args.root, args.max_size)
+            return 0
+        if args.command == "ray":
+            from ..ray import ray_command
+
+            return ray_command(args.address, args.json)
+        return fit_command(args.traces, args.max_size)
+    except BrokenPipeError:
+        raise
+    except (Failure, GpuBudgetError, ValueError, ImportError) as exc:
+        say(f"error: {exc}")
+    except OSError as exc:
+        say(f"error: {exc.strerror or exc}"
+             + (f": {exc.filename!r}" if exc.filename is not None else ""))
+    except MemoryError:
+        say("error: out of memory")
+    except Exception as exc:  # noqa: BLE001 - the command line never shows a traceback
+        if os.environ.get(DEBUG_ENV):
+            raise
+        say(f"internal error: {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 to see the "
+             f"traceback, and please report it)")
+    return EXIT_BAD_INPUT
+
+
+def _quiet_stdout() -> None:
+    """After the reader of our output went away: send what is left to /dev/null, so that
+    the interpreter's last flush does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (see the module docstring)."""
+    try:
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors="backslashreplace")  # any encoding: never a crash
+        with warnings.catch_warnings():
+            warnings.showwarning = show_warning
+            try:
+                status = _run(argv)
+            except SystemExit as done:  # argparse: --help, --version, a usage error
+                status = done.code if isinstance(done.code, int) else (
+                    0 if done.code is None else EXIT_BAD_INPUT)
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        try:
+            say("interrupted")
+        except OSError:
+            pass
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

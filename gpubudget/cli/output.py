@@ -1,0 +1,91 @@
+"""What the command line prints besides results: the exit statuses, one-line errors and
+warnings, and a progress line on a terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Final, TextIO
+
+from ..tracefile import printable
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_BROKEN_PIPE",
+    "EXIT_INTERRUPTED",
+    "PROGRESS_DELAY",
+    "Failure",
+    "Progress",
+    "say",
+    "show_warning",
+]
+
+EXIT_BAD_INPUT: Final = 2
+EXIT_INTERRUPTED: Final = 130
+EXIT_BROKEN_PIPE: Final = 141
+
+
+class Failure(Exception):
+    """Ends a command with one line on stderr and exit status 2."""
+
+
+def say(message: str) -> None:
+    """One line on stderr, prefixed with the program's name."""
+    print(f"gpubudget: {printable(message)}", file=sys.stderr)
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str,
+                  lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+    say(f"warning: {message}")
+
+
+# -- progress ------------------------------------------------------------------------------
+
+
+PROGRESS_DELAY: Final = 1.0
+"""Seconds a command runs before its progress line shows."""
+
+
+class Progress:
+    """A progress line on a terminal, rewritten in place.
+
+    Calls are cheap and may come often: a message is shown only when ``stream`` is a
+    terminal, once ``delay`` seconds (default :data:`PROGRESS_DELAY`) have passed since the
+    start, and at most every ``interval`` seconds. :meth:`clear` erases it before other
+    output.
+    """
+
+    def __init__(self, stream: TextIO, *, delay: float | None = None, interval: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.enabled = _is_terminal(stream)
+        self.interval = interval
+        self.clock = clock
+        self.next_at = clock() + (PROGRESS_DELAY if delay is None else delay)
+        self.width = 0  # characters on the line now
+
+    def __call__(self, message: str) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now < self.next_at:
+            return
+        self.next_at = now + self.interval
+        text = printable(message)[:79]
+        self.stream.write("\r" + text.ljust(self.width))
+        self.stream.flush()
+        self.width = len(text)
+
+    def clear(self) -> None:
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False

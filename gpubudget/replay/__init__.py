@@ -1,0 +1,44 @@
+"""Replay a trace (:mod:`gpubudget.tracefile`) against budgets in host memory, and ``fit``:
+the smallest limit of every budget under which the replay has no denial.
+
+Replay opens the recorded budgets in the recorded order, under their recorded parents, on a
+host backend that never touches memory (``MAP_NORESERVE``, so a trace of a 141 GB GPU
+replays on a laptop), and repeats every allocation, free and resize. Each budget is entered
+and exited in a context of its own (``parent=`` names its parent), so budgets recorded in
+several threads replay in the order the trace gives. The backend's clock is the trace's:
+every replayed event is stamped with the ``t`` it was recorded at, so reports and plots of
+a replay show the recorded time axis.
+
+Requests that were denied by a limit or by fragmentation are replayed too, as *probes*
+(allocated, then freed at once): they are memory the program wanted. Denials for another
+reason (an invalid size, alignment or tag, a released budget) are not replayed: no limit
+changes them.
+
+A file is read as a stream (:class:`~gpubudget.tracefile.TraceReader`): ``replay`` holds
+the budgets and the blocks live at once, never the whole trace. ``fit`` keeps each root's
+events in memory (in flat arrays, about 60 bytes an event) while it searches that root's
+limit.
+"""
+
+from __future__ import annotations
+
+from .fit import Fit, fit
+from .run import (
+    PROBE_REASONS,
+    Recorded,
+    ReplayBackend,
+    ReplayError,
+    ReplayResult,
+    replay,
+)
+
+__all__ = [
+    "Fit",
+    "PROBE_REASONS",
+    "Recorded",
+    "ReplayBackend",
+    "ReplayError",
+    "ReplayResult",
+    "fit",
+    "replay",
+]

@@ -1,0 +1,90 @@
+"""Trace files: every event of a budget tree as JSON lines, after a versioned header.
+
+Format, version 1. The first line is the header::
+
+    {"format": "gpubudget-trace", "version": 1, "created": "2026-11-29T18:00:00Z", "pid": 123}
+
+Then one object per line and event, ``t`` in seconds since the header, ``b`` a budget id
+unique in the file:
+
+- ``{"ev": "enter", "t", "b", "name", "parent": id | null, "limit", "align", "reserve",
+  "backend"}``: a budget was entered (``parent`` null for a root);
+- ``{"ev": "alloc", "t", "b", "size", "align", "tag", "ptr", "bytes", "reason"}``: an
+  allocation by budget ``b``: ``ptr`` the address handed out and ``bytes`` the aligned size
+  charged, or ``ptr`` null and ``reason`` why it was denied;
+- ``{"ev": "free", "t", "b", "ptr"}``: the block at ``ptr`` of budget ``b`` was freed;
+- ``{"ev": "resize", "t", "b", "ptr", "size", "align", "bytes"}``: the block at ``ptr`` was
+  resized in place (a move is recorded as an ``alloc`` and a ``free``);
+- ``{"ev": "exit", "t", "b"}``: the budget's ``with`` block ended.
+
+Writers are shared per path within a process, so several root budgets (``GPUBUDGET_TRACE``)
+write one file with one header.
+
+Reading (:class:`TraceReader`, :func:`read_trace`) streams the file and checks every line
+against the schema above, refusing with a :class:`TraceError` that names the file, the line
+and what is wrong:
+
+- the input must be a regular file (or ``-``, standard input, when it is not a terminal),
+  at most ``max_bytes`` long (:data:`MAX_TRACE_BYTES` unless told), every line at most
+  :data:`MAX_LINE_BYTES`, UTF-8, one flat JSON object;
+- the header comes first; a newer ``version`` than :data:`VERSION` is refused;
+- ``t`` is a finite number >= 0; ``b``, ``parent``, ``limit``, ``align``, ``reserve``,
+  ``size``, ``bytes`` and ``ptr`` are integers (not floats, booleans or null, except where
+  null is allowed above) in ``[-2**63, 2**63)``, and more narrowly: ``limit`` >= 1, budget
+  ids, ``reserve``, ``bytes`` and ``ptr`` >= 0, ``align`` a power of two in ``enter`` and
+  0 or a power of two elsewhere; ``name`` a non-blank string; ``tag``, ``reason`` and
+  ``backend`` strings or null;
+- ids: a budget is entered once, under a parent entered earlier and not yet exited (so
+  budgets form a tree: no self-parent, no cycle), and exits once; ``alloc``, ``free`` and
+  ``resize`` name a budget entered earlier;
+- blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
+  not live in the same tree (a block still live in another tree is dropped: that tree was
+  garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
+  limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
+
+Keys not named above are ignored (room for later writers of version 1). A last line cut
+short without its newline (the writing process was killed mid-line) is skipped, and
+:attr:`TraceReader.cut_short` says so. The reader's memory grows with the budgets and the
+blocks live at once, never with the number of events.
+"""
+
+from __future__ import annotations
+
+from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
+from .format import (
+    FLUSH_EVERY,
+    FLUSH_SECONDS,
+    FORMAT,
+    LIMIT_REASONS,
+    MAX_LINE_BYTES,
+    MAX_TRACE_BYTES,
+    VERSION,
+    TraceError,
+    printable,
+)
+from .reader import Trace, TraceReader, read_trace
+from .writer import TraceWriter, writer_for
+
+__all__ = [
+    "Alloc",
+    "Enter",
+    "Exit",
+    "FLUSH_EVERY",
+    "FLUSH_SECONDS",
+    "FORMAT",
+    "Free",
+    "Header",
+    "LIMIT_REASONS",
+    "MAX_LINE_BYTES",
+    "MAX_TRACE_BYTES",
+    "Resize",
+    "Trace",
+    "TraceError",
+    "TraceEvent",
+    "TraceReader",
+    "TraceWriter",
+    "VERSION",
+    "printable",
+    "read_trace",
+    "writer_for",
+]

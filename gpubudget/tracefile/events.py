@@ -1,0 +1,75 @@
+"""The events a reader yields, typed."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+__all__ = ["Alloc", "Enter", "Exit", "Free", "Header", "Resize", "TraceEvent"]
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+class Header(NamedTuple):
+    """A trace's first line."""
+
+    version: int
+    created: str | None
+    pid: int | None
+
+
+class Enter(NamedTuple):
+    """Budget ``budget`` was entered under ``parent`` (``None`` for a root)."""
+
+    t: float
+    budget: int
+    name: str
+    parent: int | None
+    limit: int
+    align: int
+    reserve: int
+    backend: str | None
+
+
+class Alloc(NamedTuple):
+    """An allocation by ``budget``: granted at ``ptr``, or denied (``ptr`` ``None``) for
+    ``reason``."""
+
+    t: float
+    budget: int
+    size: int
+    align: int
+    tag: str | None
+    ptr: int | None
+    nbytes: int
+    reason: str | None
+
+
+class Free(NamedTuple):
+    """The live block at ``ptr`` of ``budget`` was freed."""
+
+    t: float
+    budget: int
+    ptr: int
+
+
+class Resize(NamedTuple):
+    """The live block at ``ptr`` of ``budget`` was resized in place to ``nbytes``."""
+
+    t: float
+    budget: int
+    ptr: int
+    size: int
+    align: int
+    nbytes: int
+
+
+class Exit(NamedTuple):
+    """``budget``'s ``with`` block ended."""
+
+    t: float
+    budget: int
+
+
+TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]
+"""One validated event of a trace."""
