@@ -1,8 +1,9 @@
 """``Budget``: what the user holds -- a limit on device memory, entered with ``with``.
 
-A budget checks its arguments, runs the ``with`` protocol (the context-variable stack, misnesting
-found and explained), and answers questions; the work happens in its tree
-(:mod:`gpubudget.tree`). Lifetime: ``new`` -> ``open`` (entered) -> ``exited`` (scope left) ->
+A budget checks its arguments, runs the ``with`` protocol (the context-variable stack,
+misnesting found and explained) and takes the calls that change memory (``allocate``, ``free``,
+``resize``); the work happens in its tree (:mod:`gpubudget.tree`). What it answers is in
+:mod:`gpubudget.view`, what adapters call in :mod:`gpubudget.hooks` (its two bases). Lifetime: ``new`` -> ``open`` (entered) -> ``exited`` (scope left) ->
 ``released`` (nothing holds it any more: no live block, no pin, no unreleased child; a root
 then returns its reservation).
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
 from . import context, interrupts
 from .backends import Backend, get_backend, validate_spec
 from .callers import user_stack, user_stacklevel
-from .errors import AllocationDenied, BudgetError, BudgetNestingError
+from .errors import AllocationDenied, BudgetNestingError
+from .hooks import AdapterHooks
 from .interrupts import STATE, protect
-from .ledger import available
-from .report import BudgetReport
-from .snapshot import snapshot, watch_leaks
+from .node import Node
+from .snapshot import watch_leaks
 from .tracefile import writer_for
-from .node import Node, State
 from .tree import Denied
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
+from .view import BudgetView
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -42,7 +42,7 @@ ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-bloc
 
 
 @final
-class Budget:
+class Budget(BudgetView, AdapterHooks):
     """A scoped limit on device memory; use it as a context manager.
 
     ``gpu_budget`` is another name for this class, the one the examples use. Entering a
@@ -136,108 +136,12 @@ class Budget:
         if device is not None and (ordinal is None or ordinal < 0):
             raise (TypeError if ordinal is None else ValueError)(
                 f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
-        self._node: Final = Node(self, name, nbytes, floor, alignment, track_stacks)
+        self._node = Node(self, name, nbytes, floor, alignment, track_stacks)
         self._backend_spec: Final = backend
         self._trace: Final = trace
         self._parent: Final = parent
         self._device: Final = ordinal
         self._token: Token[tuple[Budget, ...]] | None = None
-
-    # -- read-only state -------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        """The budget's name (given, or ``budget-N``)."""
-        return self._node.name
-
-    @property
-    def limit(self) -> int:
-        """The most bytes this budget (with its children) may be charged."""
-        return self._node.account.limit
-
-    @property
-    def align(self) -> int:
-        """Minimum alignment of this budget's blocks; sizes are rounded up to it."""
-        return self._node.align
-
-    @property
-    def reserve(self) -> int:
-        """Bytes set aside for this budget in its parent (0 for a root or without ``reserve=``;
-        rounded up to the alignment at entry)."""
-        return self._node.account.reserve
-
-    @property
-    def state(self) -> State:
-        """``new``, ``open``, ``exited`` or ``released``."""
-        return self._node.state
-
-    @property
-    def used(self) -> int:
-        """Aligned bytes charged now (children's included)."""
-        return self._node.account.used
-
-    @property
-    def peak(self) -> int:
-        """Highest ``used`` reached by granted allocations."""
-        return self._node.account.peak
-
-    @property
-    def available(self) -> int:
-        """Bytes one allocation could still be charged, by this budget's and its ancestors'
-        limits (the arena may still be too fragmented to place them); 0 unless it can
-        allocate (before entry, after release)."""
-        node = self._node
-        with node.lock:
-            return available(node.account) if node.refusal is None else 0
-
-    @property
-    def parent(self) -> Budget | None:
-        """The budget this one was entered in, ``None`` for a root (or before entry)."""
-        parent = self._node.parent
-        return parent.budget if parent is not None else None
-
-    @property
-    def root(self) -> Budget:
-        """The root of this budget's tree (itself for a root, or before entry)."""
-        tree = self._node.tree
-        return tree.root.budget if tree is not None else self
-
-    @property
-    def children(self) -> tuple[Budget, ...]:
-        """Budgets entered inside this one (unreleased ones, and the last released ones)."""
-        node = self._node
-        with node.lock:
-            return tuple(child.budget for child in node.children)
-
-    @property
-    def backend(self) -> Backend | None:
-        """The backend the tree draws from (``None`` before entry)."""
-        tree = self._node.tree
-        return tree.backend if tree is not None else None
-
-    @property
-    def device(self) -> int | None:
-        """The CUDA device the tree's memory is on; ``None`` on host memory or before entry."""
-        tree = self._node.tree
-        return tree.device if tree is not None else None
-
-    def encloses(self, other: Budget) -> bool:
-        """Whether ``other`` is this budget or was entered (directly or not) inside it.
-
-        >>> with gpu_budget("1MiB", backend="host") as pool:
-        ...     with gpu_budget("1KiB") as model:
-        ...         (pool.encloses(model), model.encloses(pool), pool.encloses(pool))
-        (True, False, True)
-        """
-        if not isinstance(other, Budget):
-            raise TypeError(f"encloses() takes a Budget, got {other!r}")
-        return self._node.encloses(other._node)
-
-    def __repr__(self) -> str:
-        node = self._node
-        return (f"<Budget {node.name!r} limit={format_size(node.account.limit)} "
-                f"used={format_size(node.account.used)} peak={format_size(node.account.peak)} "
-                f"{node.state}>")
 
     # -- the with protocol -----------------------------------------------------------------
 
@@ -446,72 +350,6 @@ class Budget:
             raise KeyboardInterrupt
         return moved
 
-    def size_of(self, address: int) -> int:
-        """Aligned size of the live block at ``address`` in this tree, 0 if none."""
-        tree = self._node.tree
-        record = tree.owner(address) if tree is not None else None
-        return record[1] if record is not None else 0
-
-    def owner_of(self, address: int) -> Budget | None:
-        """The budget of this tree that holds the live block at ``address``, if any."""
-        tree = self._node.tree
-        record = tree.owner(address) if tree is not None else None
-        return record[0].budget if record is not None else None
-
-    # -- lifetime pins and errors (for adapters such as gpubudget.tensorrt) ----------------
-
-    def pin(self) -> None:
-        """Keep this budget's memory alive for an object that may allocate through it later
-        (a TensorRT runtime, an engine); pair every call with :meth:`unpin`."""
-        node = self._node
-        with node.lock:
-            if node.state in ("new", "released"):
-                raise BudgetError(f"budget {node.name!r} is {node.state}; it cannot be pinned")
-            node.pins += 1
-
-    def unpin(self) -> None:
-        """Undo one :meth:`pin`; releases the budget if it was the last thing holding it."""
-        node = self._node
-        with node.lock:
-            if node.pins > 0:
-                node.pins -= 1
-                node.release_if_unused()
-
-    def record_denial(self, size: int, reason: str) -> None:
-        """Count a request an adapter refused before asking (for instance ``wrong_device``:
-        a TensorRT call made while another CUDA device is current)."""
-        node = self._node
-        if node.tree is None:
-            self._refuse_unentered(size)
-        else:
-            node.tree.deny(node, as_int(size) or 0, str(reason))
-
-    def report_usage(self, source: str, probe: Callable[[], tuple[int, int]]) -> None:
-        """For adapters: ``probe()`` answers ``(bytes charged, bytes in live arrays or
-        tensors)`` for ``source`` (``"torch"``, ``"cupy"``); reports show it, and the rest as
-        cached. Called outside the tree's lock; one that raises is noted in the report."""
-        node = self._node
-        with node.lock:
-            node.probes[str(source)] = probe
-
-    def call_on_exit(self, hook: Callable[[], None]) -> None:
-        """For adapters: call ``hook()`` once this budget's scope has ended (at once if it has
-        already). Hooks run outside the tree's lock; one that raises is noted in the report."""
-        node = self._node
-        with node.lock:
-            if node.state in ("new", "open"):
-                node.exit_hooks.append(hook)
-                return
-        hook()
-
-    def record_error(self, message: str) -> None:
-        """Record an error caught inside a callback, counted as a denial (``internal_error``)
-        and kept for the report (the most recent 16)."""
-        node = self._node
-        with node.lock:
-            node.stats.errors.append(str(message))
-            node.stats.count_denial(0, "internal_error", node.name)
-
     def reset_peak(self) -> None:
         """Start the peaks of this budget and its descendants again from now (``peak``,
         the most blocks held at once, and bytes per tag), to measure one phase.
@@ -527,37 +365,6 @@ class Budget:
         node = self._node
         with node.lock:
             node.reset_peaks()
-
-    # -- report ----------------------------------------------------------------------------
-
-    def report(self) -> BudgetReport:
-        """A snapshot of this budget and its children; works in every state.
-
-        Examples
-        --------
-        >>> from gpubudget import gpu_budget
-        >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
-        ...     _ = pool.allocate(4096, tag="weights")
-        >>> print(pool.report())  # doctest: +ELLIPSIS
-        pool [host] (exited): used 4.00 KiB of 1.00 MiB, peak 4.00 KiB
-          allocations 1, frees 0, denied 0
-        ...
-        """
-        return snapshot(self._node)
-
-    def check(self) -> None:
-        """Verify the tree's bookkeeping: the arena's invariants, that its taken blocks are
-        exactly the live and pending ones, and that every budget's ``used`` is its blocks
-        plus its children's share. Raises :class:`~gpubudget.errors.InvariantError` naming
-        the rule that does not hold; does nothing before entry.
-
-        >>> with gpu_budget("1MiB", backend="host") as pool:
-        ...     block = pool.allocate(1000)
-        ...     pool.check()
-        """
-        tree = self._node.tree
-        if tree is not None:
-            tree.check()
 
 
 gpu_budget: Final = Budget

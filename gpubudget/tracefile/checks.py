@@ -1,0 +1,247 @@
+"""Checking a trace's records, one line at a time, against the format: every field's type
+and range, and what spans lines (ids, parents, exits, live blocks and their owners)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Final
+
+from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
+from .format import FORMAT, LIMIT_REASONS, VERSION, _quote
+
+__all__ = ["Bad", "Validator", "header"]
+
+_INT_RANGE: Final = 1 << 63
+_INFINITY: Final = math.inf
+
+
+class Bad(Exception):
+    """One line's problem, before the reader adds the file name and line number."""
+
+
+class _Budget:
+    """What the validator remembers of one entered budget."""
+
+    __slots__ = ("name", "line", "root", "exited")
+
+    def __init__(self, name: str, line: int, root: int) -> None:
+        self.name = name
+        self.line = line
+        self.root = root  # the id of its tree's root
+        self.exited = 0  # the line of its exit, 0 while open
+
+
+def _field(record: dict[str, Any], key: str) -> Any:
+    try:
+        return record[key]
+    except KeyError:
+        raise Bad(f"missing field {key!r}") from None
+
+
+def _integer(record: dict[str, Any], key: str, low: int = -_INT_RANGE) -> int:
+    value = _field(record, key)
+    if type(value) is not int:
+        raise Bad(f"{key!r} must be an integer, got {_quote(value)}")
+    if not low <= value < _INT_RANGE:
+        bound = f">= {low}" if low > -_INT_RANGE else "within 64 bits"
+        raise Bad(f"{key!r} must be an integer {bound} and below 2**63, got {_quote(value)}")
+    return value
+
+
+def _optional_integer(record: dict[str, Any], key: str, low: int) -> int | None:
+    if record.get(key) is None:
+        return None
+    return _integer(record, key, low)
+
+
+def _text(record: dict[str, Any], key: str, *, optional: bool) -> str | None:
+    value = record.get(key) if optional else _field(record, key)
+    if value is None and optional:
+        return None
+    if type(value) is not str:
+        kind = "a string or null" if optional else "a string"
+        raise Bad(f"{key!r} must be {kind}, got {_quote(value)}")
+    return value
+
+
+def _time(record: dict[str, Any]) -> float:
+    value = _field(record, "t")
+    if type(value) is float:
+        if value >= 0.0 and value != math.inf:  # NaN fails the first test
+            return value
+    elif type(value) is int and 0 <= value < _INT_RANGE:
+        return float(value)
+    raise Bad(f"'t' must be a finite number of seconds >= 0, got {_quote(value)}")
+
+
+def _alignment(record: dict[str, Any], *, zero: bool) -> int:
+    value = _integer(record, "align", 0)
+    if value == 0 and zero:
+        return 0
+    if value <= 0 or value & (value - 1):
+        allowed = "0 or a power of two" if zero else "a power of two"
+        raise Bad(f"'align' must be {allowed}, got {value}")
+    return value
+
+
+class Validator:
+    """The rules of the module docstring that span lines: ids, parents, live blocks."""
+
+    def __init__(self) -> None:
+        self.budgets: dict[int, _Budget] = {}
+        self.live: dict[int, int] = {}  # address -> the id of the budget that holds it
+        self.line = 0  # the line being checked
+        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent]] = {
+            "enter": self.enter, "alloc": self.alloc, "free": self.free,
+            "resize": self.resize, "exit": self.exit,
+        }
+
+    def known(self, record: dict[str, Any]) -> int:
+        budget = _integer(record, "b", 0)
+        if budget not in self.budgets:
+            raise Bad(f"budget {budget} was not entered before this line")
+        return budget
+
+    def describe(self, budget: int) -> str:
+        return f"budget {budget} ({_quote(self.budgets[budget].name)})"
+
+    def enter(self, record: dict[str, Any]) -> Enter:
+        t = _time(record)
+        budget = _integer(record, "b", 0)
+        name = _text(record, "name", optional=False)
+        assert name is not None
+        if not name.strip():
+            raise Bad(f"'name' must not be blank, got {_quote(name)}")
+        parent = _field(record, "parent")
+        if parent is not None:
+            parent = _integer(record, "parent", 0)
+        limit = _integer(record, "limit", 1)
+        align = _alignment(record, zero=False)
+        reserve = _integer(record, "reserve", 0)
+        backend = _text(record, "backend", optional=True)
+        earlier = self.budgets.get(budget)
+        if earlier is not None:
+            raise Bad(f"budget id {budget} was already entered, at line {earlier.line}")
+        if parent == budget:
+            raise Bad(f"budget {budget} names itself as its parent")
+        if parent is not None:
+            above = self.budgets.get(parent)
+            if above is None:
+                raise Bad(f"parent {parent} was not entered before this line")
+            if above.exited:
+                raise Bad(f"parent {self.describe(parent)} had already exited, at line "
+                           f"{above.exited}")
+        root = budget if parent is None else self.budgets[parent].root
+        self.budgets[budget] = _Budget(name, self.line, root)
+        return Enter(t, budget, name, parent, limit, align, reserve, backend)
+
+    def alloc(self, record: dict[str, Any]) -> Alloc:
+        """A granted allocation as the writer writes it, checked in one expression; anything
+        else (a denial, a problem) goes the long way, which names what is wrong."""
+        get = record.get
+        t, budget, size, align, ptr, nbytes, tag = (
+            get("t"), get("b"), get("size"), get("align"), get("ptr"), get("bytes"), get("tag"))
+        if (type(t) is float and 0.0 <= t < _INFINITY and type(budget) is int
+                and budget in self.budgets and type(size) is int and 0 < size < _INT_RANGE
+                and type(align) is int and 0 <= align < _INT_RANGE and not align & (align - 1)
+                and (tag is None or type(tag) is str) and type(ptr) is int
+                and 0 <= ptr < _INT_RANGE and ptr not in self.live and type(nbytes) is int
+                and size <= nbytes < _INT_RANGE and get("reason") is None):
+            self.live[ptr] = budget
+            return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
+        return self.checked_alloc(record)
+
+    def checked_alloc(self, record: dict[str, Any]) -> Alloc:
+        t = _time(record)
+        budget = self.known(record)
+        size = _integer(record, "size")
+        align = _alignment(record, zero=True)
+        tag = _text(record, "tag", optional=True)
+        ptr = _field(record, "ptr")
+        reason = _text(record, "reason", optional=True)
+        nbytes = _optional_integer(record, "bytes", -_INT_RANGE)
+        if ptr is None:
+            if reason is None:
+                raise Bad("a denied allocation ('ptr' null) needs a 'reason'")
+            if reason in LIMIT_REASONS and size < 1:
+                raise Bad(f"a request denied for {reason} needs 'size' >= 1, got {size}")
+            return Alloc(t, budget, size, align, tag, None, size if nbytes is None else nbytes,
+                         reason)
+        ptr = _integer(record, "ptr", 0)
+        if reason is not None:
+            raise Bad(f"a granted allocation ('ptr' {ptr:#x}) has 'reason' {_quote(reason)}")
+        if size < 1:
+            raise Bad(f"a granted allocation needs 'size' >= 1, got {size}")
+        if nbytes is None:
+            nbytes = size
+        elif nbytes < size:
+            raise Bad(f"'bytes' {nbytes} is less than 'size' {size}")
+        holder = self.live.get(ptr)
+        if holder is not None and self.budgets[holder].root == self.budgets[budget].root:
+            raise Bad(f"block {ptr:#x} is handed out again while {self.describe(holder)} "
+                       f"still holds it")
+        # A block live in another tree: that tree was garbage-collected with the block (a
+        # leak) and its memory went back, to be handed out again. It is gone.
+        self.live[ptr] = budget
+        return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
+
+    def held(self, record: dict[str, Any], budget: int) -> int:
+        ptr = _integer(record, "ptr", 0)
+        holder = self.live.get(ptr)
+        if holder is None:
+            raise Bad(f"block {ptr:#x} is not live")
+        if holder != budget:
+            raise Bad(f"block {ptr:#x} is held by {self.describe(holder)}, not by "
+                       f"{self.describe(budget)}")
+        return ptr
+
+    def free(self, record: dict[str, Any]) -> Free:
+        get = record.get
+        t, budget, ptr = get("t"), get("b"), get("ptr")
+        if (type(t) is float and 0.0 <= t < _INFINITY and type(budget) is int
+                and type(ptr) is int and self.live.get(ptr) == budget):
+            del self.live[ptr]
+            return Free(t, budget, ptr)
+        return self.checked_free(record)
+
+    def checked_free(self, record: dict[str, Any]) -> Free:
+        t = _time(record)
+        budget = self.known(record)
+        ptr = self.held(record, budget)
+        del self.live[ptr]
+        return Free(t, budget, ptr)
+
+    def resize(self, record: dict[str, Any]) -> Resize:
+        t = _time(record)
+        budget = self.known(record)
+        ptr = self.held(record, budget)
+        size = _integer(record, "size", 1)
+        align = _alignment(record, zero=True)
+        nbytes = _integer(record, "bytes", 1)
+        if nbytes < size:
+            raise Bad(f"'bytes' {nbytes} is less than 'size' {size}")
+        return Resize(t, budget, ptr, size, align, nbytes)
+
+    def exit(self, record: dict[str, Any]) -> Exit:
+        t = _time(record)
+        budget = self.known(record)
+        entry = self.budgets[budget]
+        if entry.exited:
+            raise Bad(f"{self.describe(budget)} already exited, at line {entry.exited}")
+        entry.exited = self.line
+        return Exit(t, budget)
+
+
+def header(record: dict[str, Any]) -> Header:
+    if record.get("format") != FORMAT:
+        raise Bad(f"not a gpubudget trace: the first line has no \"format\": \"{FORMAT}\"")
+    version = record.get("version")
+    if type(version) is not int or version < 1:
+        raise Bad(f"bad trace version {_quote(version)}: expected an integer >= 1")
+    if version > VERSION:
+        raise Bad(f"trace version {version} is newer than this gpubudget reads ({VERSION}); "
+                   f"upgrade gpubudget")
+    created = _text(record, "created", optional=True)
+    pid = _optional_integer(record, "pid", 0)
+    return Header(version, created, pid)
