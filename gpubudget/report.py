@@ -208,8 +208,9 @@ class BudgetReport:
                      for block in report.live_blocks)
 
     def plot(self, path: str) -> None:
-        """Write a PNG: used bytes over time for this budget and each child, limits as
-        dashed lines, denials as crosses. Needs matplotlib (``pip install 'gpubudget[plot]'``)."""
+        """Draw used bytes over time for this budget and its children (12 at most), limits as
+        dashed lines, denials as crosses, into ``path``: PNG, SVG or PDF after its suffix
+        (``ValueError`` for another). Needs matplotlib (``pip install 'gpubudget[plot]'``)."""
         from .plot import plot_report
 
         plot_report(self, path)
