@@ -55,6 +55,11 @@ Denied = tuple[str, str, int]
 Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
 
 
+_unreleased: Final[set[Tree]] = set()
+"""Every tree whose root has not released yet: a budget the program dropped while blocks of
+it are live keeps its memory (a block is never freed under its user by the collector)."""
+
+
 class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
@@ -79,6 +84,7 @@ class Tree:
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else _free(backend)
         self.free_at_exit: int | None = None
+        _unreleased.add(self)
 
     # -- the three operations --------------------------------------------------------------
 
@@ -273,6 +279,7 @@ class Tree:
     def release_reservation(self) -> None:
         """Lock held, the root released: wait for pending frees, give the memory back."""
         self.pending.retire(self.arena, True, self._event_failed)
+        _unreleased.discard(self)
         reservation, self.reservation = self.reservation, None
         if reservation is not None:
             try:

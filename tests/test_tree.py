@@ -251,3 +251,23 @@ def test_children_and_parents_see_the_public_tree() -> None:
             assert model.device is None and model.backend is pool.backend
             with pytest.raises(TypeError, match="encloses"):
                 pool.encloses("model")  # type: ignore[arg-type]
+
+
+def test_a_budget_dropped_with_live_blocks_keeps_its_memory() -> None:
+    import gc
+
+    def load() -> int:
+        with gpu_budget("64KiB", name="dropped") as budget:
+            block = budget.allocate(4 * KiB)
+            assert block is not None
+            fill(block, 4 * KiB, 0x6E)
+            return block
+
+    block = load()  # the budget object is gone; its block is still live
+    gc.collect()
+    with gpu_budget("64KiB", name="next") as later:
+        others = [later.allocate(4 * KiB) for _ in range(16)]
+        assert block not in others  # the memory was not handed out again
+        assert holds(block, 4 * KiB, 0x6E)
+        for other in others:
+            assert other is not None and later.free(other)
