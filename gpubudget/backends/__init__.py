@@ -23,6 +23,7 @@ __all__ = [
     "BACKEND_NAMES",
     "Backend",
     "Event",
+    "HostBackend",
     "Reservation",
     "cuda_usable",
     "current_device",
