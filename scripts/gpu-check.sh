@@ -22,7 +22,8 @@ python3 -c 'import gpubudget; print("gpubudget core:", "compiled (mypyc)" if gpu
   python3 -c 'import pycuda, cupy, torch; print("pycuda", pycuda.VERSION_TEXT, "cupy", cupy.__version__, "torch", torch.__version__)'; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
-python3 -m pytest tests -q -p no:cacheprovider --ignore=tests/gpu 2>&1 | tail -n 15 | tee "$out/cpu-tests.txt"
+python3 -m pytest tests -q -p no:cacheprovider --ignore=tests/gpu --tb=short > "$out/cpu-tests.txt" 2>&1
+tail -n 15 "$out/cpu-tests.txt"
 GPUBUDGET_TRACE="$out/demo-trace.jsonl" python3 -m gpubudget demo --plot "$out/demo-gpu.png" 2>&1 | tee "$out/demo.txt"
 python3 -m gpubudget fit "$out/demo-trace.jsonl" 2>&1 | tee -a "$out/demo.txt"
 python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"

@@ -24,6 +24,8 @@ from gpubudget.cli import traces as cli_traces
 from gpubudget.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, Progress, main
 from gpubudget.tracefile import writer_for
 
+from tests.helpers import subprocess_env
+
 MiB = 2**20
 HEADER = {"format": "gpubudget-trace", "version": 1}
 
@@ -63,7 +65,7 @@ def cli_run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 def run_cli(*args: str, stdin: bytes | None = None, stdout: Any = subprocess.PIPE,
             env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[bytes]:
     """Run ``python -m gpubudget`` as a subprocess."""
-    environment = {**os.environ, "PYTHONPATH": os.getcwd(), "GPUBUDGET_BACKEND": "host",
+    environment = {**subprocess_env(), "GPUBUDGET_BACKEND": "host",
                    **(env or {})}
     return subprocess.run([sys.executable, "-m", "gpubudget", *args], input=stdin,
                           stdout=stdout, stderr=subprocess.PIPE, env=environment, timeout=120,
@@ -498,7 +500,7 @@ def test_an_endless_stream_stops_at_a_limit(first: bytes, line: bytes, args: tup
                                              message: str) -> None:
     source = endless(first, line)
     try:
-        environment = {**os.environ, "PYTHONPATH": os.getcwd()}
+        environment = subprocess_env()
         result = subprocess.run([sys.executable, "-m", "gpubudget", "report", *args, "-"],
                                 stdin=source.stdout, capture_output=True, timeout=120,
                                 env=environment)
@@ -532,7 +534,7 @@ def test_piped_into_head(tmp_path: Path) -> None:
     trace = record_roots(tmp_path / "t.jsonl", *["request"] * 300)
     script = f"set -o pipefail; {sys.executable} -m gpubudget report {trace} | head -n 2"
     result = subprocess.run(["bash", "-c", script], capture_output=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            env=subprocess_env())
     assert result.stdout.decode().startswith("request [host]") and result.stderr == b""
     assert result.returncode in (0, EXIT_BROKEN_PIPE)
 
@@ -599,5 +601,5 @@ def test_the_module_runs_as_a_script() -> None:
         runpy.run_module("gpubudget", run_name="__main__")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            env=subprocess_env())
     assert result.returncode == 0 and result.stdout.startswith(b"gpubudget ")

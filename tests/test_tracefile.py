@@ -37,6 +37,8 @@ from gpubudget.tracefile import (
     writer_for,
 )
 
+from tests.helpers import subprocess_env
+
 MiB = 2**20
 HEADER: dict[str, Any] = {"format": "gpubudget-trace", "version": 1, "created": "2026-11-30T00:00:00+00:00",
                           "pid": 1}
@@ -138,7 +140,7 @@ _KILLED_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("events", [FLUSH_EVERY + 1, 5 * FLUSH_EVERY + 17])
 def test_sigkill_loses_at_most_flush_every_minus_one_events(tmp_path: Path, events: int) -> None:
     path = tmp_path / "killed.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = subprocess_env()
     child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(path), str(events)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
