@@ -32,8 +32,8 @@ from typing import Any
 
 from gpubudget import gpu_budget
 from gpubudget.tracefile import writer_for
+from gpubudget.units import MiB
 
-MiB = 2**20
 TIME_LIMIT = 60
 VALUES: list[str] = ["1e400", "-1e400", "NaN", "Infinity", "-0.0", "1.5", str(2**63), str(2**64),
                      str(-(2**63) - 1), "9" * 5000, "true", "false", "null", '"1"', '""', "[]",

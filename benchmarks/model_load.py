@@ -15,9 +15,10 @@ import warnings
 from collections.abc import Callable
 
 from gpubudget import gpu_budget
+from gpubudget.units import MiB
 
 from .churn import CAPACITY, BareBestFit, TextbookBestFit
-from .traces import MiB, Trace, model_loading, peak_live, replay
+from .traces import Trace, model_loading, peak_live, replay
 
 
 def fits(trace: Trace, limit: int) -> bool:

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpubudget.units import KiB, MiB
+
 Trace = list[tuple[int, int]]
 
 MIN_SIZE = 256
-MAX_SIZE = 16 * 2**20
+MAX_SIZE = 16 * MiB
 
 
 def log_uniform(rng: random.Random, low: int = MIN_SIZE, high: int = MAX_SIZE) -> int:
@@ -35,9 +37,6 @@ def churn(live: int = 1000, steps: int = 20_000, seed: int = 0) -> tuple[Trace, 
     timed = [(rng.randrange(live), log_uniform(rng)) for _ in range(steps)]
     return warmup, timed
 
-
-KiB = 2**10
-MiB = 2**20
 
 
 def model_loading(models: int = 3, seed: int = 0) -> Trace:

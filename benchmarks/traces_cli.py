@@ -30,8 +30,8 @@ import time
 from gpubudget import gpu_budget
 from gpubudget.backends.host import HostBackend
 from gpubudget.tracefile import TraceWriter, writer_for
+from gpubudget.units import MiB
 
-MiB = 2**20
 _BACKEND = HostBackend(noreserve=True)
 
 

@@ -13,6 +13,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Final
 
 from .tracefile import printable
+from .units import GiB, KiB, MiB
 
 if TYPE_CHECKING:
     from .report import BudgetReport
@@ -25,7 +26,7 @@ MAX_LINES: Final = 12
 """Budgets drawn at most: the report's own, then its descendants with the highest peaks."""
 _NAME_SHOWN: Final = 40
 """Characters of a name shown in the legend and title, at most."""
-_UNITS: Final = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+_UNITS: Final = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB), ("B", 1))
 
 
 def plot_format(path: str | os.PathLike[str]) -> str:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from benchmarks.model_load import fits, smallest_limit
-from benchmarks.traces import MiB, churn, model_loading, peak_live
-
-KiB = 1024
+from benchmarks.traces import churn, model_loading, peak_live
+from gpubudget.units import KiB, MiB
 
 
 def test_smallest_limit_finds_the_known_answer() -> None:
