@@ -81,7 +81,14 @@ class BudgetView:
 
     @property
     def root(self) -> Budget:
-        """The root of this budget's tree (itself for a root, or before entry)."""
+        """The root of this budget's tree (itself for a root, or before entry).
+
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        ...     with gpu_budget("1KiB", name="model") as model:
+        ...         (model.root.name, pool.root is pool)
+        ('pool', True)
+        """
         node = self._node
         return node.tree.root.budget if node.tree is not None else node.budget
 
@@ -100,13 +107,20 @@ class BudgetView:
 
     @property
     def device(self) -> int | None:
-        """The CUDA device the tree's memory is on; ``None`` on host memory or before entry."""
+        """The CUDA device the tree's memory is on; ``None`` on host memory or before entry.
+
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", backend="host") as pool:
+        ...     pool.device is None
+        True
+        """
         tree = self._node.tree
         return tree.device if tree is not None else None
 
     def encloses(self, other: Budget) -> bool:
         """Whether ``other`` is this budget or was entered (directly or not) inside it.
 
+        >>> from gpubudget import gpu_budget
         >>> with gpu_budget("1MiB", backend="host") as pool:
         ...     with gpu_budget("1KiB") as model:
         ...         (pool.encloses(model), model.encloses(pool), pool.encloses(pool))
@@ -155,6 +169,7 @@ class BudgetView:
         plus its children's share. Raises :class:`~gpubudget.errors.InvariantError` naming
         the rule that does not hold; does nothing before entry.
 
+        >>> from gpubudget import gpu_budget
         >>> with gpu_budget("1MiB", backend="host") as pool:
         ...     block = pool.allocate(1000)
         ...     pool.check()
