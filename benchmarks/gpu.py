@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .churn import run_trace
-from .traces import Trace, churn, model_loading, replay
+from .traces import churn, model_loading, replay
 
 # An opened allocator: allocate(nbytes) -> handle, free(handle), close().
 Opened = tuple[Callable[[int], Any], Callable[[Any], object], Callable[[], None]]

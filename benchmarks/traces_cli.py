@@ -123,7 +123,7 @@ def main() -> None:
         ("report, requests", gpubudget + ["report", requests]),
         ("fit, requests", gpubudget + ["fit", requests]),
     ]
-    print(f"| command | lines | wall s | peak RSS MiB |\n| --- | --- | --- | --- |")
+    print("| command | lines | wall s | peak RSS MiB |\n| --- | --- | --- | --- |")
     for title, command in rows:
         lines = sum(1 for _ in open(command[-1], "rb"))
         wall, rss, _ = measure(command)
