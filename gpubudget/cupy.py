@@ -26,13 +26,24 @@ under arrays return when those arrays are gone and :func:`release_cached` runs (
 ``allocations`` block of any budget does it too). Returning a chunk synchronizes its device
 first, as ``cudaFree`` does. CuPy is optional and imported on first use.
 
+Library memory. A cached FFT plan keeps its work area for as long as it stays in CuPy's plan
+cache (one per thread and device). A plan made inside a block takes its work area from the
+budget: it is charged there and shown in the report (``usage[i].library``); when the pool
+retires, gpubudget drops those plans from the plan caches of the threads that routed into
+it (CuPy makes them again at next use), so they never keep a budget from releasing.
+cuBLAS's own workspace is not allocated through CuPy: it is outside every budget (a root's
+``outside_bytes`` counts it).
+
 :func:`empty` and :func:`array_on` put single arrays on budget blocks without a pool.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import importlib
 import math
+import sys
 import threading
 import weakref
 from typing import Any, ClassVar, Final
@@ -81,7 +92,7 @@ class _Block:
             if self.pool is not None:
                 self.pool.synchronize()
             if self.budget.free(self.address, stream=self.stream) and self.pool is not None:
-                self.pool.change(-self.nbytes)
+                self.pool.forget(self.address)
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 interrupts.defer()
@@ -90,15 +101,20 @@ class _Block:
 
 
 class _Pool(RoutedPool):
-    """One budget's CuPy ``MemoryPool``; its allocator gives the budget's blocks."""
+    """One budget's CuPy ``MemoryPool``; its allocator gives the budget's blocks.
+
+    It also remembers the FFT plan caches of the threads that routed into it (CuPy keeps
+    one per thread and device), to find the plans whose work areas are its chunks."""
+
+    source = SOURCE
 
     def __init__(self, cp: Any, budget: Budget, device: int) -> None:
+        super().__init__(budget)
         self.cp = cp
         self.device = device
-        self.charged = 0  # bytes of the budget's blocks the pool holds
+        self.chunks: dict[int, int] = {}  # address -> charged bytes of the chunks it holds
+        self.plan_caches: dict[int, Any] = {}  # id -> a thread's cupy.fft PlanCache
         self.pool: Any = cp.cuda.MemoryPool(self._chunk)
-        super().__init__(budget)
-        budget.report_usage(SOURCE, self.usage)
 
     def _chunk(self, size: int) -> Any:
         """The pool's allocator: a new chunk of ``size`` bytes from the budget."""
@@ -112,14 +128,15 @@ class _Pool(RoutedPool):
             except AllocationDenied as denied:
                 raise _out_of_memory(self.cp, denied) from None
         nbytes = self.budget.size_of(address)
-        self.change(nbytes)
+        with self.lock:
+            self.chunks[address] = nbytes
         owner = _Block(self, self.budget, address, nbytes, None)
         memory = self.cp.cuda.UnownedMemory(address, size, owner, self.device)
         return self.cp.cuda.MemoryPointer(memory, 0)
 
-    def change(self, delta: int) -> None:
+    def forget(self, address: int) -> None:
         with self.lock:
-            self.charged += delta
+            self.chunks.pop(address, None)
 
     def synchronize(self) -> None:
         self.cp.cuda.Device(self.device).synchronize()
@@ -128,20 +145,65 @@ class _Pool(RoutedPool):
         with self.cp.cuda.Device(self.device):
             return int(self.pool.used_bytes())
 
-    def usage(self) -> tuple[int, int]:
-        """(bytes charged for chunks, bytes of them under live arrays)."""
-        return self.charged, self.in_use()
+    def usage(self) -> tuple[int, int, int, int]:
+        """(bytes charged for chunks, bytes of them under live arrays, bytes of them that
+        cached FFT plans hold, 0: nothing outside the budget)."""
+        with self.lock:
+            charged = sum(self.chunks.values())
+        return charged, self.in_use(), sum(nbytes for _, _, nbytes in self.plans()), 0
+
+    def remember_plan_cache(self) -> None:
+        """In a thread leaving a block: keep its FFT plan cache for this device (if it has
+        used CuPy's FFT at all) to look into later."""
+        fft_cache = sys.modules.get("cupy.fft._cache")
+        if fft_cache is None:
+            return
+        with self.cp.cuda.Device(self.device):
+            cache = fft_cache.get_plan_cache()
+        with self.lock:
+            self.plan_caches[id(cache)] = cache
+
+    def plans(self) -> list[tuple[Any, Any, int]]:
+        """(cache, key, bytes) of each cached FFT plan with a work area in this pool's chunks."""
+        with self.lock:
+            caches = list(self.plan_caches.values())
+            chunks = sorted(self.chunks.items())
+        found = []
+        for cache in caches:
+            for key, node in list(cache):
+                work = getattr(node.plan, "work_area", None)  # a list for multi-GPU plans
+                nbytes = 0
+                areas: list[Any] = work if isinstance(work, list) else [work]
+                for area in areas:
+                    address = getattr(area, "ptr", None)
+                    if isinstance(address, int) and _inside(address, chunks):
+                        nbytes += int(area.mem.size)
+                if nbytes:
+                    found.append((cache, key, nbytes))
+        return found
 
     def free_cache(self) -> None:
         with self.cp.cuda.Device(self.device):
             self.pool.free_all_blocks()
 
     def retire(self) -> None:
-        """Give the cache back; keep the pool while arrays still use its chunks (dropping
-        it would free them under the arrays)."""
+        """Drop the FFT plans whose work areas are the budget's (CuPy makes them again at
+        next use), give the cache back, and keep the pool while arrays still use its chunks
+        (dropping it would free them under the arrays)."""
+        for cache, key, _ in self.plans():
+            with contextlib.suppress(KeyError):
+                del cache[key]
+        with self.lock:
+            self.plan_caches.clear()
         with _lock:
             _draining.append(self)
         release_cached()
+
+
+def _inside(address: int, chunks: list[tuple[int, int]]) -> bool:
+    """Whether ``address`` lies in one of ``chunks`` ((start, bytes), sorted by start)."""
+    index = bisect.bisect_right(chunks, (address, math.inf)) - 1
+    return index >= 0 and address < chunks[index][0] + chunks[index][1]
 
 
 class _Router:
@@ -158,6 +220,26 @@ class _Router:
         if _current_device() != self.device:
             return self.previous(size)
         return self.pool(size)
+
+
+class _Route:
+    """CuPy's ``using_allocator`` with the budget's router; on the way out, the thread's
+    FFT plan cache is remembered by the pool."""
+
+    __slots__ = ("pool", "using")
+
+    def __init__(self, cp: Any, pool: _Pool) -> None:
+        self.pool = pool
+        self.using = cp.cuda.using_allocator(_Router(pool, cp.cuda.get_allocator()))
+
+    def __enter__(self) -> None:
+        self.using.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.using.__exit__(*exc)
+        finally:
+            self.pool.remember_plan_cache()
 
 
 def _current_device() -> int:
@@ -215,14 +297,16 @@ class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
     def framework_module(cls) -> Any:
         return _cupy()
 
-    def new_pool(self, module: Any, budget: Budget) -> _Pool:
-        if _draining:
+    def prepare(self, module: Any) -> None:
+        if _draining:  # retired pools whose arrays may be gone by now
             release_cached()
+
+    def new_pool(self, module: Any, budget: Budget) -> _Pool:
         assert budget.device is not None
         return _Pool(module, budget, budget.device)
 
     def route(self, module: Any, pool: _Pool) -> Any:
-        return module.cuda.using_allocator(_Router(pool, module.cuda.get_allocator()))
+        return _Route(module, pool)
 
 
 def array_on(address: int, shape: int | tuple[int, ...], dtype: Any = "float32", *,

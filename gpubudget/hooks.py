@@ -51,9 +51,11 @@ class AdapterHooks:
         else:
             node.tree.deny(node, nbytes, str(reason))
 
-    def report_usage(self, source: str, probe: Callable[[], tuple[int, int]]) -> None:
-        """For adapters: ``probe()`` answers ``(bytes charged, bytes in live arrays or
-        tensors)`` for ``source`` (``"torch"``, ``"cupy"``); reports show it, and the rest as
+    def report_usage(self, source: str, probe: Callable[[], tuple[int, ...]]) -> None:
+        """For adapters: ``probe()`` answers, for ``source`` (``"torch"``, ``"cupy"``),
+        ``(bytes charged, bytes of them in live arrays or tensors)``, optionally followed by
+        ``(bytes of them that libraries keep across calls, bytes of library memory kept
+        outside every budget)``; reports show them, and the rest of the charged bytes as
         cached. Called outside the tree's lock; one that raises is noted in the report."""
         node = self._node
         with node.lock:

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["KEEP_RELEASED_CHILDREN", "Node", "Probe", "State"]
 
 State = Literal["new", "open", "exited", "released"]
-Probe = Callable[[], tuple[int, int]]
-"""An adapter's usage of a budget: (bytes charged, bytes in live arrays or tensors)."""
+Probe = Callable[[], tuple[int, ...]]
+"""An adapter's usage of a budget: (bytes charged, bytes in live arrays or tensors[, bytes
+libraries keep across calls, bytes of library memory outside budgets])."""
 KEEP_RELEASED_CHILDREN: Final = 32
 """Released children a budget keeps listing (in ``children`` and reports), the most recent."""
 _ids = itertools.count(1)

@@ -74,6 +74,12 @@ class Usage:
     """Of those, bytes in live arrays or tensors."""
     cached: int
     """Of those, bytes it keeps for reuse (``charged - in_use``)."""
+    library: int = 0
+    """Of ``in_use``, bytes that libraries keep across calls (CuPy's cached FFT plans'
+    work areas); returned when the budget ends."""
+    outside: int = 0
+    """Library memory the adapter keeps outside every budget on the device (PyTorch's
+    cuBLAS/cuBLASLt workspaces, one per thread and stream): never charged, shown here."""
 
 
 @dataclass(frozen=True)
@@ -323,9 +329,13 @@ class BudgetReport:
             if len(ranked) > TAGS_SHOWN:
                 lines.append(f"{rest}    ... {len(ranked) - TAGS_SHOWN} more tags")
         for held in self.usage:
-            lines.append(
-                f"{rest}  {held.source}: {format_size(held.charged)} charged, "
-                f"{format_size(held.in_use)} in use, {format_size(held.cached)} cached")
+            line = (f"{rest}  {held.source}: {format_size(held.charged)} charged, "
+                    f"{format_size(held.in_use)} in use, {format_size(held.cached)} cached")
+            if held.library:
+                line += f"; libraries keep {format_size(held.library)} of it across calls"
+            if held.outside:
+                line += f"; library workspaces outside budgets: {format_size(held.outside)}"
+            lines.append(line)
         if self.outside_bytes is not None:
             lines.append(
                 f"{rest}  device memory taken outside budgets meanwhile: "

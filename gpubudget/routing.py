@@ -6,6 +6,12 @@ A framework allocates through a pool of its own (CuPy's ``MemoryPool``, PyTorch'
 blocks using it and retires it once the budget's scope has ended and none does; what
 retiring means (giving the cache back) is the framework's. :class:`Routing` is the ``with``
 block: it finds the budget, takes its pool, and enters the framework's own routing.
+
+Locks. The class lock of a :class:`Routing` subclass guards only its budget -> pool map; a
+pool's own lock guards only its counters. Neither is ever held while the framework or a
+budget is called (a pool is made, installed and retired outside both), so a call that
+comes back into gpubudget (CuPy freeing a chunk, PyTorch emptying its cache) cannot find a
+lock its own thread holds.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, ClassVar, Generic, TypeVar
 
+from . import interrupts
 from .budget import Budget
 from .errors import BudgetError
+from .interrupts import STATE
 from .scope import current_budget
 
 __all__ = ["RoutedPool", "Routing", "target_budget"]
@@ -43,19 +51,32 @@ def target_budget(budget: Budget | None, what: str, device: bool = True) -> Budg
 
 
 class RoutedPool(ABC):
-    """A framework's pool for one budget; see the module docstring."""
+    """A framework's pool for one budget; see the module docstring.
+
+    Made outside every lock, possibly by two threads at once for one budget: only the one
+    that wins the race is :meth:`install`-ed, so making one must have no effect of its own.
+    """
+
+    source: ClassVar[str]
 
     def __init__(self, budget: Budget) -> None:
         self.budget = budget
         self.lock = threading.Lock()
         self.users = 0  # allocations blocks inside which the pool is in use
         self.retired = False
-        if budget.state == "open":  # else the end of the allocations block retires it
-            budget.call_on_exit(self.retire_if_unused)
 
-    def join(self) -> None:
+    def install(self) -> None:
+        """The pool is now the budget's: report its usage, retire it when the scope ends."""
+        self.budget.report_usage(self.source, self.usage)
+        self.budget.call_on_exit(self.retire_if_unused)
+
+    def join(self) -> bool:
+        """One more block uses the pool; ``False`` (and nothing counted) once retired."""
         with self.lock:
+            if self.retired:
+                return False
             self.users += 1
+            return True
 
     def leave(self) -> None:
         with self.lock:
@@ -71,12 +92,20 @@ class RoutedPool(ABC):
         self.retire()
 
     @abstractmethod
+    def usage(self) -> tuple[int, int, int, int]:
+        """What the pool holds of the budget (see ``AdapterHooks.report_usage``)."""
+
+    @abstractmethod
     def retire(self) -> None:
         """Give what the pool caches back to the budget (the framework's way)."""
 
 
 class Routing(ABC, Generic[P]):
-    """``with`` block: this thread's allocations of one framework go to a budget's pool."""
+    """``with`` block: this thread's allocations of one framework go to a budget's pool.
+
+    One object may be entered by several threads at once, and again inside itself: what
+    each ``__exit__`` undoes is found per thread.
+    """
 
     framework: ClassVar[str]
     _pools: ClassVar[weakref.WeakKeyDictionary[Budget, Any]]
@@ -88,28 +117,44 @@ class Routing(ABC, Generic[P]):
         if budget is not None and not isinstance(budget, Budget):
             raise TypeError(f"budget must be a gpubudget.Budget or None, got {budget!r}")
         self._budget = budget
-        self._entered: list[tuple[P, Any]] = []
+        self._entered: dict[int, list[tuple[P, Any]]] = {}
 
+    @interrupts.protect
     def __enter__(self) -> Budget:
         module = self.framework_module()
         budget = target_budget(self._budget, f"gpubudget.{self.framework}.allocations()")
-        with self._lock:
-            pool: P | None = self._pools.get(budget)
-            if pool is None or pool.retired:
-                pool = self._pools[budget] = self.new_pool(module, budget)
-            pool.join()
+        self.prepare(module)
+        pool = self._pool_of(module, budget)
         try:
             manager = self.route(module, pool)
             manager.__enter__()
         except BaseException:
             pool.leave()
             raise
-        self._entered.append((pool, manager))
+        entered = self._entered.setdefault(threading.get_ident(), [])
+        entered.append((pool, manager))
+        if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
+            self._leave(None, None, None)
+            raise KeyboardInterrupt
         return budget
 
+    @interrupts.protect
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        pool, manager = self._entered.pop()
+        self._leave(exc_type, exc, tb)
+        if STATE.pending and interrupts.raise_here():
+            raise KeyboardInterrupt
+
+    def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+               tb: TracebackType | None) -> None:
+        ident = threading.get_ident()
+        entered = self._entered.get(ident)
+        if not entered:
+            raise RuntimeError(f"gpubudget.{self.framework}.allocations() exited in a thread "
+                               f"that did not enter it")
+        pool, manager = entered.pop()
+        if not entered:
+            del self._entered[ident]
         try:
             manager.__exit__(exc_type, exc, tb)
         finally:
@@ -117,14 +162,35 @@ class Routing(ABC, Generic[P]):
                 self.explain(exc, pool)
             pool.leave()
 
+    def _pool_of(self, module: Any, budget: Budget) -> P:
+        """The budget's pool, joined; a new one made (outside the lock) if it has none."""
+        with self._lock:
+            pool: P | None = self._pools.get(budget)
+        if pool is not None and pool.join():
+            return pool
+        fresh = self.new_pool(module, budget)
+        with self._lock:
+            pool = self._pools.get(budget)
+            ours = pool is None or not pool.join()  # else another thread made one meanwhile,
+            if ours:                                # and ours is dropped unused
+                self._pools[budget] = pool = fresh
+                fresh.users = 1
+        if ours:
+            fresh.install()
+        assert pool is not None
+        return pool
+
     @classmethod
     @abstractmethod
     def framework_module(cls) -> Any:
         """The framework's module, or ``ImportError`` saying what is missing."""
 
+    def prepare(self, module: Any) -> None:
+        """Before a block takes its pool, with no lock held (nothing, here)."""
+
     @abstractmethod
     def new_pool(self, module: Any, budget: Budget) -> P:
-        """A new pool of the framework for ``budget``."""
+        """A new pool of the framework for ``budget``, with no effect until installed."""
 
     @abstractmethod
     def route(self, module: Any, pool: P) -> Any:

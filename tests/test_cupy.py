@@ -125,3 +125,94 @@ def test_without_cupy_the_error_says_how_to_install_it(monkeypatch: pytest.Monke
         with pytest.raises(ImportError, match="pip install cupy"):
             with gbc.allocations():
                 pass  # pragma: no cover
+
+
+def _finishes(work: Any, seconds: float = 30.0) -> None:
+    """Run ``work`` in a thread and fail (rather than hang the suite) if it is not done in
+    time: a watchdog, with the stacks of every thread dumped when it fires."""
+    import faulthandler
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.fail(f"did not finish in {seconds} s: a deadlock")
+    if errors:
+        raise errors[0]
+
+
+def test_a_new_budget_routes_while_a_retired_pool_still_holds_arrays(cp: Any) -> None:
+    """Entering allocations() for a new budget while an earlier budget's pool drains used to
+    take the module's lock twice in one thread and hang for ever."""
+    kept: list[Any] = []
+
+    def work() -> None:
+        with gpu_budget("1MiB", name="first", backend=DeviceHostBackend(0)) as first:
+            with gbc.allocations():
+                kept.append(cp.allocate(10_000))
+        assert first.state == "exited"  # its retired pool drains: the array holds a chunk
+        with gpu_budget("1MiB", name="second", backend=DeviceHostBackend(0)) as second:
+            with gbc.allocations():
+                kept.append(cp.allocate(20_000))
+            assert second.used == 20_224
+        kept.clear()
+        gc.collect()
+        gbc.release_cached()
+        assert first.report().state == second.report().state == "released"
+
+    _finishes(work)
+
+
+def test_many_threads_routing_into_different_budgets_never_hang(cp: Any) -> None:
+    def one_thread(index: int) -> None:
+        arrays = []
+        with gpu_budget("256KiB", name=f"t{index}", backend=DeviceHostBackend(0)) as budget:
+            for round_ in range(20):
+                with gbc.allocations():
+                    arrays.append(cp.allocate(1000 + round_ * 10))
+                    if round_ % 3 == 0:
+                        arrays.pop(0)
+                if round_ % 5 == 0:
+                    gbc.release_cached()
+            consistent(budget)
+        arrays.clear()  # some arrays outlived their budget's scope: pools drained meanwhile
+
+    def work() -> None:
+        threads = [threading.Thread(target=one_thread, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    _finishes(work, 60.0)
+    gc.collect()
+    gbc.release_cached()
+
+
+def test_cached_fft_plans_are_charged_shown_and_dropped_when_the_budget_ends(
+        cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy.fft._cache", cp.fft_cache)
+    with gpu_budget("1MiB", name="pool", backend=DeviceHostBackend(0)) as pool:
+        with gpu_budget("256KiB", name="spectra") as spectra:
+            with gbc.allocations():
+                cp.fft(64 * KiB)  # a plan with a 64 KiB work area, cached by CuPy
+                x = cp.allocate(1000)
+            (usage,) = spectra.report().usage
+            assert usage.library == 64 * KiB and usage.in_use == 64 * KiB + 1000
+            assert "libraries keep 64.00 KiB of it across calls" in str(spectra.report())
+            del x
+        # the scope ended: the plan was dropped from the thread's cache, the chunk returned
+        assert cp.fft_cache.get_plan_cache().plans == {}
+        gc.collect()
+        gbc.release_cached()
+        assert spectra.report().state == "released" and pool.used == 0
+        consistent(pool)

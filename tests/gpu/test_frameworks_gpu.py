@@ -186,3 +186,202 @@ def test_interpreter_exit_with_live_tensors_and_arrays_is_silent(tmp_path: Path)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=env, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
+# -- real workloads: every byte of the step in the budget ----------------------------------------
+
+
+def _reserved_outside(torch: Any, budget: Any) -> int:
+    """Bytes PyTorch holds in segments that are not the budget's."""
+    torch.cuda.synchronize()
+    charged: int = sum(u.charged for u in budget.report().usage)
+    return int(torch.cuda.memory_reserved()) - charged
+
+
+def _train_steps(torch: Any, steps: int = 2) -> None:
+    layer = torch.nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).cuda()
+    for block in model.layers:  # a tensor made by a hook on the backward pass too
+        block.linear1.weight.register_hook(lambda grad: grad * 1.0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 128, 256, device="cuda")
+    for _ in range(steps):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+
+
+def test_torch_a_training_step_is_charged_whole_and_capped() -> None:
+    torch = _torch()
+    from gpubudget import torch as gbt
+
+    with gpu_budget("4GiB", name="train") as budget:
+        with gbt.allocations():
+            before = _reserved_outside(torch, budget)
+            _train_steps(torch)
+            assert _reserved_outside(torch, budget) == before  # backward included
+        need = budget.peak
+        (usage,) = budget.report().usage
+        assert usage.outside > 0  # this thread's cuBLAS workspaces, outside the budget
+    torch.cuda.empty_cache()
+    assert budget.report().state == "released"
+    with gpu_budget(int(need * 0.8), name="tight") as tight:
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            with gbt.allocations():
+                before = _reserved_outside(torch, tight)
+                _train_steps(torch)
+        assert _reserved_outside(torch, tight) == before and tight.peak <= tight.limit
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "budget 'tight'" in notes, notes
+    torch.cuda.empty_cache()
+
+
+def test_torch_threads_route_into_one_budget_at_once() -> None:
+    import threading
+
+    torch = _torch()
+    from gpubudget import torch as gbt
+
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+    with gpu_budget("1GiB", name="model") as model:
+        def serve() -> None:
+            try:
+                with gbt.allocations(model):
+                    barrier.wait(timeout=30)
+                    a = torch.ones(1024, 1024, device="cuda")  # 4 MiB
+                    assert float((a @ a).sum()) == 1024.0**3
+                    barrier.wait(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=serve) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == [] and not any(thread.is_alive() for thread in threads)
+        assert model.used >= 4 * 4 * MiB
+    gbt.release_cached()
+    assert model.report().state == "released"
+
+
+def test_torch_library_workspaces_never_keep_a_budget() -> None:
+    torch = _torch()
+    from gpubudget import torch as gbt
+
+    with gpu_budget("1GiB", name="pool") as pool:
+        with gpu_budget("512MiB", name="ops") as ops:
+            with gbt.allocations():
+                a = torch.randn(512, 512, device="cuda")
+                outs = [a @ a, torch.einsum("ij,jk->ik", a, a),
+                        torch.linalg.solve(a + 512 * torch.eye(512, device="cuda"), a),
+                        torch.nn.functional.linear(a.bfloat16(), a.bfloat16(),
+                                                   a[0].bfloat16()),
+                        torch.fft.fft(a)]
+                side = torch.cuda.Stream()
+                with torch.cuda.stream(side):  # a stream with no workspace yet
+                    outs.append(a @ a)
+                side.synchronize()
+            assert "library workspaces outside budgets" in str(ops.report())
+            del a, outs
+        torch.cuda.synchronize()
+        gbt.release_cached()
+        assert ops.report().state == "released", str(ops.report())
+        assert pool.used == 0
+
+
+def _finishes(work: Any, seconds: float = 120.0) -> None:
+    import faulthandler
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.fail(f"did not finish in {seconds} s: a deadlock")
+    if errors:
+        raise errors[0]
+
+
+def test_cupy_a_new_budget_routes_while_a_retired_pool_still_holds_arrays() -> None:
+    cp = _cp()
+    from gpubudget import cupy as gbc
+
+    kept: list[Any] = []
+
+    def work() -> None:
+        with cp.cuda.Device(0):
+            with gpu_budget("64MiB", name="first") as first:
+                with gbc.allocations():
+                    kept.append(cp.ones(MiB, cp.uint8))
+            assert first.state == "exited"
+            with gpu_budget("64MiB", name="second") as second:
+                with gbc.allocations():
+                    kept.append(cp.ones(MiB, cp.uint8))
+                assert second.used >= MiB
+            kept.clear()
+            gc.collect()
+            gbc.release_cached()
+            assert first.report().state == second.report().state == "released"
+
+    _finishes(work)
+
+
+def test_cupy_many_threads_routing_into_budgets_never_hang() -> None:
+    import threading
+
+    cp = _cp()
+    from gpubudget import cupy as gbc
+
+    with gpu_budget("1GiB", name="server") as server:
+        def one_thread(index: int) -> None:
+            with cp.cuda.Device(0), gpu_budget("64MiB", name=f"t{index}", parent=server):
+                arrays = []
+                for round_ in range(30):
+                    with gbc.allocations():
+                        arrays.append(cp.arange(1000 + round_, dtype=cp.float32) * 2)
+                        if round_ % 3 == 0:
+                            arrays.pop(0)
+                    if round_ % 7 == 0:
+                        gbc.release_cached()
+
+        def work() -> None:
+            threads = [threading.Thread(target=one_thread, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        _finishes(work)
+        gc.collect()
+        gbc.release_cached()
+        server.check()
+
+
+def test_cupy_fft_plans_are_charged_then_dropped_when_the_budget_ends() -> None:
+    cp = _cp()
+    from gpubudget import cupy as gbc
+
+    with gpu_budget("256MiB", name="pool") as pool:
+        with gpu_budget("128MiB", name="spectra") as spectra:
+            with gbc.allocations():
+                x = cp.random.random(1 << 20).astype(cp.complex64)
+                y = cp.fft.fft(x)
+            (usage,) = spectra.report().usage
+            assert usage.library >= 8 * MiB, usage  # the cached plan's work area
+            del x, y
+        gc.collect()
+        gbc.release_cached()
+        assert spectra.report().state == "released", str(spectra.report())
+        assert pool.used == 0
