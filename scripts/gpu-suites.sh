@@ -32,8 +32,8 @@
 #   RUNS="tight off root child"             the CuPy runs, in this order
 #   WORKERS=8 TIGHT_WORKERS=16              xdist workers (8 x 16 GiB roots fit an H200)
 #   LIMIT=16GiB TIGHT=1MiB                  each test's budget; the child mode's root is LIMIT too
-#   TEST_TIMEOUT=30                         a test running longer ends its worker (stacks dumped)
-#   CUPY_SECONDS=330                        all CuPy runs together; each is stopped at its share
+#   TEST_TIMEOUT=60                         a test running longer ends its worker (stacks dumped)
+#   CUPY_SECONDS=300                        all CuPy runs together; each is stopped at its share
 #                                           (the first run twice the others', unused time passed on)
 #   OPINFO_SECONDS=110 OPINFO_DTYPES=float32,bfloat16,int64 OPINFO_ARGS=   opinfo.py's
 #   SKIP_CUPY=1 SKIP_OPINFO=1               leave a part out
@@ -67,8 +67,8 @@ WORKERS=${WORKERS:-8}
 TIGHT_WORKERS=${TIGHT_WORKERS:-16}
 LIMIT=${LIMIT:-16GiB}
 TIGHT=${TIGHT:-1MiB}
-TEST_TIMEOUT=${TEST_TIMEOUT:-30}
-CUPY_SECONDS=${CUPY_SECONDS:-330}
+TEST_TIMEOUT=${TEST_TIMEOUT:-60}
+CUPY_SECONDS=${CUPY_SECONDS:-300}
 OPINFO_SECONDS=${OPINFO_SECONDS:-110}
 OPINFO_DTYPES=${OPINFO_DTYPES:-float32,bfloat16,int64}
 OPINFO_ARGS=${OPINFO_ARGS:-}

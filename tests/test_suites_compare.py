@@ -161,7 +161,8 @@ def test_the_routing_fixtures_measurements_and_failures_travel_as_user_propertie
     assert record is not None
     assert record["failure"]["exc_type"] == "BudgetOutOfMemoryError"
     assert record["gpubudget"] == info and "_failures" not in record
-    timeout = recorder.add("t::b", "call", "failed", 0.0, text="Timeout (>60.0s) from pytest-timeout")
+    timeout = recorder.add("t::b", "call", "failed", 0.0,
+                           text="Timeout (>60.0s) from pytest-timeout")
     assert timeout is None
     assert recorder.document()["tests"]["t::b"]["failure"]["message"].startswith("Timeout")
 

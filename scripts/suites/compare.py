@@ -59,6 +59,10 @@ def _ms(seconds: float | None) -> str:
     return "—" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.2f}"
 
 
+def _mib(nbytes: object) -> str:
+    return f"{int(nbytes) / 2**20:.1f} MiB" if isinstance(nbytes, int) else "—"
+
+
 def _s(seconds: object) -> str:
     return f"{float(seconds):.1f}" if isinstance(seconds, (int, float)) else "—"
 
@@ -106,6 +110,7 @@ def run_counts(run: Run) -> dict[str, Any]:
         "check_failures": sum(bool(i.get("check_error")) for i in info),
         "released": {key: sum(i.get("released") == key for i in info) for key in RELEASED},
         "held_bytes": sum(int(i.get("held_bytes") or 0) for i in info),
+        "peak_max": max((int(i.get("peak") or 0) for i in info), default=None),
         "draining": sum(bool(i.get("draining")) for i in info),
         "wall_s": run.meta.get("wall_s"),
         "workers": run.meta.get("workers"),
@@ -241,7 +246,7 @@ def cupy_report(unrouted: Run, routed: Sequence[Run], tight: Sequence[Run],
                      same["differing"], same["only_base"], same["only_other"],
                      c["check_failures"], c["hangs"],
                      " / ".join(str(released[key]) for key in RELEASED),
-                     c["draining"]))
+                     c["draining"], _mib(c["peak_max"])))
         fixture = cost["fixture"]
         timing.append((run.label, cost["tests"], _ms(cost["median"]), _ms(cost["mean"]),
                        _ms(cost["p90"]), f"{cost['total']:.1f}",
@@ -263,7 +268,8 @@ def cupy_report(unrouted: Run, routed: Sequence[Run], tight: Sequence[Run],
         out += ["#### Routed against unrouted", "", _table(
             ("run", "identical outcomes", "differing", "only unrouted ran", "only this ran",
              "check() failures", "hung", "budgets released at exit / after gc / after "
-             "clearing the FFT plan cache / held", "tests begun with a retired pool in use"),
+             "clearing the FFT plan cache / held", "tests begun with a retired pool in use",
+             "largest peak of a test"),
             rows), ""]
         out += ["#### Per-test overhead of routing (ms)", "",
                 "Δ: this run's duration of a test (setup + call + teardown) minus the "

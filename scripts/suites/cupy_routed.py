@@ -29,10 +29,11 @@ worker, which xdist reports as a crash of that test and replaces.
 Each test's record holds what the fixture measured, in seconds: ``enter`` (the budget's
 ``__enter__``), ``route`` (``allocations().__enter__``), ``unroute``, ``exit`` (the budget's
 ``__exit__``, which for a root returns its reservation once nothing is left in it),
-``release`` (the retries above), ``check``; and ``released`` (``exit``, ``gc``,
-``plan_cache`` or ``held``), ``held_bytes``, ``draining`` (retired CuPy pools whose arrays
-were still alive when the test began), ``check_error``; the first test of a worker also
-``warmup`` (imports and a 1 MiB root entered once, before any test) and ``session_root``.
+``release`` (the retries above), ``check``; and ``peak`` (bytes), ``released`` (``exit``,
+``gc``, ``plan_cache`` or ``held``), ``held_bytes``, ``draining`` (retired CuPy pools whose
+arrays were still alive when the test began), ``check_error``; the first test of a worker
+also ``warmup`` (imports and a 1 MiB root entered once, before any test) and
+``session_root``.
 
 Imports CuPy and gpubudget's CuPy adapter only when a routed test runs.
 """
@@ -135,10 +136,17 @@ class Routing:
             self.session_root_s = time.perf_counter() - start
 
     def close(self) -> None:
+        """Leave the worker's root (child mode) and check it; a failure is printed, not
+        raised (pytest is ending, and the controller must still write the outcomes)."""
         root, self.session_root = self.session_root, None
-        if root is not None:
+        if root is None:
+            return
+        try:
             root.__exit__(None, None, None)
             root.check()
+        except Exception as exc:  # noqa: BLE001
+            print(f"\n[gpubudget] {self.worker}: the worker's root {root.name!r} at the end: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def around(self, item: pytest.Item) -> Generator[Any, None, None]:
         """The autouse fixture's body: the test runs at the ``yield``."""
@@ -195,7 +203,7 @@ class Routing:
             info["check_error"] = f"{type(exc).__name__}: {exc}"
             errors.insert(0, exc)
         t6 = time.perf_counter()
-        info.update(unroute=t4 - t3, exit=t5 - t4, check=t6 - t5,
+        info.update(unroute=t4 - t3, exit=t5 - t4, check=t6 - t5, peak=int(budget.peak),
                     released="exit" if budget.state == "released" else None)
         if errors:
             raise errors[0]

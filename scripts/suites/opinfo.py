@@ -63,7 +63,11 @@ if __package__ in (None, ""):  # run as a file: python3 scripts/suites/opinfo.py
 from scripts.suites.compare import opinfo_report  # noqa: E402
 from scripts.suites.outcomes import is_out_of_memory_type  # noqa: E402
 
-__all__ = ["main"]
+__all__ = ["BACKEND_FACTORY", "main"]
+
+BACKEND_FACTORY: Callable[[], Any] | None = None
+"""Makes the ``backend=`` of the session root; ``None``: gpubudget's choice (PyCUDA on a GPU).
+The tests set it to host memory that says it is a device's."""
 
 SEED: Final = 20261130
 MESSAGE_CHARS: Final = 300
@@ -129,7 +133,9 @@ class Harness:
         if self.cuda:
             self.gpubudget = importlib.import_module("gpubudget")
             self.gbt = importlib.import_module("gpubudget.torch")
-            self.root = self.gpubudget.gpu_budget(args.root_limit, name="opinfo-session")
+            backend = BACKEND_FACTORY() if BACKEND_FACTORY is not None else None
+            self.root = self.gpubudget.gpu_budget(args.root_limit, name="opinfo-session",
+                                                  backend=backend)
             self.root.__enter__()
 
     def close(self) -> None:
@@ -324,6 +330,7 @@ class Harness:
         record["outside_growth"] = {"reserved": after[0] - before[0],
                                     "allocated": after[1] - before[1],
                                     "before": list(before), "after": list(after)}
+        record["peak_b"] = int(budget.peak) if self.cuda else None
         record["released"]["b"], record["check_error"] = self.settle(budget)
         if self.sticky:
             return self._finish(record, rows)
