@@ -152,8 +152,10 @@ EOF
     weight=1; [ -n "$first" ] && weight=2
     now=$(date +%s)
     cap=$(( (cupy_deadline - now) * weight / remaining_weight ))
-    [ "$cap" -lt 20 ] && cap=20
     remaining_weight=$((remaining_weight - weight)); first=""
+    if [ "$cap" -lt 15 ]; then
+      echo "== CuPy $name: not run, CUPY_SECONDS=$CUPY_SECONDS used up"; status=1; continue
+    fi
     parallel=(); [ -n "$xdist" ] && [ "$n" -gt 0 ] && parallel=(-n "$n" --max-worker-restart 200)
     echo "== CuPy $name: ${mode[*]} ${parallel[*]} (stopped after ${cap} s)"
     t0=$(date +%s)
@@ -195,7 +197,7 @@ else
   echo "== OpInfo: (a) unrouted, (b) routed in $LIMIT, (c) in $TIGHT; dtypes $OPINFO_DTYPES; no new op after ${OPINFO_SECONDS} s"
   t0=$(date +%s)
   # shellcheck disable=SC2086 # OPINFO_ARGS is a list of words
-  timeout -k 15 $((OPINFO_SECONDS + 60)) python3 scripts/suites/opinfo.py --out "$work/opinfo.json" \
+  timeout -k 15 $((OPINFO_SECONDS + 45)) python3 scripts/suites/opinfo.py --out "$work/opinfo.json" \
     --md "$work/opinfo.md" --dtypes "$OPINFO_DTYPES" --max-seconds "$OPINFO_SECONDS" \
     --limit "$LIMIT" --root-limit "$LIMIT" --tight "$TIGHT" --op-timeout 60 $OPINFO_ARGS
   rc=$?

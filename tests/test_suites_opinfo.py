@@ -4,6 +4,7 @@ fake OpInfos (the real op_db on CUDA is scripts/gpu-suites.sh's)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import types
@@ -159,6 +160,7 @@ def torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(sys, "argv", ["opinfo.py"])
     yield fake
     KEPT.clear()
+    gc.unfreeze()  # opinfo.main froze everything alive, this suite's objects too
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:

@@ -400,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     op_db = _op_db()
+    gc.collect()
+    gc.freeze()  # PyTorch and the OpInfos: collections (settle's, Python's own) skip them
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     stream_path = out.with_suffix(".jsonl") if out.suffix == ".json" else Path(f"{out}.jsonl")
