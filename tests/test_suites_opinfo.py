@@ -212,6 +212,22 @@ def test_only_the_ops_asked_for(torch: Any, tmp_path: Path) -> None:
     assert status == 0
 
 
+def test_a_failure_of_the_harness_itself_is_recorded_and_the_loop_goes_on(
+        torch: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = opinfo.Harness.pair
+
+    def pair(self: opinfo.Harness, op: Any, name: str, dtype: Any, dtype_name: str) -> Any:
+        if name == "view":
+            raise KeyError("a bug of the harness")
+        return real(self, op, name, dtype, dtype_name)
+
+    monkeypatch.setattr(opinfo.Harness, "pair", pair)
+    status, document, markdown = _run(tmp_path, "--ops", "^(add|view)$")
+    assert [p["op"] for p in document["pairs"]] == ["add", "view"]
+    assert document["pairs"][1]["harness_error"] == "KeyError: 'a bug of the harness'"
+    assert status == 1 and "The harness failed (not the op) (1;" in markdown
+
+
 def test_the_time_limit_stops_starting_ops(torch: Any, tmp_path: Path) -> None:
     status, document, markdown = _run(tmp_path, "--max-seconds", "0")
     assert document["pairs"] == [] and document["meta"]["cut_short"]

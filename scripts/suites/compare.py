@@ -360,6 +360,8 @@ def opinfo_report(document: dict[str, Any], limit: int = 20) -> tuple[str, dict[
     grew: list[str] = []
     checks: list[str] = []
     mismatched: list[str] = []
+    harness = [f"{p.get('op')}[{p.get('dtype')}]: {p['harness_error']}" for p in pairs
+               if p.get("harness_error")]
     held: Counter[str] = Counter()
     sticky = meta.get("sticky_error")
     for dtype, group in by_dtype.items():
@@ -403,7 +405,7 @@ def opinfo_report(document: dict[str, Any], limit: int = 20) -> tuple[str, dict[
                              "outside_growth_ops": len(growth), "check_failures": len(check),
                              "value_mismatches": len(values), "times": times})
     ok = (not differing and not unclean and not grew and not checks and not sticky
-          and bool(pairs))
+          and not harness and bool(pairs))
     out = ["### PyTorch OpInfo samples on CUDA", "",
            f"{meta.get('ops_total', '?')} OpInfos in op_db; dtypes tried in order "
            f"{', '.join(meta.get('dtypes', []))}; stopped "
@@ -420,7 +422,8 @@ def opinfo_report(document: dict[str, Any], limit: int = 20) -> tuple[str, dict[
                                                       in sorted(held.items())), ""]
     if sticky:
         out += [f"**Stopped by a CUDA error that poisons the process:** {sticky}", ""]
-    for title, items in (("(a) and (b) differ", differing),
+    for title, items in (("The harness failed (not the op)", harness),
+                         ("(a) and (b) differ", differing),
                          ("(c) failures that are not a clean OutOfMemoryError naming the "
                           "budget", unclean),
                          ("(b) grew PyTorch's memory outside every private pool", grew),
@@ -435,6 +438,7 @@ def opinfo_report(document: dict[str, Any], limit: int = 20) -> tuple[str, dict[
     return "\n".join(out) + "\n", {"dtypes": summary_rows, "ok": ok,
                                    "differing": len(differing), "unclean": len(unclean),
                                    "outside_growth": len(grew), "check_failures": len(checks),
+                                   "harness_errors": len(harness),
                                    "sticky_error": sticky}, ok
 
 

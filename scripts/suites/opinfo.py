@@ -355,6 +355,14 @@ class Harness:
         record["check_error"] = record["check_error"] or error
         return self._finish(record, rows)
 
+    def failed(self, name: str, dtype_name: str, exc: BaseException) -> dict[str, Any]:
+        """A pair the harness itself failed on (not the op: it catches those): said loudly,
+        recorded, and the loop goes on."""
+        error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:MESSAGE_CHARS]}"
+        print(f"[opinfo] HARNESS ERROR on {name}[{dtype_name}]: {error}", file=sys.stderr,
+              flush=True)
+        return self._finish({"op": name, "dtype": dtype_name, "harness_error": error}, {})
+
     def _finish(self, record: dict[str, Any], rows: dict[int, dict[str, Any]]) -> dict[str, Any]:
         record["samples"] = [rows[index] for index in sorted(rows)]
         self.stream.write(json.dumps({"pair": record}, sort_keys=True, default=str) + "\n")
@@ -434,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     faulthandler.dump_traceback_later(args.op_timeout, exit=True)
                     try:
                         pairs.append(harness.pair(op, name, dtype, dtype_name))
+                    except Exception as exc:  # noqa: BLE001 - the harness's own failure
+                        pairs.append(harness.failed(name, dtype_name, exc))
                     finally:
                         faulthandler.cancel_dump_traceback_later()
                     done += 1
