@@ -6,12 +6,14 @@ Every test ends by checking, from outside, that ``used``, the live blocks and th
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from typing import Any
 
 import pytest
 
+import gpubudget
 from gpubudget import BudgetError, BudgetNestingError, InvariantError, current_budget, gpu_budget
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
@@ -271,3 +273,131 @@ def test_a_budget_dropped_with_live_blocks_keeps_its_memory() -> None:
         assert holds(block, 4 * KiB, 0x6E)
         for other in others:
             assert other is not None and later.free(other)
+
+
+# -- no instruction leaves the tree's lock held ----------------------------------------------
+
+
+class Injected(BaseException):
+    """What the fault injector raises: a BaseException, as an asynchronous one may be."""
+
+
+LOCK_TAKERS = ("allocate", "free", "resize", "owner", "note_error", "_deny", "check")
+
+
+def _lock_taking_code() -> set[Any]:
+    from gpubudget.node import Node
+    from gpubudget.tree import Tree
+
+    return ({getattr(Tree, name).__code__ for name in LOCK_TAKERS}
+            | {Node.open_child.__code__, Node.close.__code__})
+
+
+def _raise_at(index: int, codes: set[Any], operation: Any) -> bool:
+    """Run ``operation``, raising :class:`Injected` before the ``index``-th instruction
+    executed in a frame of ``codes`` (counted across them); whether it was raised."""
+    seen = 0
+
+    def opcodes(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen
+        if event == "opcode":
+            seen += 1
+            if seen == index + 1:
+                raise Injected  # and Python unsets the trace function: one fault per run
+        return opcodes
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in codes:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return opcodes
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        operation()
+    except Injected:
+        pass
+    finally:
+        sys.settrace(previous)
+    return seen > index
+
+
+def _free_elsewhere(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (it is re-entrant: this one always could)."""
+    taken: list[bool] = []
+
+    def probe() -> None:
+        got = lock.acquire(blocking=False)
+        if got:
+            lock.release()
+        taken.append(got)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return taken == [True]
+
+
+def _scenarios() -> dict[str, Any]:
+    """Operations that take the tree's lock, each on a pool of 64 KiB (and a child ``c``)
+    holding two blocks ``a`` and ``b``; each returns the pool."""
+    from tests.helpers import StreamBackend
+
+    def run(body: Any, backend: Any = None) -> Any:
+        def scenario(inject: Any) -> Any:
+            with gpu_budget("64KiB", name="pool", backend=backend) as pool:
+                with gpu_budget("32KiB", name="c") as child:
+                    a, b = child.allocate(KiB), child.allocate(KiB)
+                    inject(lambda: body(pool, child, a, b))
+                    for block in [x.address for x in pool.report().walk()[1].live_blocks]:
+                        child.free(block)
+                    for block in [x.address for x in pool.report().live_blocks]:
+                        pool.free(block)
+            return pool
+        return scenario
+
+    return {
+        "allocate": run(lambda p, c, a, b: c.allocate(KiB)),
+        "allocate with alignment": run(lambda p, c, a, b: c.allocate(KiB, 4096)),
+        "allocate over a limit": run(lambda p, c, a, b: c.allocate(48 * KiB)),
+        "allocate an invalid size": run(lambda p, c, a, b: c.allocate(0)),
+        "allocate while frees are pending": run(
+            lambda p, c, a, b: (c.free(a, stream=1), c.allocate(KiB, stream=1)),
+            StreamBackend()),
+        "free": run(lambda p, c, a, b: c.free(a)),
+        "free on a stream": run(lambda p, c, a, b: c.free(a, stream=1), StreamBackend()),
+        "free what is not a block": run(lambda p, c, a, b: c.free(12345)),
+        "resize in place": run(lambda p, c, a, b: c.resize(b, 2 * KiB)),
+        "resize by moving": run(lambda p, c, a, b: c.resize(a, 4 * KiB)),
+        "resize what is not a block": run(lambda p, c, a, b: c.resize(12345, KiB)),
+        "owner": run(lambda p, c, a, b: p.owner_of(a)),
+        "check": run(lambda p, c, a, b: p.check()),
+        "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
+            None, None, None)),
+    }
+
+
+@pytest.mark.skipif(gpubudget.compiled, reason="compiled code has no instructions to trace")
+@pytest.mark.parametrize("name", list(_scenarios()))
+def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None:
+    scenario, codes = _scenarios()[name], _lock_taking_code()
+    index = 0
+    while True:
+        fired = False
+
+        def inject(operation: Any) -> None:
+            nonlocal fired
+            lock = current_budget()._node.tree.lock  # type: ignore[union-attr]
+            fired = _raise_at(index, codes, operation)
+            free = _free_elsewhere(lock)
+            if not free:
+                lock.release()  # so that the test fails instead of hanging at the exit
+            assert free, f"{name}: the lock is held after a fault at instruction {index}"
+
+        scenario(inject)
+        if not fired:
+            break
+        index += 1
+    assert index > 10, f"{name}: only {index} instructions traced"
