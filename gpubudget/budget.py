@@ -225,27 +225,29 @@ class Budget(BudgetView, AdapterHooks):
     # -- allocation ------------------------------------------------------------------------
 
     @overload
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: Literal[False] = False) -> int | None: ...
 
     @overload
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: Literal[True]) -> int: ...
 
     @protect
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: bool = False) -> int | None:
         """Return the address of a block of at least ``size`` bytes, or ``None``.
 
-        The block starts at a multiple of ``max(align, alignment)`` and every budget of the
-        chain is charged its aligned size. ``None`` (never an exception) when a limit or the
-        arena cannot take it, ``size`` is not a positive integer (an ``int``, or anything
-        with ``__index__``), ``alignment`` is not 0 or a power of two, ``tag`` is not a
-        string, or the budget is not entered or already released; each denial is counted in
-        :meth:`report`. With ``raise_on_denial=True`` a denial raises
+        ``size`` is bytes (an ``int``, or anything with ``__index__``) or a string such as
+        ``"1MiB"`` (see :func:`gpubudget.parse_size`). The block starts at a multiple of
+        ``max(align, alignment)`` and every budget of the chain is charged its aligned size.
+        ``None`` (never an exception) when a limit or the arena cannot take it, ``size`` is
+        not a positive size (reason ``invalid_size``: a ``float``, zero, a string that
+        :func:`~gpubudget.parse_size` refuses), ``alignment`` is not 0 or a power of two,
+        ``tag`` is not a string, or the budget is not entered or already released; each
+        denial is counted in :meth:`report`. With ``raise_on_denial=True`` a denial raises
         :class:`~gpubudget.errors.AllocationDenied` instead, saying which budget refused,
         why, and the sizes. ``tag`` defaults to the current :func:`gpubudget.label`.
         ``stream``: the CUDA stream the block will be used on; a block freed on that stream
@@ -256,9 +258,16 @@ class Budget(BudgetView, AdapterHooks):
         >>> from gpubudget import gpu_budget
         >>> with gpu_budget("4KiB", backend="host") as b:
         ...     a = b.allocate(100, alignment=1024)
-        ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192))
-        (0, 1024, None, None)
+        ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192), b.allocate("1 lb"))
+        (0, 1024, None, None, None)
+        >>> with gpu_budget("4KiB", backend="host") as b:
+        ...     c = b.allocate("2KiB")
+        ...     b.used
+        2048
         """
+        asked = size
+        if isinstance(size, str):
+            size = _bytes_or_text(size)
         node = self._node
         tree = node.tree
         why: list[Denied] | None = [] if raise_on_denial else None
@@ -275,7 +284,7 @@ class Budget(BudgetView, AdapterHooks):
                     tree.free(node, address, None)
                 raise KeyboardInterrupt
         if address is None and why:
-            raise self._denied(size, why[0])
+            raise self._denied(asked, size, why[0])
         return address
 
     def _refuse_unentered(self, size: object, why: list[Denied] | None = None) -> None:
@@ -287,17 +296,21 @@ class Budget(BudgetView, AdapterHooks):
         if why is not None:
             why.append((reason, node.name, nbytes))
 
-    def _denied(self, size: object, why: Denied) -> AllocationDenied:
+    def _denied(self, asked: object, size: object, why: Denied) -> AllocationDenied:
+        """The exception for a denial of ``asked`` (as given; ``size`` once parsed)."""
         reason, refused_by, nbytes = why
         whose = "its own limit" if refused_by == self.name else f"the limit of {refused_by!r}"
         explained = {
             "over_limit": f"over {whose}: {format_size(self.available)} available",
             "fragmented": "no free block large enough (the arena is fragmented)",
         }.get(reason, reason.replace("_", " "))
+        if isinstance(size, str):  # a size string parse_size refused: say why
+            explained = f"{explained}: {_parse_error(size)}"
+        shown = repr(asked) if isinstance(asked, str) else f"{asked!r} bytes"
         return AllocationDenied(
-            f"budget {self.name!r} (limit {format_size(self.limit)}) refused {size!r} bytes "
-            f"({format_size(nbytes)} aligned): {explained}", budget=self.name, refused_by=refused_by, reason=reason,
-            size=as_int(size) or 0, charged=nbytes)
+            f"budget {self.name!r} (limit {format_size(self.limit)}) refused {shown} "
+            f"({format_size(nbytes)} aligned): {explained}", budget=self.name,
+            refused_by=refused_by, reason=reason, size=as_int(size) or 0, charged=nbytes)
 
     @protect
     def free(self, address: SupportsIndex, *, stream: int | None = None) -> bool:
@@ -331,15 +344,24 @@ class Budget(BudgetView, AdapterHooks):
         return done
 
     @protect
-    def resize(self, address: SupportsIndex, new_size: SupportsIndex,
+    def resize(self, address: SupportsIndex, new_size: SupportsIndex | str,
                alignment: SupportsIndex = 0) -> int | None:
         """Grow or shrink a block, keeping ``min(old, new)`` bytes; return its address.
 
+        ``new_size`` as ``size`` in :meth:`allocate` (bytes or a string such as ``"2MiB"``).
         In place when the arena allows, else a new block with a device-to-device copy and the
         old block freed; ``None`` when neither works, the old block then untouched. Never
         raises; the address must belong to this budget or a descendant (else a denial with
-        reason ``invalid_address``).
+        reason ``invalid_address``), ``new_size`` must be a positive size (else
+        ``invalid_size``).
+
+        >>> with gpu_budget("8KiB", backend="host") as b:
+        ...     block = b.allocate(1024)
+        ...     (b.resize(block, "4KiB") == block, b.used, b.resize(block, "4 KiBs"))
+        (True, 4096, None)
         """
+        if isinstance(new_size, str):
+            new_size = _bytes_or_text(new_size)
         node = self._node
         tree = node.tree
         if tree is None:
@@ -369,6 +391,23 @@ class Budget(BudgetView, AdapterHooks):
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
+
+
+def _bytes_or_text(size: str) -> int | str:
+    """A size string's bytes, or the string itself if :func:`parse_size` refuses it (the
+    tree then denies it as ``invalid_size``)."""
+    try:
+        return parse_size(size)
+    except ValueError:
+        return size
+
+
+def _parse_error(size: str) -> str:
+    try:
+        parse_size(size)
+    except ValueError as exc:
+        return str(exc)
+    return "not a size"  # pragma: no cover - only called for strings parse_size refused
 
 
 def misnested(message: str, exc_type: type[BaseException] | None) -> None:
