@@ -66,7 +66,8 @@ class Budget(BudgetView, AdapterHooks):
         (``BudgetError`` if the parent cannot). Ignored by a root, which holds its whole limit.
     backend
         ``"pycuda"``, ``"host"``, a backend object, or ``None`` (``GPUBUDGET_BACKEND``, else
-        PyCUDA when a CUDA device is usable, else host memory with a warning). Roots only.
+        PyCUDA when a CUDA device is usable, else host memory with a warning). Root budgets
+        only: a child given one is a ``ValueError`` at entry (it draws from its root).
     track_stacks
         Keep the Python stack that allocated each live block (for leak reports); children
         inherit it. Blocks of such a budget still live at interpreter exit are listed, with
@@ -174,15 +175,15 @@ class Budget(BudgetView, AdapterHooks):
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
-        root_backend = parent.backend
-        if self._backend_spec is not None and get_backend(self._backend_spec) is not root_backend:
-            raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "
-                             f"is entered inside {parent.name!r}, which uses {root_backend!r}; "
-                             f"a child always draws from its root's backend")
         if self._device is not None and parent.device not in (None, self._device):
             raise ValueError(f"budget {name!r} was given device={self._device} but is entered "
                              f"inside {parent.name!r}, which is on device {parent.device}; a "
                              f"child always draws from its root's device")
+        if self._backend_spec is not None:
+            raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "
+                             f"is entered inside {parent.name!r}; backend= is for root budgets "
+                             f"only (a child always draws from its root's memory, here "
+                             f"{parent.backend!r})")
         if self._trace is not None:
             raise ValueError(f"budget {name!r} was given trace={self._trace!r} but is entered "
                              f"inside {parent.name!r}; only a root budget writes a trace "

@@ -247,11 +247,34 @@ def test_misnesting_during_an_exception_does_not_hide_it() -> None:
     inner.__exit__(None, None, None)
 
 
-def test_child_backend_must_match_root() -> None:
-    with gpu_budget("1MiB"):
-        with pytest.raises(ValueError, match="'odd'.*draws from its root's backend"):
-            with gpu_budget("1KiB", name="odd", backend=HostBackend()):
+@pytest.mark.parametrize("backend", ["host", HostBackend()])
+def test_backend_is_for_roots_only(backend: object) -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        odd = gpu_budget("1KiB", name="odd", backend=backend)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="'odd' was given backend=.* inside 'pool'; "
+                                             "backend= is for root budgets only"):
+            odd.__enter__()
+        assert odd.state == "new" and pool.children == ()  # nothing changed
+        with pytest.raises(ValueError, match="backend= is for root budgets only"):
+            with gpu_budget("1KiB", backend=backend, parent=pool):  # type: ignore[arg-type]
                 pass  # pragma: no cover
+
+
+def test_a_child_on_another_device_is_told_device_not_backend() -> None:
+    with gpu_budget("1MiB", name="pool", backend=DeviceBackend(0)) as pool:
+        with pytest.raises(ValueError, match="'odd' was given device=1 .* on device 0"):
+            with gpu_budget("1KiB", name="odd", device=1, backend="pycuda"):
+                pass  # pragma: no cover
+        with gpu_budget("1KiB", name="same", device=0) as same:  # its root's device: fine
+            assert same.device == 0
+
+
+class DeviceBackend(HostBackend):
+    """Host memory that says it is a CUDA device's."""
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__()
+        self.ordinal = ordinal
 
 
 # -- lifetime -----------------------------------------------------------------------------------
