@@ -11,7 +11,9 @@ then returns its reservation).
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+import weakref
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
@@ -32,13 +34,18 @@ from .view import BudgetView
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["ADVICE", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
+__all__ = ["ADVICE", "THREAD_ROOT", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
 
 TRACE_ENV: Final = "GPUBUDGET_TRACE"
 """Environment variable: a trace file every root budget without ``trace=`` writes to."""
 _current_label: Final = context.LABEL.get
 ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-blocks), in the "
                   "thread or task that entered them")
+THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
+"""How the warning about a root entered in a thread while another is open begins: the
+``message`` of a ``warnings.filterwarnings("ignore", message=...)`` that silences it."""
+_open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
+_open_roots_lock: Final = threading.Lock()
 
 
 @final
@@ -78,7 +85,10 @@ class Budget(BudgetView, AdapterHooks):
     parent
         An open budget to enter under, whatever is active in this context: the way to draw
         from an existing pool in another thread or task (where nothing is active, and a
-        plain ``gpu_budget(...)`` would be a new root with a reservation of its own).
+        plain ``gpu_budget(...)`` would be a new root with a reservation of its own). Such a
+        root, entered in a thread other than the main one while another root is open, gets
+        one ``RuntimeWarning`` saying so; the message begins with :data:`THREAD_ROOT`, which
+        ``warnings.filterwarnings("ignore", message=THREAD_ROOT)`` silences.
     device
         The CUDA device (ordinal) a root reserves on; ``None``: the device current in the
         entering thread (what TensorRT, CuPy and PyTorch use there), else 0. A child draws
@@ -166,10 +176,13 @@ class Budget(BudgetView, AdapterHooks):
         return self
 
     def _open_root(self) -> None:
+        _warn_if_thread_trap(self)
         backend = get_backend(self._backend_spec, device=self._device)
         path = self._trace if self._trace is not None else os.environ.get(TRACE_ENV)
         self._node.open_root(backend, writer_for(path) if path else None)
         interrupts.install()
+        with _open_roots_lock:
+            _open_roots.add(self)
         if self._node.track_stacks:
             watch_leaks(self)
 
@@ -392,6 +405,31 @@ class Budget(BudgetView, AdapterHooks):
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
+
+
+def _warn_if_thread_trap(root: Budget) -> None:
+    """Warn (one ``RuntimeWarning`` at the user's line) when ``root``, about to open as a
+    root in a thread other than the main one, is probably meant as a share of a root open
+    elsewhere: the thread-pool trap (a new thread starts with no active budget)."""
+    if threading.current_thread() is threading.main_thread() or context.SEPARATE_ROOTS.get():
+        return
+    with _open_roots_lock:
+        for entered in list(_open_roots):
+            if entered.state != "open":
+                _open_roots.discard(entered)
+        other = next(iter(_open_roots), None)
+    if other is None:
+        return
+    warnings.warn(
+        f"{THREAD_ROOT}: {root.name!r} ({format_size(root.limit)}) is entered in thread "
+        f"{threading.current_thread().name!r}, where no budget is active, while root budget "
+        f"{other.name!r} is open in this process, so it reserves memory of its own instead "
+        f"of drawing from {other.name!r}. To make it a child, enter it inside "
+        f"`with gpubudget.use(parent):`, or pass `gpu_budget(..., parent=parent)`, or submit "
+        f"`gpubudget.bind(fn)` to the thread pool (it carries the budgets active where it is "
+        f"called); parent: {other.name!r} or a budget under it. If a separate root is meant: "
+        f"warnings.filterwarnings('ignore', message={THREAD_ROOT!r})",
+        RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _bytes_or_text(size: str) -> int | str:

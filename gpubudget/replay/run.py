@@ -11,6 +11,7 @@ from typing import Final, Union
 
 from ..backends.host import HostBackend
 from ..budget import TRACE_ENV, Budget
+from ..context import SEPARATE_ROOTS
 from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
@@ -127,6 +128,7 @@ class _Member:
         self.chain = (self,) + chain  # itself, then its ancestors
         self.budget: Budget | None = None  # None when its entry was refused
         self.context = contextvars.Context()
+        self.context.run(SEPARATE_ROOTS.set, True)  # a replay's roots: no thread-trap warning
         self.denials = 0
         self.largest_probe = 0
         self.granted_peak = 0
