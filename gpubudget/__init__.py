@@ -22,6 +22,7 @@ from .errors import (
     BudgetNestingError,
     GpuBudgetError,
     InvariantError,
+    TraceError,
 )
 from .recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
@@ -42,6 +43,7 @@ __all__ = [
     "GpuBudgetError",
     "InvariantError",
     "LiveBlock",
+    "TraceError",
     "bind",
     "current_budget",
     "current_label",

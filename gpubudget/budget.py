@@ -26,7 +26,7 @@ from .hooks import AdapterHooks
 from .interrupts import STATE, protect
 from .node import Node
 from .snapshot import watch_leaks
-from .tracefile import writer_for
+from .tracefile import writer_for, writer_from_env
 from .tree import Denied
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 from .view import BudgetView
@@ -37,7 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["ADVICE", "THREAD_ROOT", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
 
 TRACE_ENV: Final = "GPUBUDGET_TRACE"
-"""Environment variable: a trace file every root budget without ``trace=`` writes to."""
+"""Environment variable: a trace file every root budget without ``trace=`` writes to
+(``{pid}`` in it: the process id). If it cannot be written, one ``RuntimeWarning`` per path
+says why and the budgets go on untraced; if another process writes it, this one writes
+``<stem>.<pid><suffix>`` beside it, and one warning names that file."""
 _current_label: Final = context.LABEL.get
 ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-blocks), in the "
                   "thread or task that entered them")
@@ -81,7 +84,12 @@ class Budget(BudgetView, AdapterHooks):
         their stacks, on stderr.
     trace
         Root budgets only: write every event of the tree to this file as JSON lines (see
-        :mod:`gpubudget.tracefile`); ``GPUBUDGET_TRACE`` does the same for every root.
+        :mod:`gpubudget.tracefile`); ``{pid}`` in it becomes the process id. A file that
+        cannot be written (a symbolic link, not a regular file, a file that is neither empty
+        nor an earlier trace of this user's, one another process is writing) is a
+        :class:`~gpubudget.errors.TraceError` at entry, in one line. ``None``: the file
+        :data:`TRACE_ENV` names, if set (a failure there is a warning, and no trace);
+        ``False``: no trace, whatever that variable says.
     parent
         An open budget to enter under, whatever is active in this context: the way to draw
         from an existing pool in another thread or task (where nothing is active, and a
@@ -120,7 +128,7 @@ class Budget(BudgetView, AdapterHooks):
         reserve: int | str | None = None,
         backend: Backend | str | None = None,
         track_stacks: bool = False,
-        trace: str | os.PathLike[str] | None = None,
+        trace: str | os.PathLike[str] | Literal[False] | None = None,
         parent: Budget | None = None,
         device: int | None = None,
     ) -> None:
@@ -137,8 +145,9 @@ class Budget(BudgetView, AdapterHooks):
         validate_spec(backend)
         if not isinstance(track_stacks, bool):
             raise TypeError(f"track_stacks must be a bool, got {track_stacks!r}")
-        if trace is not None and not isinstance(trace, (str, os.PathLike)):
-            raise TypeError(f"trace must be a file path, got {trace!r}")
+        if trace is not None and trace is not False and not isinstance(trace, (str,
+                                                                             os.PathLike)):
+            raise TypeError(f"trace must be a file path or False, got {trace!r}")
         if isinstance(trace, str) and not trace:
             raise ValueError("trace must be a file path, got ''")
         if parent is not None and not isinstance(parent, Budget):
@@ -178,8 +187,14 @@ class Budget(BudgetView, AdapterHooks):
     def _open_root(self) -> None:
         _warn_if_thread_trap(self)
         backend = get_backend(self._backend_spec, device=self._device)
-        path = self._trace if self._trace is not None else os.environ.get(TRACE_ENV)
-        self._node.open_root(backend, writer_for(path) if path else None)
+        writer, untraced = None, None
+        if self._trace is not None and self._trace is not False:
+            writer = writer_for(self._trace)  # TraceError, one line, if it cannot be written
+        elif self._trace is None and os.environ.get(TRACE_ENV):
+            writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
+        self._node.open_root(backend, writer)
+        if untraced is not None and self._node.tree is not None:
+            self._node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
         with _open_roots_lock:
             _open_roots.add(self)
@@ -197,7 +212,7 @@ class Budget(BudgetView, AdapterHooks):
                              f"is entered inside {parent.name!r}; backend= is for root budgets "
                              f"only (a child always draws from its root's memory, here "
                              f"{parent.backend!r})")
-        if self._trace is not None:
+        if self._trace is not None and self._trace is not False:
             raise ValueError(f"budget {name!r} was given trace={self._trace!r} but is entered "
                              f"inside {parent.name!r}; only a root budget writes a trace "
                              f"(its children's events go into it)")

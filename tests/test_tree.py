@@ -6,6 +6,7 @@ Every test ends by checking, from outside, that ``used``, the live blocks and th
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
@@ -20,26 +21,6 @@ from gpubudget.units import KiB, MiB
 from tests.helpers import consistent, fill, holds
 
 
-class FailingWriterFile:
-    """A trace file on a disk that fills up after ``room`` writes."""
-
-    def __init__(self, room: int) -> None:
-        self.room = room
-
-    def write(self, text: str) -> int:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-        self.room -= 1
-        return len(text)
-
-    def flush(self) -> None:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_path: Any) -> None:
     path = tmp_path / "full.jsonl"
     with warnings.catch_warnings(record=True) as caught:
@@ -47,9 +28,10 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
         with gpu_budget("64KiB", name="pool", trace=str(path)) as pool:
             from gpubudget.tracefile import writer_for
 
-            writer = writer_for(path)
-            writer._file = FailingWriterFile(room=2)  # type: ignore[assignment]
-            blocks = [pool.allocate(KiB) for _ in range(4)]  # the disk fills on the third
+            full = os.open("/dev/full", os.O_WRONLY)  # every write: no space left on device
+            os.dup2(full, writer_for(path)._fd)  # the disk is full from now on
+            os.close(full)
+            blocks = [pool.allocate(KiB) for _ in range(40)]  # the 64th event flushes: fails
             assert None not in blocks
             for block in blocks:
                 assert block is not None and pool.free(block)
@@ -59,7 +41,7 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
     assert len(messages) == 1 and "No space left on device" in messages[0]
     report = pool.report()
     assert report.trace_error is not None and "stopped" in report.trace_error
-    assert (report.allocations, report.frees) == (4, 4)
+    assert (report.allocations, report.frees) == (40, 40)
     assert "No space left" in str(report)
 
 
