@@ -114,7 +114,7 @@ class Tree:
         align = 0
         if alignment:
             checked = alignment if type(alignment) is int else as_int(alignment)
-            if checked is None or not is_power_of_two(checked):
+            if checked is None or checked <= 0 or checked & (checked - 1):  # a power of 2?
                 self._deny(node, size, 0, tag, size, "invalid_alignment", node.name, why)
                 return None
             align = checked
