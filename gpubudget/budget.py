@@ -11,9 +11,7 @@ then returns its reservation).
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-import weakref
 from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
@@ -25,6 +23,7 @@ from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
 from .interrupts import STATE, protect
 from .node import Node
+from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
 from .tree import Denied
@@ -44,11 +43,6 @@ says why and the budgets go on untraced; if another process writes it, this one 
 _current_label: Final = context.LABEL.get
 ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-blocks), in the "
                   "thread or task that entered them")
-THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
-"""How the warning about a root entered in a thread while another is open begins: the
-``message`` of a ``warnings.filterwarnings("ignore", message=...)`` that silences it."""
-_open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
-_open_roots_lock: Final = threading.Lock()
 
 
 @final
@@ -185,7 +179,7 @@ class Budget(BudgetView, AdapterHooks):
         return self
 
     def _open_root(self) -> None:
-        _warn_if_thread_trap(self)
+        warn_if_thread_trap(self)
         backend = get_backend(self._backend_spec, device=self._device)
         writer, untraced = None, None
         if self._trace is not None and self._trace is not False:
@@ -196,8 +190,7 @@ class Budget(BudgetView, AdapterHooks):
         if untraced is not None and self._node.tree is not None:
             self._node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
-        with _open_roots_lock:
-            _open_roots.add(self)
+        opened(self)
         if self._node.track_stacks:
             watch_leaks(self)
 
@@ -420,31 +413,6 @@ class Budget(BudgetView, AdapterHooks):
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
-
-
-def _warn_if_thread_trap(root: Budget) -> None:
-    """Warn (one ``RuntimeWarning`` at the user's line) when ``root``, about to open as a
-    root in a thread other than the main one, is probably meant as a share of a root open
-    elsewhere: the thread-pool trap (a new thread starts with no active budget)."""
-    if threading.current_thread() is threading.main_thread() or context.SEPARATE_ROOTS.get():
-        return
-    with _open_roots_lock:
-        for entered in list(_open_roots):
-            if entered.state != "open":
-                _open_roots.discard(entered)
-        other = next(iter(_open_roots), None)
-    if other is None:
-        return
-    warnings.warn(
-        f"{THREAD_ROOT}: {root.name!r} ({format_size(root.limit)}) is entered in thread "
-        f"{threading.current_thread().name!r}, where no budget is active, while root budget "
-        f"{other.name!r} is open in this process, so it reserves memory of its own instead "
-        f"of drawing from {other.name!r}. To make it a child, enter it inside "
-        f"`with gpubudget.use(parent):`, or pass `gpu_budget(..., parent=parent)`, or submit "
-        f"`gpubudget.bind(fn)` to the thread pool (it carries the budgets active where it is "
-        f"called); parent: {other.name!r} or a budget under it. If a separate root is meant: "
-        f"warnings.filterwarnings('ignore', message={THREAD_ROOT!r})",
-        RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _bytes_or_text(size: str) -> int | str:
