@@ -322,6 +322,15 @@ def _free_elsewhere(lock: Any) -> bool:
     return taken == [True]
 
 
+def _exit_with_failing_hook() -> None:
+    def fail() -> None:
+        raise RuntimeError("adapter hook")
+
+    budget = gpu_budget("1KiB").__enter__()
+    budget.call_on_exit(fail)
+    budget.__exit__(None, None, None)
+
+
 def _scenarios() -> dict[str, Any]:
     """Operations that take the tree's lock, each on a pool of 64 KiB (and a child ``c``)
     holding two blocks ``a`` and ``b``; each returns the pool."""
@@ -354,10 +363,13 @@ def _scenarios() -> dict[str, Any]:
         "resize in place": run(lambda p, c, a, b: c.resize(b, 2 * KiB)),
         "resize by moving": run(lambda p, c, a, b: c.resize(a, 4 * KiB)),
         "resize what is not a block": run(lambda p, c, a, b: c.resize(12345, KiB)),
+        "resize whose copy fails": run(lambda p, c, a, b: c.resize(a, 4 * KiB),
+                                       BrokenCopyBackend()),
         "owner": run(lambda p, c, a, b: p.owner_of(a)),
         "check": run(lambda p, c, a, b: p.check()),
         "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
             None, None, None)),
+        "exit with a hook that fails": run(lambda p, c, a, b: _exit_with_failing_hook()),
     }
 
 
