@@ -270,3 +270,19 @@ def test_huge_names_tags_and_sizes_are_written_so_that_they_read_back(tmp_path: 
     assert replay(path).reports[0].denied == 2
     with pytest.raises(ReplayError, match="host memory cannot map"):  # what it wanted: 8 EiB
         fit(path)
+
+
+def test_what_is_buffered_at_exit_is_written(tmp_path: Path) -> None:
+    path = tmp_path / "late.jsonl"
+    script = textwrap.dedent("""
+        import sys
+        from gpubudget import gpu_budget
+        with gpu_budget("1MiB", name="pool", backend="host", trace=sys.argv[1]) as pool:
+            block = pool.allocate(1024)
+        pool.free(block)  # after the root's exit, which flushed: buffered until exit
+    """)
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [type(e).__name__ for e in read_trace(path).events] == ["Enter", "Alloc", "Exit",
+                                                                     "Free"]

@@ -117,10 +117,10 @@ class TraceWriter:
         """Flush, then close the file (which releases its lock)."""
         with self._lock:
             if self._closed is None:
-                self._closed = f"trace file {self.path!r} is closed"
                 try:
                     self._flush(time.perf_counter())
                 finally:
+                    self._closed = f"trace file {self.path!r} is closed"
                     os.close(self._fd)
 
     def forget(self, why: str) -> None:
