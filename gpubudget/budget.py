@@ -26,7 +26,7 @@ from .node import Node
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
-from .tree import Denied
+from .tree import Denied, as_size
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 from .view import BudgetView
 
@@ -287,9 +287,6 @@ class Budget(BudgetView, AdapterHooks):
         ...     b.used
         2048
         """
-        asked = size
-        if isinstance(size, str):
-            size = _bytes_or_text(size)
         node = self._node
         tree = node.tree
         why: list[Denied] | None = [] if raise_on_denial else None
@@ -306,33 +303,33 @@ class Budget(BudgetView, AdapterHooks):
                     tree.free(node, address, None)
                 raise KeyboardInterrupt
         if address is None and why:
-            raise self._denied(asked, size, why[0])
+            raise self._denied(size, why[0])
         return address
 
     def _refuse_unentered(self, size: object, why: list[Denied] | None = None) -> None:
         node = self._node
-        nbytes = as_int(size) or 0
+        nbytes = as_size(size) or 0
         reason = node.refusal or "inactive"
         with node.lock:
             node.stats.count_denial(nbytes, reason, node.name)
         if why is not None:
             why.append((reason, node.name, nbytes))
 
-    def _denied(self, asked: object, size: object, why: Denied) -> AllocationDenied:
-        """The exception for a denial of ``asked`` (as given; ``size`` once parsed)."""
+    def _denied(self, size: object, why: Denied) -> AllocationDenied:
+        """The exception for a denial of ``size`` (as given)."""
         reason, refused_by, nbytes = why
         whose = "its own limit" if refused_by == self.name else f"the limit of {refused_by!r}"
         explained = {
             "over_limit": f"over {whose}: {format_size(self.available)} available",
             "fragmented": "no free block large enough (the arena is fragmented)",
         }.get(reason, reason.replace("_", " "))
-        if isinstance(size, str):  # a size string parse_size refused: say why
+        if isinstance(size, str) and reason == "invalid_size":  # parse_size says why
             explained = f"{explained}: {_parse_error(size)}"
-        shown = repr(asked) if isinstance(asked, str) else f"{asked!r} bytes"
+        shown = repr(size) if isinstance(size, str) else f"{size!r} bytes"
         return AllocationDenied(
             f"budget {self.name!r} (limit {format_size(self.limit)}) refused {shown} "
             f"({format_size(nbytes)} aligned): {explained}", budget=self.name,
-            refused_by=refused_by, reason=reason, size=as_int(size) or 0, charged=nbytes)
+            refused_by=refused_by, reason=reason, size=as_size(size) or 0, charged=nbytes)
 
     @protect
     def free(self, address: SupportsIndex, *, stream: int | None = None) -> bool:
@@ -382,8 +379,6 @@ class Budget(BudgetView, AdapterHooks):
         ...     (b.resize(block, "4KiB") == block, b.used, b.resize(block, "4 KiBs"))
         (True, 4096, None)
         """
-        if isinstance(new_size, str):
-            new_size = _bytes_or_text(new_size)
         node = self._node
         tree = node.tree
         if tree is None:
@@ -413,15 +408,6 @@ class Budget(BudgetView, AdapterHooks):
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
-
-
-def _bytes_or_text(size: str) -> int | str:
-    """A size string's bytes, or the string itself if :func:`parse_size` refuses it (the
-    tree then denies it as ``invalid_size``)."""
-    try:
-        return parse_size(size)
-    except ValueError:
-        return size
 
 
 def _parse_error(size: str) -> str:

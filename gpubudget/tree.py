@@ -42,13 +42,13 @@ from .errors import BudgetError, InvariantError
 from .ledger import charge, passed_up, refusal
 from .recorder import Recorder
 from .streams import PendingFrees
-from .units import as_int, format_size, is_power_of_two, round_up
+from .units import as_int, format_size, is_power_of_two, parse_size, round_up
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "unlock"]
+__all__ = ["Denied", "Live", "Tree", "as_size", "unlock"]
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -98,7 +98,7 @@ class Tree:
         """A block of at least ``requested`` bytes for ``node``, or ``None`` (each denial
         recorded, and appended to ``why`` when given). The arguments are the caller's, as
         given: each is checked here."""
-        size = requested if type(requested) is int else as_int(requested)
+        size = requested if type(requested) is int else as_size(requested)
         if size is None or size <= 0:
             self._deny(node, size or 0, 0, None, 0, "invalid_size", node.name, why)
             return None
@@ -124,28 +124,29 @@ class Tree:
         lock = self.lock
         try:  # taken and released inside ``try``: see ``unlock``
             lock.acquire()
-            refused_by = node.name
-            reason = node.refusal
             address = None
-            if reason is None:
+            if node.refusal is not None:
+                self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
+            else:
                 account = node.account
                 refused = refusal(account, nbytes)
                 if refused is not None:
                     refused.refusals += 1
-                    reason, refused_by = "over_limit", refused.name
-                elif self.pending:
-                    address = self._place_with_pending(nbytes, granularity, stream)
+                    self._deny_locked(node, size, align, tag, nbytes, "over_limit",
+                                      refused.name, why)
                 else:
-                    address = self.arena.allocate(nbytes, granularity)
-                if address is not None:
-                    charge(account, nbytes)  # the commit: ledger, registry, record
-                    self.live[address] = (node, nbytes, tag, stack)
-                    self.recorder.granted(node.stats, node.id, size, align, tag, address,
-                                          nbytes, account.used, self.root.account.used)
-                elif reason is None:
-                    reason = "fragmented"
-            if reason is not None:
-                self._deny_locked(node, size, align, tag, nbytes, reason, refused_by, why)
+                    if self.pending:
+                        address = self._place_with_pending(nbytes, granularity, stream)
+                    else:
+                        address = self.arena.allocate(nbytes, granularity)
+                    if address is None:
+                        self._deny_locked(node, size, align, tag, nbytes, "fragmented",
+                                          node.name, why)
+                    else:
+                        charge(account, nbytes)  # the commit: ledger, registry, record
+                        self.live[address] = (node, nbytes, tag, stack)
+                        self.recorder.granted(node.stats, node.id, size, align, tag, address,
+                                              nbytes, account.used, self.root.account.used)
             lock.release()
         except BaseException:
             unlock(lock)
@@ -228,7 +229,7 @@ class Tree:
             self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
             return None
         owner, old, tag, stack = record
-        size = as_int(new_size)
+        size = as_size(new_size)
         if size is None or size <= 0:
             self._deny_locked(owner, 0, 0, tag, 0, "invalid_size", owner.name)
             return None
@@ -371,6 +372,17 @@ class Tree:
                 raise InvariantError("LEDGER", f"budget {node.name!r} used "
                                      f"{node.account.used}, its blocks and children make "
                                      f"{expected}, limit {node.account.limit}")
+
+
+def as_size(value: object) -> int | None:
+    """``value`` as bytes: an integer-like value (see :func:`~gpubudget.units.as_int`), or a
+    string :func:`~gpubudget.units.parse_size` reads; else ``None`` (a denial)."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            return None
+    return as_int(value)
 
 
 def unlock(lock: threading.RLock) -> None:
