@@ -13,7 +13,11 @@ from __future__ import annotations
 import importlib.machinery
 from typing import Final
 
-from . import tree as _tree
+from . import core as _core
+
+_core.choose(__name__, __path__[0])  # before any core module is imported: see gpubudget.core
+
+from . import tree as _tree  # noqa: E402 - after the choice of core
 from .budget import TRACE_ENV, Budget, gpu_budget
 from .errors import (
     AllocationDenied,
@@ -22,6 +26,7 @@ from .errors import (
     BudgetNestingError,
     GpuBudgetError,
     InvariantError,
+    TraceError,
 )
 from .recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
@@ -42,6 +47,7 @@ __all__ = [
     "GpuBudgetError",
     "InvariantError",
     "LiveBlock",
+    "TraceError",
     "bind",
     "current_budget",
     "current_label",

@@ -23,19 +23,23 @@ from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
 from .interrupts import STATE, protect
 from .node import Node
+from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
-from .tracefile import writer_for
-from .tree import Denied
+from .tracefile import writer_for, writer_from_env
+from .tree import Denied, as_size
 from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
 from .view import BudgetView
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["ADVICE", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
+__all__ = ["ADVICE", "THREAD_ROOT", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
 
 TRACE_ENV: Final = "GPUBUDGET_TRACE"
-"""Environment variable: a trace file every root budget without ``trace=`` writes to."""
+"""Environment variable: a trace file every root budget without ``trace=`` writes to
+(``{pid}`` in it: the process id). If it cannot be written, one ``RuntimeWarning`` per path
+says why and the budgets go on untraced; if another process writes it, this one writes
+``<stem>.<pid><suffix>`` beside it, and one warning names that file."""
 _current_label: Final = context.LABEL.get
 ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-blocks), in the "
                   "thread or task that entered them")
@@ -66,18 +70,27 @@ class Budget(BudgetView, AdapterHooks):
         (``BudgetError`` if the parent cannot). Ignored by a root, which holds its whole limit.
     backend
         ``"pycuda"``, ``"host"``, a backend object, or ``None`` (``GPUBUDGET_BACKEND``, else
-        PyCUDA when a CUDA device is usable, else host memory with a warning). Roots only.
+        PyCUDA when a CUDA device is usable, else host memory with a warning). Root budgets
+        only: a child given one is a ``ValueError`` at entry (it draws from its root).
     track_stacks
         Keep the Python stack that allocated each live block (for leak reports); children
         inherit it. Blocks of such a budget still live at interpreter exit are listed, with
         their stacks, on stderr.
     trace
         Root budgets only: write every event of the tree to this file as JSON lines (see
-        :mod:`gpubudget.tracefile`); ``GPUBUDGET_TRACE`` does the same for every root.
+        :mod:`gpubudget.tracefile`); ``{pid}`` in it becomes the process id. A file that
+        cannot be written (a symbolic link, not a regular file, a file that is neither empty
+        nor an earlier trace of this user's, one another process is writing) is a
+        :class:`~gpubudget.errors.TraceError` at entry, in one line. ``None``: the file
+        :data:`TRACE_ENV` names, if set (a failure there is a warning, and no trace);
+        ``False``: no trace, whatever that variable says.
     parent
         An open budget to enter under, whatever is active in this context: the way to draw
         from an existing pool in another thread or task (where nothing is active, and a
-        plain ``gpu_budget(...)`` would be a new root with a reservation of its own).
+        plain ``gpu_budget(...)`` would be a new root with a reservation of its own). Such a
+        root, entered in a thread other than the main one while another root is open, gets
+        one ``RuntimeWarning`` saying so; the message begins with :data:`THREAD_ROOT`, which
+        ``warnings.filterwarnings("ignore", message=THREAD_ROOT)`` silences.
     device
         The CUDA device (ordinal) a root reserves on; ``None``: the device current in the
         entering thread (what TensorRT, CuPy and PyTorch use there), else 0. A child draws
@@ -109,7 +122,7 @@ class Budget(BudgetView, AdapterHooks):
         reserve: int | str | None = None,
         backend: Backend | str | None = None,
         track_stacks: bool = False,
-        trace: str | os.PathLike[str] | None = None,
+        trace: str | os.PathLike[str] | Literal[False] | None = None,
         parent: Budget | None = None,
         device: int | None = None,
     ) -> None:
@@ -126,8 +139,9 @@ class Budget(BudgetView, AdapterHooks):
         validate_spec(backend)
         if not isinstance(track_stacks, bool):
             raise TypeError(f"track_stacks must be a bool, got {track_stacks!r}")
-        if trace is not None and not isinstance(trace, (str, os.PathLike)):
-            raise TypeError(f"trace must be a file path, got {trace!r}")
+        if trace is not None and trace is not False and not isinstance(trace, (str,
+                                                                             os.PathLike)):
+            raise TypeError(f"trace must be a file path or False, got {trace!r}")
         if isinstance(trace, str) and not trace:
             raise ValueError("trace must be a file path, got ''")
         if parent is not None and not isinstance(parent, Budget):
@@ -165,25 +179,33 @@ class Budget(BudgetView, AdapterHooks):
         return self
 
     def _open_root(self) -> None:
+        warn_if_thread_trap(self)
         backend = get_backend(self._backend_spec, device=self._device)
-        path = self._trace if self._trace is not None else os.environ.get(TRACE_ENV)
-        self._node.open_root(backend, writer_for(path) if path else None)
+        writer, untraced = None, None
+        if self._trace is not None and self._trace is not False:
+            writer = writer_for(self._trace)  # TraceError, one line, if it cannot be written
+        elif self._trace is None and os.environ.get(TRACE_ENV):
+            writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
+        self._node.open_root(backend, writer)
+        if untraced is not None and self._node.tree is not None:
+            self._node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
+        opened(self)
         if self._node.track_stacks:
             watch_leaks(self)
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
-        root_backend = parent.backend
-        if self._backend_spec is not None and get_backend(self._backend_spec) is not root_backend:
-            raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "
-                             f"is entered inside {parent.name!r}, which uses {root_backend!r}; "
-                             f"a child always draws from its root's backend")
         if self._device is not None and parent.device not in (None, self._device):
             raise ValueError(f"budget {name!r} was given device={self._device} but is entered "
                              f"inside {parent.name!r}, which is on device {parent.device}; a "
                              f"child always draws from its root's device")
-        if self._trace is not None:
+        if self._backend_spec is not None:
+            raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "
+                             f"is entered inside {parent.name!r}; backend= is for root budgets "
+                             f"only (a child always draws from its root's memory, here "
+                             f"{parent.backend!r})")
+        if self._trace is not None and self._trace is not False:
             raise ValueError(f"budget {name!r} was given trace={self._trace!r} but is entered "
                              f"inside {parent.name!r}; only a root budget writes a trace "
                              f"(its children's events go into it)")
@@ -225,27 +247,29 @@ class Budget(BudgetView, AdapterHooks):
     # -- allocation ------------------------------------------------------------------------
 
     @overload
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: Literal[False] = False) -> int | None: ...
 
     @overload
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: Literal[True]) -> int: ...
 
     @protect
-    def allocate(self, size: SupportsIndex, alignment: SupportsIndex = 0, *,
+    def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: bool = False) -> int | None:
         """Return the address of a block of at least ``size`` bytes, or ``None``.
 
-        The block starts at a multiple of ``max(align, alignment)`` and every budget of the
-        chain is charged its aligned size. ``None`` (never an exception) when a limit or the
-        arena cannot take it, ``size`` is not a positive integer (an ``int``, or anything
-        with ``__index__``), ``alignment`` is not 0 or a power of two, ``tag`` is not a
-        string, or the budget is not entered or already released; each denial is counted in
-        :meth:`report`. With ``raise_on_denial=True`` a denial raises
+        ``size`` is bytes (an ``int``, or anything with ``__index__``) or a string such as
+        ``"1MiB"`` (see :func:`gpubudget.parse_size`). The block starts at a multiple of
+        ``max(align, alignment)`` and every budget of the chain is charged its aligned size.
+        ``None`` (never an exception) when a limit or the arena cannot take it, ``size`` is
+        not a positive size (reason ``invalid_size``: a ``float``, zero, a string that
+        :func:`~gpubudget.parse_size` refuses), ``alignment`` is not 0 or a power of two,
+        ``tag`` is not a string, or the budget is not entered or already released; each
+        denial is counted in :meth:`report`. With ``raise_on_denial=True`` a denial raises
         :class:`~gpubudget.errors.AllocationDenied` instead, saying which budget refused,
         why, and the sizes. ``tag`` defaults to the current :func:`gpubudget.label`.
         ``stream``: the CUDA stream the block will be used on; a block freed on that stream
@@ -256,8 +280,12 @@ class Budget(BudgetView, AdapterHooks):
         >>> from gpubudget import gpu_budget
         >>> with gpu_budget("4KiB", backend="host") as b:
         ...     a = b.allocate(100, alignment=1024)
-        ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192))
-        (0, 1024, None, None)
+        ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192), b.allocate("1 lb"))
+        (0, 1024, None, None, None)
+        >>> with gpu_budget("4KiB", backend="host") as b:
+        ...     c = b.allocate("2KiB")
+        ...     b.used
+        2048
         """
         node = self._node
         tree = node.tree
@@ -280,7 +308,7 @@ class Budget(BudgetView, AdapterHooks):
 
     def _refuse_unentered(self, size: object, why: list[Denied] | None = None) -> None:
         node = self._node
-        nbytes = as_int(size) or 0
+        nbytes = as_size(size) or 0
         reason = node.refusal or "inactive"
         with node.lock:
             node.stats.count_denial(nbytes, reason, node.name)
@@ -288,16 +316,20 @@ class Budget(BudgetView, AdapterHooks):
             why.append((reason, node.name, nbytes))
 
     def _denied(self, size: object, why: Denied) -> AllocationDenied:
+        """The exception for a denial of ``size`` (as given)."""
         reason, refused_by, nbytes = why
         whose = "its own limit" if refused_by == self.name else f"the limit of {refused_by!r}"
         explained = {
             "over_limit": f"over {whose}: {format_size(self.available)} available",
             "fragmented": "no free block large enough (the arena is fragmented)",
         }.get(reason, reason.replace("_", " "))
+        if isinstance(size, str) and reason == "invalid_size":  # parse_size says why
+            explained = f"{explained}: {_parse_error(size)}"
+        shown = repr(size) if isinstance(size, str) else f"{size!r} bytes"
         return AllocationDenied(
-            f"budget {self.name!r} (limit {format_size(self.limit)}) refused {size!r} bytes "
-            f"({format_size(nbytes)} aligned): {explained}", budget=self.name, refused_by=refused_by, reason=reason,
-            size=as_int(size) or 0, charged=nbytes)
+            f"budget {self.name!r} (limit {format_size(self.limit)}) refused {shown} "
+            f"({format_size(nbytes)} aligned): {explained}", budget=self.name,
+            refused_by=refused_by, reason=reason, size=as_size(size) or 0, charged=nbytes)
 
     @protect
     def free(self, address: SupportsIndex, *, stream: int | None = None) -> bool:
@@ -331,14 +363,21 @@ class Budget(BudgetView, AdapterHooks):
         return done
 
     @protect
-    def resize(self, address: SupportsIndex, new_size: SupportsIndex,
+    def resize(self, address: SupportsIndex, new_size: SupportsIndex | str,
                alignment: SupportsIndex = 0) -> int | None:
         """Grow or shrink a block, keeping ``min(old, new)`` bytes; return its address.
 
+        ``new_size`` as ``size`` in :meth:`allocate` (bytes or a string such as ``"2MiB"``).
         In place when the arena allows, else a new block with a device-to-device copy and the
         old block freed; ``None`` when neither works, the old block then untouched. Never
         raises; the address must belong to this budget or a descendant (else a denial with
-        reason ``invalid_address``).
+        reason ``invalid_address``), ``new_size`` must be a positive size (else
+        ``invalid_size``).
+
+        >>> with gpu_budget("8KiB", backend="host") as b:
+        ...     block = b.allocate(1024)
+        ...     (b.resize(block, "4KiB") == block, b.used, b.resize(block, "4 KiBs"))
+        (True, 4096, None)
         """
         node = self._node
         tree = node.tree
@@ -369,6 +408,14 @@ class Budget(BudgetView, AdapterHooks):
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
+
+
+def _parse_error(size: str) -> str:
+    try:
+        parse_size(size)
+    except ValueError as exc:
+        return str(exc)
+    return "not a size"  # pragma: no cover - only called for strings parse_size refused
 
 
 def misnested(message: str, exc_type: type[BaseException] | None) -> None:

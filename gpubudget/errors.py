@@ -13,6 +13,10 @@
           ├── BudgetNestingError        (also RuntimeError) a budget exited out of order, or
           │                             in a context where it is not active
           ├── BackendError              a backend is unknown or unusable
+          ├── TraceError                (also ValueError) a trace file cannot be written
+          │                             (``trace=``: at entry, one line saying why: a link,
+          │                             not a trace of this user's, written by another
+          │                             process...) or read (missing, malformed, newer)
           └── InvariantError            (also AssertionError) ``check()`` found bookkeeping
                                         that disagrees; ``invariant`` names the rule
 
@@ -29,6 +33,7 @@ __all__ = [
     "BudgetNestingError",
     "GpuBudgetError",
     "InvariantError",
+    "TraceError",
 ]
 
 
@@ -66,6 +71,11 @@ class BudgetNestingError(GpuBudgetError, RuntimeError):
 
 class BackendError(GpuBudgetError):
     """A memory backend is unknown or cannot be used on this machine."""
+
+
+class TraceError(GpuBudgetError, ValueError):
+    """A trace file cannot be written (``trace=``) or is missing, unreadable, malformed or of
+    a newer version; the message is one line naming the file and what is wrong."""
 
 
 class InvariantError(GpuBudgetError, AssertionError):

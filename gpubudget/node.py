@@ -21,7 +21,7 @@ from .backends import Backend
 from .errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, passed_up, refusal
 from .recorder import Stats
-from .tree import Tree
+from .tree import Tree, unlock
 from .units import format_size, round_up
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class Node:
         self.track_stacks = track_stacks  # also true when an ancestor tracks stacks
         self.account = Account(self.name, limit, reserve)  # re-made under the parent at entry
         self.stats: Final = Stats()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the tree's once entered (see ``tree.unlock``)
         self.tree: Tree | None = None
         self.parent: Node | None = None
         self.children: list[Node] = []  # unreleased ones and the last released ones
@@ -90,30 +90,40 @@ class Node:
         if tree is None:
             raise BudgetNestingError(f"budget {self.name!r} entered inside {parent.name!r}, "
                                      f"which is {parent.state}")
-        with tree.lock:
-            if parent.state != "open":
-                raise BudgetNestingError(f"budget {self.name!r} entered inside "
-                                         f"{parent.name!r}, which is {parent.state}")
-            granularity = max(self.align, parent.granularity)
-            reserve = round_up(self.account.reserve, granularity)
-            account = Account(self.name, self.account.limit, reserve, parent.account)
-            if reserve:
-                refused = refusal(parent.account, reserve)
-                if refused is not None:
-                    raise BudgetError(
-                        f"budget {self.name!r} cannot set aside reserve {format_size(reserve)}: "
-                        f"{refused.name!r} has {format_size(refused.limit - refused.used)} "
-                        f"left of {format_size(refused.limit)}")
-                charge(parent.account, reserve)
-            self.account = account
-            self.parent = parent
-            self.tree = tree
-            self.lock = tree.lock
-            self.granularity = granularity
-            self.track_stacks = self.track_stacks or parent.track_stacks
-            parent.children.append(self)
-            parent.unreleased += 1
-            self._opened()
+        lock = tree.lock
+        try:  # see ``tree.unlock``
+            lock.acquire()
+            self._open_under(parent, tree)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+
+    def _open_under(self, parent: Node, tree: Tree) -> None:
+        """The tree's lock held: check ``parent``, set the reserve aside, join the tree."""
+        if parent.state != "open":
+            raise BudgetNestingError(f"budget {self.name!r} entered inside "
+                                     f"{parent.name!r}, which is {parent.state}")
+        granularity = max(self.align, parent.granularity)
+        reserve = round_up(self.account.reserve, granularity)
+        account = Account(self.name, self.account.limit, reserve, parent.account)
+        if reserve:
+            refused = refusal(parent.account, reserve)
+            if refused is not None:
+                raise BudgetError(
+                    f"budget {self.name!r} cannot set aside reserve {format_size(reserve)}: "
+                    f"{refused.name!r} has {format_size(refused.limit - refused.used)} "
+                    f"left of {format_size(refused.limit)}")
+            charge(parent.account, reserve)
+        self.account = account
+        self.parent = parent
+        self.tree = tree
+        self.lock = tree.lock
+        self.granularity = granularity
+        self.track_stacks = self.track_stacks or parent.track_stacks
+        parent.children.append(self)
+        parent.unreleased += 1
+        self._opened()
 
     def _opened(self) -> None:
         assert self.tree is not None
@@ -134,19 +144,24 @@ class Node:
             return
         if self.parent is None:
             tree.note_free_at_exit()
-        with tree.lock:
-            if self.state != "open":
-                return
-            self.state = "exited"
-            tree.recorder.exited(self.id, root=self.parent is None)
-            self.release_if_unused()
-            hooks, self.exit_hooks = self.exit_hooks, []
+        lock = tree.lock
+        try:  # see ``tree.unlock``
+            lock.acquire()
+            hooks: list[Callable[[], None]] = []
+            if self.state == "open":
+                self.state = "exited"
+                tree.recorder.exited(self.id, root=self.parent is None)
+                self.release_if_unused()
+                hooks, self.exit_hooks = self.exit_hooks, []
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
         for hook in hooks:
             try:
                 hook()
             except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
-                with tree.lock:
-                    self.stats.errors.append(f"exit hook: {type(exc).__name__}: {exc}")
+                tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:
         """Lock held: release this budget, then each ancestor it was the last hold on, once

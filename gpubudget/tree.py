@@ -14,7 +14,8 @@ Every operation has the same shape: checks that touch nothing; then, under the l
 refusal check, the placement, and one commit (charge the ledger, register the block, record
 the event). Side effects that can fail come before the commit (a stream event: if it fails,
 nothing changes and the caller is told) or after it, isolated (the trace writer). So an
-operation either happens whole or not at all.
+operation either happens whole or not at all. An exception at any instruction never leaves the
+lock held (see :func:`unlock`).
 
 Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
@@ -32,27 +33,30 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
-from .backends import Backend, Reservation, device_of
+from .backends import Backend, Event, Reservation, device_of
 from .errors import BudgetError, InvariantError
 from .ledger import charge, passed_up, refusal
 from .recorder import Recorder
 from .streams import PendingFrees
-from .units import as_int, format_size, is_power_of_two, round_up
+from .units import as_int, format_size, is_power_of_two, parse_size, round_up
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree"]
+__all__ = ["Denied", "Live", "Tree", "as_size", "unlock"]
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
 # A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
 # allocation, and a class instance costs several times more to create.
 Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
+# What moving a block needs: (owner, size, alignment, tag, stack, old and new aligned sizes).
+_Move = tuple["Node", int, int, "str | None", "tuple[str, ...] | None", int, int]
 
 
 _unreleased: Final[set[Tree]] = set()
@@ -70,7 +74,7 @@ class Tree:
         capacity = round_up(root.account.limit, root.align)
         reservation, base = _reserve(backend, capacity, root.align, root.name)
         self.root: Final = root
-        self.lock: Final = threading.Lock()
+        self.lock: Final = threading.RLock()  # re-entrant only for ``unlock``
         self.backend: Final = backend
         self.device: Final = device_of(backend)
         self.reservation: Reservation | None = reservation
@@ -94,7 +98,7 @@ class Tree:
         """A block of at least ``requested`` bytes for ``node``, or ``None`` (each denial
         recorded, and appended to ``why`` when given). The arguments are the caller's, as
         given: each is checked here."""
-        size = requested if type(requested) is int else as_int(requested)
+        size = requested if type(requested) is int else as_size(requested)
         if size is None or size <= 0:
             self._deny(node, size or 0, 0, None, 0, "invalid_size", node.name, why)
             return None
@@ -110,7 +114,7 @@ class Tree:
         align = 0
         if alignment:
             checked = alignment if type(alignment) is int else as_int(alignment)
-            if checked is None or not is_power_of_two(checked):
+            if checked is None or checked <= 0 or checked & (checked - 1):  # a power of 2?
                 self._deny(node, size, 0, tag, size, "invalid_alignment", node.name, why)
                 return None
             align = checked
@@ -118,33 +122,35 @@ class Tree:
                 granularity = align
         nbytes = (size + granularity - 1) & -granularity
         lock = self.lock
-        lock.acquire()  # not ``with``: compiled, the two calls cost less than the protocol
-        try:
+        try:  # taken and released inside ``try``: see ``unlock``
+            lock.acquire()
+            address = None
             if node.refusal is not None:
-                self._deny_locked(node, size, align, tag, nbytes, node.refusal,
-                                  node.name, why)
-                return None
-            account = node.account
-            refused = refusal(account, nbytes)
-            if refused is not None:
-                refused.refusals += 1
-                self._deny_locked(node, size, align, tag, nbytes, "over_limit",
-                                  refused.name, why)
-                return None
-            if self.pending:
-                address = self._place_with_pending(nbytes, granularity, stream)
+                self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
             else:
-                address = self.arena.allocate(nbytes, granularity)
-            if address is None:
-                self._deny_locked(node, size, align, tag, nbytes, "fragmented",
-                                  node.name, why)
-                return None
-            charge(account, nbytes)  # the commit: ledger, registry, record
-            self.live[address] = (node, nbytes, tag, stack)
-            self.recorder.granted(node.stats, node.id, size, align, tag, address, nbytes,
-                                  account.used, self.root.account.used)
-        finally:
+                account = node.account
+                refused = refusal(account, nbytes)
+                if refused is not None:
+                    refused.refusals += 1
+                    self._deny_locked(node, size, align, tag, nbytes, "over_limit",
+                                      refused.name, why)
+                else:
+                    if self.pending:
+                        address = self._place_with_pending(nbytes, granularity, stream)
+                    else:
+                        address = self.arena.allocate(nbytes, granularity)
+                    if address is None:
+                        self._deny_locked(node, size, align, tag, nbytes, "fragmented",
+                                          node.name, why)
+                    else:
+                        charge(account, nbytes)  # the commit: ledger, registry, record
+                        self.live[address] = (node, nbytes, tag, stack)
+                        self.recorder.granted(node.stats, node.id, size, align, tag, address,
+                                              nbytes, account.used, self.root.account.used)
             lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
         return address
 
     def free(self, node: Node, where: object, on_stream: object) -> bool:
@@ -153,71 +159,54 @@ class Tree:
         address = where if type(where) is int else as_int(where) or 0  # no block is at 0
         stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
         lock = self.lock
-        lock.acquire()
-        try:
+        try:  # see ``unlock``
+            lock.acquire()
+            done = False
             record = self.live.get(address)
             if stream is None and on_stream is not None:
                 record = None
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 node.stats.invalid_frees += 1
-                return False
-            owner, nbytes, tag, _ = record
-            event = None
-            if stream is not None and self.ordered:
-                try:  # before the commit: if the stream cannot take an event, nothing changes
-                    event = self.backend.record_event(stream)
-                    done = event.query()
-                except Exception as exc:  # noqa: BLE001 - free never raises
-                    owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
-                                              f"{type(exc).__name__}: {exc}")
-                    return False
-                if done:
-                    event = None
-            del self.live[address]  # the commit
-            charge(owner.account, -nbytes)
-            if event is None or stream is None:
-                self.arena.free(address)
             else:
-                self.pending.add(address, nbytes, stream, event)
-            self.recorder.freed(owner.stats, owner.id, address, nbytes, tag,
-                                owner.account.used, self.root.account.used)
-            if owner.state == "exited":
-                owner.release_if_unused()
-        finally:
+                owner, nbytes, tag, _ = record
+                event: Event | None | Literal[False] = None
+                if stream is not None and self.ordered:
+                    # before the commit: if the stream cannot take an event, nothing changes
+                    event = self._event_on(owner, stream)
+                if event is not False:
+                    del self.live[address]  # the commit
+                    charge(owner.account, -nbytes)
+                    if event is None or stream is None:
+                        self.arena.free(address)
+                    else:
+                        self.pending.add(address, nbytes, stream, event)
+                    self.recorder.freed(owner.stats, owner.id, address, nbytes, tag,
+                                        owner.account.used, self.root.account.used)
+                    if owner.state == "exited":
+                        owner.release_if_unused()
+                    done = True
             lock.release()
-        return True
+        except BaseException:
+            unlock(lock)
+            raise
+        return done
 
     def resize(self, node: Node, where: object, new_size: object,
                alignment: object) -> int | None:
         """Grow or shrink a block in place, else move it (copying ``min(old, new)`` bytes),
         else ``None`` with the old block untouched."""
         address = where if type(where) is int else as_int(where) or 0
-        with self.lock:
-            record = self.live.get(address)
-            if record is None or not (record[0] is node or node.encloses(record[0])):
-                self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
-                return None
-            owner, old, tag, stack = record
-            size = as_int(new_size)
-            if size is None or size <= 0:
-                self._deny_locked(owner, 0, 0, tag, 0, "invalid_size", owner.name)
-                return None
-            align = as_int(alignment) if alignment else 0
-            if align is None or (align and not is_power_of_two(align)):
-                self._deny_locked(owner, size, 0, tag, size, "invalid_alignment",
-                                         owner.name)
-                return None
-            granularity = max(owner.granularity, align)
-            nbytes = round_up(size, granularity)
-            delta = nbytes - old
-            in_place = address % granularity == 0 and (
-                delta <= 0 or refusal(owner.account, delta) is None)
-            if in_place and self.arena.resize(address, nbytes):
-                charge(owner.account, delta)  # the commit
-                self.live[address] = (owner, nbytes, tag, stack)
-                self.recorder.resized(owner.stats, owner.id, address, size, align, tag,
-                                      old, nbytes, owner.account.used, self.root.account.used)
-                return address
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
+            outcome = self._resize_in_place(node, address, new_size, alignment)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+        if not isinstance(outcome, tuple):
+            return outcome
+        owner, size, align, tag, stack, old, nbytes = outcome
         moved = self.allocate(owner, size, align, tag, None, stack)
         if moved is None:
             return None
@@ -225,19 +214,78 @@ class Tree:
             self.backend.copy(moved, address, min(old, nbytes))
         except Exception as exc:  # noqa: BLE001 - resize never raises; the old block stays
             self.free(owner, moved, None)
-            with self.lock:
-                owner.stats.errors.append(f"resize copy failed, block kept: "
-                                          f"{type(exc).__name__}: {exc}")
+            self.note_error(owner, f"resize copy failed, block kept: "
+                                   f"{type(exc).__name__}: {exc}")
             return None
         self.free(owner, address, None)
         return moved
 
+    def _resize_in_place(self, node: Node, address: int, new_size: object,
+                         alignment: object) -> int | None | _Move:
+        """Lock held: the address once resized in place; ``None`` for a request refused
+        (recorded); else what moving the block needs."""
+        record = self.live.get(address)
+        if record is None or not (record[0] is node or node.encloses(record[0])):
+            self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
+            return None
+        owner, old, tag, stack = record
+        size = as_size(new_size)
+        if size is None or size <= 0:
+            self._deny_locked(owner, 0, 0, tag, 0, "invalid_size", owner.name)
+            return None
+        align = as_int(alignment) if alignment else 0
+        if align is None or (align and not is_power_of_two(align)):
+            self._deny_locked(owner, size, 0, tag, size, "invalid_alignment", owner.name)
+            return None
+        granularity = max(owner.granularity, align)
+        nbytes = round_up(size, granularity)
+        delta = nbytes - old
+        in_place = address % granularity == 0 and (
+            delta <= 0 or refusal(owner.account, delta) is None)
+        if in_place and self.arena.resize(address, nbytes):
+            charge(owner.account, delta)  # the commit
+            self.live[address] = (owner, nbytes, tag, stack)
+            self.recorder.resized(owner.stats, owner.id, address, size, align, tag, old,
+                                  nbytes, owner.account.used, self.root.account.used)
+            return address
+        return (owner, size, align, tag, stack, old, nbytes)
+
     def owner(self, where: object) -> Live | None:
         address = where if type(where) is int else as_int(where) or 0
-        with self.lock:
-            return self.live.get(address)
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
+            record = self.live.get(address)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+        return record
 
     # -- internals -------------------------------------------------------------------------
+
+    def _event_on(self, owner: Node, stream: int) -> Event | None | Literal[False]:
+        """Lock held: an event recorded on ``stream`` now, ``None`` if its work is already
+        complete, ``False`` (the error kept for ``owner``'s report) if the stream cannot take
+        one. (A function of its own for its ``try``: see :func:`unlock`.)"""
+        try:
+            event = self.backend.record_event(stream)
+            return None if event.query() else event
+        except Exception as exc:  # noqa: BLE001 - free never raises
+            owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
+                                      f"{type(exc).__name__}: {exc}")
+            return False
+
+    def note_error(self, node: Node, message: str) -> None:
+        """Keep an error for ``node``'s report (an operation that failed and changed nothing)."""
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
+            node.stats.errors.append(message)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
 
     def deny(self, node: Node, size: int, reason: str) -> None:
         """Count a request an adapter refused before it asked (``wrong_device``)."""
@@ -245,8 +293,14 @@ class Tree:
 
     def _deny(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
               reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
-        with self.lock:
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
             self._deny_locked(node, size, alignment, tag, nbytes, reason, refused_by, why)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
 
     def _deny_locked(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
                      reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
@@ -290,25 +344,74 @@ class Tree:
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""
-        with self.lock:
-            self.arena.check()
-            taken = {block.address: block.size for block in self.arena.walk() if not block.free}
-            held = {address: record[1] for address, record in self.live.items()}
-            held.update((p.address, p.nbytes) for p in self.pending)
-            if taken != held:
-                raise InvariantError("REGISTERED", f"arena holds {len(taken)} blocks, the "
-                                     f"registry and pending frees {len(held)}")
-            own: dict[Node, int] = {}
-            for node, nbytes, _, _ in self.live.values():
-                own[node] = own.get(node, 0) + nbytes
-            for node in self.root.subtree():
-                expected = own.get(node, 0) + sum(
-                    passed_up(child.account, child.account.used)
-                    for child in node.children if child.state != "released")
-                if node.account.used != expected or node.account.used > node.account.limit:
-                    raise InvariantError("LEDGER", f"budget {node.name!r} used "
-                                         f"{node.account.used}, its blocks and children make "
-                                         f"{expected}, limit {node.account.limit}")
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
+            self._check_locked()
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+
+    def _check_locked(self) -> None:
+        self.arena.check()
+        taken = {block.address: block.size for block in self.arena.walk() if not block.free}
+        held = {address: record[1] for address, record in self.live.items()}
+        held.update((p.address, p.nbytes) for p in self.pending)
+        if taken != held:
+            raise InvariantError("REGISTERED", f"arena holds {len(taken)} blocks, the "
+                                 f"registry and pending frees {len(held)}")
+        own: dict[Node, int] = {}
+        for node, nbytes, _, _ in self.live.values():
+            own[node] = own.get(node, 0) + nbytes
+        for node in self.root.subtree():
+            expected = own.get(node, 0) + sum(
+                passed_up(child.account, child.account.used)
+                for child in node.children if child.state != "released")
+            if node.account.used != expected or node.account.used > node.account.limit:
+                raise InvariantError("LEDGER", f"budget {node.name!r} used "
+                                     f"{node.account.used}, its blocks and children make "
+                                     f"{expected}, limit {node.account.limit}")
+
+
+def as_size(value: object) -> int | None:
+    """``value`` as bytes: an integer-like value (see :func:`~gpubudget.units.as_int`), or a
+    string :func:`~gpubudget.units.parse_size` reads; else ``None`` (a denial)."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            return None
+    return as_int(value)
+
+
+def unlock(lock: threading.RLock) -> None:
+    """Release ``lock`` if this thread holds it: what an operation's ``except`` does.
+
+    Every method that takes a tree's lock has the same shape::
+
+        try:
+            lock.acquire()
+            ...  # no return, no nested try
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+
+    An asynchronous exception (a signal handler's, ``PyThreadState_SetAsyncExc``, a trace
+    function's) may land before any instruction. Before ``acquire`` returns, the lock is not
+    held; from then until ``release`` has returned, the ``except`` releases it. No
+    instruction is outside ``try``, as the one between ``lock.acquire()`` and ``try:`` was;
+    nor after the body, as the call of ``__exit__`` after a ``with`` block is (CPython
+    covers it with no handler), nor at a nested ``try:`` (CPython 3.11 leaves its first
+    instruction outside every handler): the locked part has no ``return`` and calls helpers
+    for the rest. ``tests/test_tree.py`` raises at every instruction in turn. The lock is
+    re-entrant only so that this can tell whether this thread still holds it (nothing takes
+    it twice).
+    """
+    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")  # CPython's RLock: by me?
+    if is_owned():
+        lock.release()
 
 
 def _free(backend: Backend) -> int | None:

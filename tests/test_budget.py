@@ -90,12 +90,37 @@ def test_bad_alignment_is_denied_not_raised(alignment: object) -> None:
         assert root.report().denials[0].reason == "invalid_alignment"
 
 
-@pytest.mark.parametrize("size", [0, -1, True, 1.5, None, "1KiB"])
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, None, "", "0B", "-1KiB", "1 lb", "1.5B"])
 def test_bad_size_is_denied_not_raised(size: object) -> None:
     with gpu_budget("1MiB") as root:
         assert root.allocate(size) is None  # type: ignore[call-overload]
+        block = root.allocate(KiB)
+        assert block is not None and root.resize(block, size) is None  # type: ignore[arg-type]
         report = root.report()
-        assert report.denied == 1 and report.denials[0].reason == "invalid_size"
+        assert report.denied == 2 and {d.reason for d in report.denials} == {"invalid_size"}
+        assert root.size_of(block) == KiB  # the old block untouched
+
+
+def test_size_strings_are_sizes_in_allocate_and_resize() -> None:
+    from gpubudget import AllocationDenied
+
+    with gpu_budget("1MiB", name="pool") as pool:
+        block = pool.allocate("1.5 KiB", tag="text")
+        assert block is not None and pool.used == 1536 and pool.size_of(block) == 1536
+        assert pool.resize(block, "4KiB") == block and pool.used == 4 * KiB
+        assert pool.allocate("2MiB") is None  # a size, over the limit
+        assert pool.report().denials[0].reason == "over_limit"
+        with pytest.raises(AllocationDenied, match=r"refused '1 lb' .*invalid size: .*unknown "
+                                                    r"unit 'lb'") as caught:
+            pool.allocate("1 lb", raise_on_denial=True)
+        assert (caught.value.reason, caught.value.size) == ("invalid_size", 0)
+        with pytest.raises(AllocationDenied, match=r"refused '2MiB' \(2.00 MiB aligned\)"):
+            pool.allocate("2MiB", raise_on_denial=True)
+        assert pool.free(block)
+    with gpu_budget("1KiB", name="later") as later:
+        pass
+    assert later.allocate("1KiB") is None  # released: denied, counted with its size
+    assert later.report().denials[0].largest == KiB
 
 
 def test_child_charges_every_ancestor_and_any_ancestor_can_refuse() -> None:
@@ -222,11 +247,34 @@ def test_misnesting_during_an_exception_does_not_hide_it() -> None:
     inner.__exit__(None, None, None)
 
 
-def test_child_backend_must_match_root() -> None:
-    with gpu_budget("1MiB"):
-        with pytest.raises(ValueError, match="'odd'.*draws from its root's backend"):
-            with gpu_budget("1KiB", name="odd", backend=HostBackend()):
+@pytest.mark.parametrize("backend", ["host", HostBackend()])
+def test_backend_is_for_roots_only(backend: object) -> None:
+    with gpu_budget("1MiB", name="pool") as pool:
+        odd = gpu_budget("1KiB", name="odd", backend=backend)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="'odd' was given backend=.* inside 'pool'; "
+                                             "backend= is for root budgets only"):
+            odd.__enter__()
+        assert odd.state == "new" and pool.children == ()  # nothing changed
+        with pytest.raises(ValueError, match="backend= is for root budgets only"):
+            with gpu_budget("1KiB", backend=backend, parent=pool):  # type: ignore[arg-type]
                 pass  # pragma: no cover
+
+
+def test_a_child_on_another_device_is_told_device_not_backend() -> None:
+    with gpu_budget("1MiB", name="pool", backend=DeviceBackend(0)) as pool:
+        with pytest.raises(ValueError, match="'odd' was given device=1 .* on device 0"):
+            with gpu_budget("1KiB", name="odd", device=1, backend="pycuda"):
+                pass  # pragma: no cover
+        with gpu_budget("1KiB", name="same", device=0) as same:  # its root's device: fine
+            assert same.device == 0
+
+
+class DeviceBackend(HostBackend):
+    """Host memory that says it is a CUDA device's."""
+
+    def __init__(self, ordinal: int) -> None:
+        super().__init__()
+        self.ordinal = ordinal
 
 
 # -- lifetime -----------------------------------------------------------------------------------

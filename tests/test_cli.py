@@ -212,6 +212,18 @@ def test_a_trace_cut_short_is_reported_with_a_warning(tmp_path: Path,
                         r"\(the writing process was killed\?\); skipped\n", err)
 
 
+def test_fit_says_a_trace_is_cut_short_as_report_does(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    whole = record_abc(tmp_path / "whole.jsonl")
+    cut = tmp_path / "cut.jsonl"
+    text = whole.read_text()
+    cut.write_text(text[: text.index('"ev": "exit"') - 1] + '{"ev": "fr')
+    status, out, err = cli_run(capsys, "fit", str(whole), str(cut))
+    assert status == 0 and out.count("1 root, 2 budgets") == 2
+    assert re.fullmatch(r"gpubudget: warning: .*cut.jsonl:\d+: the last line is cut short "
+                        r"\(the writing process was killed\?\); skipped\n", err)
+
+
 def test_allocations_after_a_release_are_said(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "late.jsonl"

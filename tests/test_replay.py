@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -380,3 +382,15 @@ def test_a_reader_can_be_replayed(tmp_path: Path) -> None:
         assert replay(reader).reports[0].peak == 3 * MiB
     with TraceReader(path) as reader:
         assert [f.limit for f in fit(reader)] == [13 * MiB, 12 * MiB]
+
+
+def test_a_replay_in_a_thread_is_not_warned_about_separate_roots(tmp_path: Path) -> None:
+    path = tmp_path / "abc.jsonl"
+    record_abc(path)
+    with gpu_budget("1MiB", name="mine"):  # open while a thread replays: its roots are meant
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ThreadPoolExecutor(1) as executor:
+                result = executor.submit(replay, path).result()
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert [report.name for report in result.reports] == ["pool"]

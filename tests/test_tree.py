@@ -6,36 +6,19 @@ Every test ends by checking, from outside, that ``used``, the live blocks and th
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from typing import Any
 
 import pytest
 
+import gpubudget
 from gpubudget import BudgetError, BudgetNestingError, InvariantError, current_budget, gpu_budget
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
 from tests.helpers import consistent, fill, holds
-
-
-class FailingWriterFile:
-    """A trace file on a disk that fills up after ``room`` writes."""
-
-    def __init__(self, room: int) -> None:
-        self.room = room
-
-    def write(self, text: str) -> int:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-        self.room -= 1
-        return len(text)
-
-    def flush(self) -> None:
-        if self.room <= 0:
-            raise OSError(28, "No space left on device")
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_path: Any) -> None:
@@ -45,9 +28,10 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
         with gpu_budget("64KiB", name="pool", trace=str(path)) as pool:
             from gpubudget.tracefile import writer_for
 
-            writer = writer_for(path)
-            writer._file = FailingWriterFile(room=2)  # type: ignore[assignment]
-            blocks = [pool.allocate(KiB) for _ in range(4)]  # the disk fills on the third
+            full = os.open("/dev/full", os.O_WRONLY)  # every write: no space left on device
+            os.dup2(full, writer_for(path)._fd)  # the disk is full from now on
+            os.close(full)
+            blocks = [pool.allocate(KiB) for _ in range(40)]  # the 64th event flushes: fails
             assert None not in blocks
             for block in blocks:
                 assert block is not None and pool.free(block)
@@ -57,7 +41,7 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
     assert len(messages) == 1 and "No space left on device" in messages[0]
     report = pool.report()
     assert report.trace_error is not None and "stopped" in report.trace_error
-    assert (report.allocations, report.frees) == (4, 4)
+    assert (report.allocations, report.frees) == (40, 40)
     assert "No space left" in str(report)
 
 
@@ -271,3 +255,143 @@ def test_a_budget_dropped_with_live_blocks_keeps_its_memory() -> None:
         assert holds(block, 4 * KiB, 0x6E)
         for other in others:
             assert other is not None and later.free(other)
+
+
+# -- no instruction leaves the tree's lock held ----------------------------------------------
+
+
+class Injected(BaseException):
+    """What the fault injector raises: a BaseException, as an asynchronous one may be."""
+
+
+LOCK_TAKERS = ("allocate", "free", "resize", "owner", "note_error", "_deny", "check")
+
+
+def _lock_taking_code() -> set[Any]:
+    from gpubudget.node import Node
+    from gpubudget.tree import Tree
+
+    return ({getattr(Tree, name).__code__ for name in LOCK_TAKERS}
+            | {Node.open_child.__code__, Node.close.__code__})
+
+
+def _raise_at(index: int, codes: set[Any], operation: Any) -> bool:
+    """Run ``operation``, raising :class:`Injected` before the ``index``-th instruction
+    executed in a frame of ``codes`` (counted across them); whether it was raised."""
+    seen = 0
+
+    def opcodes(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen
+        if event == "opcode":
+            seen += 1
+            if seen == index + 1:
+                raise Injected  # and Python unsets the trace function: one fault per run
+        return opcodes
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code not in codes:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return opcodes
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        operation()
+    except Injected:
+        pass
+    finally:
+        sys.settrace(previous)
+    return seen > index
+
+
+def _free_elsewhere(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (it is re-entrant: this one always could)."""
+    taken: list[bool] = []
+
+    def probe() -> None:
+        got = lock.acquire(blocking=False)
+        if got:
+            lock.release()
+        taken.append(got)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return taken == [True]
+
+
+def _exit_with_failing_hook() -> None:
+    def fail() -> None:
+        raise RuntimeError("adapter hook")
+
+    budget = gpu_budget("1KiB").__enter__()
+    budget.call_on_exit(fail)
+    budget.__exit__(None, None, None)
+
+
+def _scenarios() -> dict[str, Any]:
+    """Operations that take the tree's lock, each on a pool of 64 KiB (and a child ``c``)
+    holding two blocks ``a`` and ``b``; each returns the pool."""
+    from tests.helpers import StreamBackend
+
+    def run(body: Any, backend: Any = None) -> Any:
+        def scenario(inject: Any) -> Any:
+            with gpu_budget("64KiB", name="pool", backend=backend) as pool:
+                with gpu_budget("32KiB", name="c") as child:
+                    a, b = child.allocate(KiB), child.allocate(KiB)
+                    inject(lambda: body(pool, child, a, b))
+                    for block in [x.address for x in pool.report().walk()[1].live_blocks]:
+                        child.free(block)
+                    for block in [x.address for x in pool.report().live_blocks]:
+                        pool.free(block)
+            return pool
+        return scenario
+
+    return {
+        "allocate": run(lambda p, c, a, b: c.allocate(KiB)),
+        "allocate with alignment": run(lambda p, c, a, b: c.allocate(KiB, 4096)),
+        "allocate over a limit": run(lambda p, c, a, b: c.allocate(48 * KiB)),
+        "allocate an invalid size": run(lambda p, c, a, b: c.allocate(0)),
+        "allocate while frees are pending": run(
+            lambda p, c, a, b: (c.free(a, stream=1), c.allocate(KiB, stream=1)),
+            StreamBackend()),
+        "free": run(lambda p, c, a, b: c.free(a)),
+        "free on a stream": run(lambda p, c, a, b: c.free(a, stream=1), StreamBackend()),
+        "free what is not a block": run(lambda p, c, a, b: c.free(12345)),
+        "resize in place": run(lambda p, c, a, b: c.resize(b, 2 * KiB)),
+        "resize by moving": run(lambda p, c, a, b: c.resize(a, 4 * KiB)),
+        "resize what is not a block": run(lambda p, c, a, b: c.resize(12345, KiB)),
+        "resize whose copy fails": run(lambda p, c, a, b: c.resize(a, 4 * KiB),
+                                       BrokenCopyBackend()),
+        "owner": run(lambda p, c, a, b: p.owner_of(a)),
+        "check": run(lambda p, c, a, b: p.check()),
+        "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
+            None, None, None)),
+        "exit with a hook that fails": run(lambda p, c, a, b: _exit_with_failing_hook()),
+    }
+
+
+@pytest.mark.skipif(gpubudget.compiled, reason="compiled code has no instructions to trace")
+@pytest.mark.parametrize("name", list(_scenarios()))
+def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None:
+    scenario, codes = _scenarios()[name], _lock_taking_code()
+    index = 0
+    while True:
+        fired = False
+
+        def inject(operation: Any) -> None:
+            nonlocal fired
+            lock = current_budget()._node.tree.lock  # type: ignore[union-attr]
+            fired = _raise_at(index, codes, operation)
+            free = _free_elsewhere(lock)
+            if not free:
+                lock.release()  # so that the test fails instead of hanging at the exit
+            assert free, f"{name}: the lock is held after a fault at instruction {index}"
+
+        scenario(inject)
+        if not fired:
+            break
+        index += 1
+    assert index > 10, f"{name}: only {index} instructions traced"

@@ -15,8 +15,9 @@ from typing import Final
 from ..errors import GpuBudgetError
 from ..plot import plot_format
 from ..replay import Fit, ReplayResult, fit, replay
+from ..replay.fit import reading_progress
 from ..report import BudgetReport
-from ..tracefile import printable
+from ..tracefile import TraceReader, printable
 from ..units import GiB, KiB, MiB, format_size
 from .output import EXIT_BAD_INPUT, Failure, Progress, say
 
@@ -265,14 +266,18 @@ def fit_command(paths: Sequence[str], max_bytes: int) -> int:
     for path in files:
         shown = printable(path)
         base = printable(os.path.basename(path) or path)
+        tell = _Prefixed(f"{base}: ", progress)
         try:
-            fits = fit(path, max_bytes=max_bytes, progress=_Prefixed(f"{base}: ", progress))
+            with TraceReader(path, max_bytes=max_bytes, progress=reading_progress(tell)) as reader:
+                fits = fit(reader, progress=tell)
         except (GpuBudgetError, ValueError) as exc:
             progress.clear()
             say(f"error: {exc}")
             failed += 1
             continue
         progress.clear()
+        if reader.cut_short is not None:  # as report says it: the fit stops before that line
+            say(f"warning: {reader.cut_short}")
         forest: dict[str, _Group] = {}
         _group(fits, forest)
         _group(fits, merged)

@@ -6,15 +6,25 @@ device costs nothing until written), and the device has a fixed total. What the 
 hold is counted across the processes of the machine, through one small file per reservation
 in a directory named by the device, so a second actor on the same logical GPU sees less free
 memory, as it would on a real one. Reservations of processes that have exited stop counting.
+
+The files live in ``$TMPDIR/gpubudget-simulated-gpus-<uid>/<device>/`` (:data:`LEDGER_ROOT`),
+where other users write too, so they are handled with care: the directories are created
+``0700`` and used only if they are this user's, not links and not writable by others; no
+file is opened through a symbolic link; a record is created anew, never over an existing
+file; the ``.lock`` file is opened without truncating it and used only if it is a regular
+file of this user's. A directory that fails these checks is refused
+(:class:`PermissionError` naming it and why: a root budget's ``BudgetError``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +36,12 @@ from ..units import format_size
 
 __all__ = ["LEDGER_ROOT", "SimulatedGpu", "SimulatedReservation"]
 
-LEDGER_ROOT: Final = Path(tempfile.gettempdir()) / "gpubudget-simulated-gpus"
-"""Where simulated devices count their reservations: one directory per device."""
+LEDGER_ROOT: Final = Path(tempfile.gettempdir()) / f"gpubudget-simulated-gpus-{os.geteuid()}"
+"""Where simulated devices count their reservations: one directory per device, per user."""
 _serial: Final = itertools.count(1)
+_RECORD_BYTES: Final = 32
+"""A record holds a byte count in decimal: fewer bytes than this."""
+_NO_LINK: Final = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 class SimulatedReservation:
     """Host memory held for a root budget on a simulated GPU, and its ledger record."""
@@ -93,9 +106,8 @@ class SimulatedGpu:
                 raise MemoryError(f"simulated GPU {self.key!r} has {format_size(free)} free of "
                                   f"{format_size(self.total)}; {format_size(nbytes)} asked")
             host = self._host.reserve(nbytes)
-            record = self.directory / f"{os.getpid()}-{next(_serial)}"
             try:
-                record.write_text(str(nbytes), encoding="ascii")
+                record = _new_record(self.directory, nbytes)
             except OSError as exc:
                 host.release()
                 raise MemoryError(f"simulated GPU {self.key!r}: cannot record the "
@@ -114,10 +126,17 @@ class SimulatedGpu:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / ".lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if self.directory.parent == LEDGER_ROOT:
+            _own_directory(LEDGER_ROOT)
+        else:
+            self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _own_directory(self.directory)
+        fd = _open_own(self.directory / ".lock", os.O_RDWR | os.O_CREAT)  # never truncated
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when the file closes
             yield
+        finally:
+            os.close(fd)
 
     def _held(self) -> int:
         """Bytes reserved on this device by live processes; forgets records of dead ones."""
@@ -128,11 +147,69 @@ class SimulatedGpu:
                 continue
             if not _alive(int(pid_text)):
                 with contextlib.suppress(OSError):
-                    record.unlink()
+                    record.unlink()  # a link is removed, never followed
                 continue
             with contextlib.suppress(OSError, ValueError):
-                held += int(record.read_text(encoding="ascii"))
+                fd = _open_own(record, os.O_RDONLY)
+                try:
+                    held += int(os.read(fd, _RECORD_BYTES))
+                finally:
+                    os.close(fd)
         return held
+
+
+def _own_directory(path: Path) -> None:
+    """Create ``path`` (``0700``) if missing; :class:`PermissionError` unless it is a
+    directory (not a link) of this user's that no one else may write in."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    problem = ("is a symbolic link" if stat.S_ISLNK(info.st_mode)
+               else "is not a directory" if not stat.S_ISDIR(info.st_mode)
+               else f"belongs to uid {info.st_uid}, not this user ({os.geteuid()})"
+               if info.st_uid != os.geteuid()
+               else f"may be written by others (mode {stat.S_IMODE(info.st_mode):04o})"
+               if info.st_mode & 0o022 else None)
+    if problem is not None:
+        raise PermissionError(errno.EACCES, f"simulated GPU ledger {str(path)!r} {problem}: "
+                                            f"refused")
+
+
+def _open_own(path: Path, flags: int) -> int:
+    """A descriptor of ``path`` opened with ``flags``, not through a link; ``OSError``
+    unless it is a regular file of this user's."""
+    try:
+        fd = os.open(path, flags | _NO_LINK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PermissionError(errno.EACCES, f"{str(path)!r} is a symbolic link: "
+                                                f"refused") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise PermissionError(errno.EACCES, f"{str(path)!r} is not a regular file of this "
+                                            f"user's: refused")
+    return fd
+
+
+def _new_record(directory: Path, nbytes: int) -> Path:
+    """A record of ``nbytes`` created in ``directory``, never over an existing file (a
+    record a process of the same pid left is skipped)."""
+    while True:
+        record = directory / f"{os.getpid()}-{next(_serial)}"
+        try:
+            fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_LINK, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.write(fd, str(nbytes).encode("ascii"))
+        except BaseException:
+            os.close(fd)
+            record.unlink()
+            raise
+        os.close(fd)
+        return record
 
 
 def _alive(pid: int) -> bool:

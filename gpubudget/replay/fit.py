@@ -30,7 +30,7 @@ from .run import (
     _Replay,
 )
 
-__all__ = ["Fit", "fit"]
+__all__ = ["Fit", "fit", "reading_progress"]
 _MAX_DOUBLINGS: Final = 64
 """How often ``fit`` doubles a root's ceiling at most (the host's address space ends first)."""
 
@@ -75,7 +75,9 @@ def fit(
 
     Each root is fitted on its own events, so the cost is linear in the number of roots.
     Results come root by root, each root before its descendants, in the order of entry.
-    ``progress`` receives a short message at each replay.
+    ``progress`` receives a short message at each replay. A last line cut short (the writing
+    process was killed) is skipped, as a :class:`~gpubudget.tracefile.TraceReader` does: to
+    be told, pass an open reader and read its ``cut_short`` afterwards.
 
     Raises
     ------
@@ -210,12 +212,18 @@ class _TreeEvents:
                 yield make(Exit, (t, budget))
 
 
-def _split_by_root(trace: TraceSource, max_bytes: int,
-                   tell: Callable[[str], None]) -> dict[int, _TreeEvents]:
-    """Each root's events (its own and its descendants'), roots in the order of entry."""
+def reading_progress(tell: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A :class:`~gpubudget.tracefile.TraceReader` progress callback that gives ``tell`` the
+    message :func:`fit` gives while it reads a file."""
     def read_progress(lines: int, nbytes: int) -> None:
         tell(f"reading: {lines:,} lines, {format_size(nbytes)}")
 
+    return read_progress
+
+
+def _split_by_root(trace: TraceSource, max_bytes: int,
+                   tell: Callable[[str], None]) -> dict[int, _TreeEvents]:
+    """Each root's events (its own and its descendants'), roots in the order of entry."""
     trees: dict[int, _TreeEvents] = {}
     root_of: dict[int, int] = {}
 
@@ -233,7 +241,7 @@ def _split_by_root(trace: TraceSource, max_bytes: int,
     if isinstance(trace, (Trace, TraceReader)):
         split(trace.events if isinstance(trace, Trace) else trace)
     else:
-        with TraceReader(trace, max_bytes=max_bytes, progress=read_progress) as reader:
+        with TraceReader(trace, max_bytes=max_bytes, progress=reading_progress(tell)) as reader:
             split(reader)
     return trees
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Final, Union
 
 from ..backends.host import HostBackend
-from ..budget import TRACE_ENV, Budget
+from ..budget import Budget
+from ..context import SEPARATE_ROOTS
 from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
@@ -127,6 +128,7 @@ class _Member:
         self.chain = (self,) + chain  # itself, then its ancestors
         self.budget: Budget | None = None  # None when its entry was refused
         self.context = contextvars.Context()
+        self.context.run(SEPARATE_ROOTS.set, True)  # a replay's roots: no thread-trap warning
         self.denials = 0
         self.largest_probe = 0
         self.granted_peak = 0
@@ -150,10 +152,6 @@ class _Replay:
         self.unpins: dict[int, list[Budget]] = {}  # event index -> budgets to unpin after it
         self.index = 0  # of the event being replayed
         self.backend = ReplayBackend()
-        # A replay is never traced, even where GPUBUDGET_TRACE asks every root to be: that
-        # could be the very file being read. No trace= means that variable's file, so the
-        # replay's roots write theirs to the null device when it is set.
-        self.trace = os.devnull if os.environ.get(TRACE_ENV) else None
         self.members: dict[int, _Member] = {}
         self.roots: list[int] = []
         self.blocks: dict[int, tuple[_Member, int]] = {}
@@ -222,11 +220,13 @@ class _Replay:
         elif parent.budget is None:
             member.denials += 1  # its parent could not be opened
             return
+        # A replay is never traced (trace=False), even where GPUBUDGET_TRACE asks every root
+        # to be: that could be the very file being read.
         budget = Budget(limit, align=event.align, name=event.name,
                         reserve=min(event.reserve, limit) or None,
                         backend=self.backend if parent is None else None,
                         parent=parent.budget if parent is not None else None,
-                        trace=self.trace if parent is None else None)
+                        trace=False if parent is None else None)
         try:
             member.context.run(budget.__enter__)
         except BudgetError as exc:

@@ -17,8 +17,16 @@ unique in the file:
   resized in place (a move is recorded as an ``alloc`` and a ``free``);
 - ``{"ev": "exit", "t", "b"}``: the budget's ``with`` block ended.
 
+Names, tags, reasons and backend names are at most :data:`MAX_TEXT` (1024) characters: the
+writer shortens a longer one to 1023 characters and ``…``; a refused ``size`` or ``bytes``
+beyond 64 bits is written as ``2**63 - 1``. So every line gpubudget writes is far shorter
+than :data:`MAX_LINE_BYTES` and within the ranges below: every trace it writes, it reads.
+
 Writers are shared per path within a process, so several root budgets (``GPUBUDGET_TRACE``)
-write one file with one header.
+write one file with one header. A file is written by one process at a time: the writer holds
+an advisory lock on it (``flock``), refuses to follow a symbolic link, and overwrites only an
+empty file or an earlier trace of the same user (see :mod:`gpubudget.tracefile.files`);
+``{pid}`` in a path becomes the process id.
 
 Reading (:class:`TraceReader`, :func:`read_trace`) streams the file and checks every line
 against the schema above, refusing with a :class:`TraceError` that names the file, the line
@@ -57,13 +65,15 @@ from .format import (
     FORMAT,
     LIMIT_REASONS,
     MAX_LINE_BYTES,
+    MAX_TEXT,
     MAX_TRACE_BYTES,
     VERSION,
     TraceError,
     printable,
 )
 from .reader import Trace, TraceReader, read_trace
-from .writer import TraceWriter, writer_for
+from .files import TraceBusy
+from .writer import TraceWriter, writer_for, writer_from_env
 
 __all__ = [
     "Alloc",
@@ -76,9 +86,11 @@ __all__ = [
     "Header",
     "LIMIT_REASONS",
     "MAX_LINE_BYTES",
+    "MAX_TEXT",
     "MAX_TRACE_BYTES",
     "Resize",
     "Trace",
+    "TraceBusy",
     "TraceError",
     "TraceEvent",
     "TraceReader",
@@ -87,4 +99,5 @@ __all__ = [
     "printable",
     "read_trace",
     "writer_for",
+    "writer_from_env",
 ]

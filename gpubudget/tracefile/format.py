@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Final
 
-from ..errors import GpuBudgetError
+from ..errors import TraceError
 
 __all__ = [
     "FLUSH_EVERY",
@@ -13,6 +13,7 @@ __all__ = [
     "FORMAT",
     "LIMIT_REASONS",
     "MAX_LINE_BYTES",
+    "MAX_TEXT",
     "MAX_TRACE_BYTES",
     "VERSION",
     "TraceError",
@@ -28,12 +29,13 @@ FLUSH_SECONDS: Final = 0.25
 """A writer also flushes at an event that comes this long (seconds) after its last flush."""
 MAX_LINE_BYTES: Final = 1 << 20
 """Longest line a reader accepts, newline included (1 MiB; the writer's lines are ~100 B)."""
+MAX_TEXT: Final = 1024
+"""Longest name, tag, reason or backend name the writer writes, in characters: a longer one
+is cut to ``MAX_TEXT - 1`` characters and ``…``. JSON writes a character in 12 bytes at most
+(a surrogate pair), and a line holds two such texts, so every line written stays far below
+:data:`MAX_LINE_BYTES`: every trace gpubudget writes, gpubudget reads."""
 MAX_TRACE_BYTES: Final = 4 << 30
 """Largest trace a reader accepts unless told otherwise (4 GiB, about 40 million events)."""
-
-
-class TraceError(GpuBudgetError, ValueError):
-    """A trace file is missing, unreadable, malformed or of a newer version."""
 
 
 _QUOTED: Final = 60

@@ -1,0 +1,60 @@
+"""The root budgets open in this process, and the thread-pool trap they let us see.
+
+A new thread starts with no active budget, so a plain ``gpu_budget(...)`` there is a new root
+with a reservation of its own, not a share of the pool the program opened elsewhere.
+:func:`warn_if_thread_trap` warns about it (see ``Budget``); :func:`opened` keeps the roots it
+looks at.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Final
+
+from . import context
+from .callers import user_stacklevel
+from .units import format_size
+
+if TYPE_CHECKING:
+    from .budget import Budget  # only named: budget.py imports this module
+
+__all__ = ["THREAD_ROOT", "opened", "warn_if_thread_trap"]
+
+THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
+"""How the warning about a root entered in a thread while another is open begins: the
+``message`` of a ``warnings.filterwarnings("ignore", message=...)`` that silences it."""
+_open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
+_open_roots_lock: Final = threading.Lock()
+
+
+def opened(root: Budget) -> None:
+    """``root`` was entered as a root budget."""
+    with _open_roots_lock:
+        _open_roots.add(root)
+
+
+def warn_if_thread_trap(root: Budget) -> None:
+    """Warn (one ``RuntimeWarning`` at the user's line) when ``root``, about to open as a
+    root in a thread other than the main one, is probably meant as a share of a root open
+    elsewhere: the thread-pool trap (a new thread starts with no active budget)."""
+    if threading.current_thread() is threading.main_thread() or context.SEPARATE_ROOTS.get():
+        return
+    with _open_roots_lock:
+        for entered in list(_open_roots):
+            if entered.state != "open":
+                _open_roots.discard(entered)
+        other = next(iter(_open_roots), None)
+    if other is None:
+        return
+    warnings.warn(
+        f"{THREAD_ROOT}: {root.name!r} ({format_size(root.limit)}) is entered in thread "
+        f"{threading.current_thread().name!r}, where no budget is active, while root budget "
+        f"{other.name!r} is open in this process, so it reserves memory of its own instead "
+        f"of drawing from {other.name!r}. To make it a child, enter it inside "
+        f"`with gpubudget.use(parent):`, or pass `gpu_budget(..., parent=parent)`, or submit "
+        f"`gpubudget.bind(fn)` to the thread pool (it carries the budgets active where it is "
+        f"called); parent: {other.name!r} or a budget under it. If a separate root is meant: "
+        f"warnings.filterwarnings('ignore', message={THREAD_ROOT!r})",
+        RuntimeWarning, stacklevel=user_stacklevel())
