@@ -21,6 +21,7 @@ from .backends import Backend, get_backend, validate_spec
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
+from .hostledger import open_registered, parse_share
 from .interrupts import STATE, protect
 from .node import Node
 from .snapshot import watch_leaks
@@ -97,7 +98,7 @@ class Budget(BudgetView, AdapterHooks):
     <Budget 'pool' limit=1.00 MiB used=195.50 KiB peak=195.50 KiB exited>
     """
 
-    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token",
+    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token", "_share",
                  "__weakref__")
 
     def __init__(
@@ -113,13 +114,14 @@ class Budget(BudgetView, AdapterHooks):
         parent: Budget | None = None,
         device: int | None = None,
     ) -> None:
-        nbytes = parse_size(limit, what="limit")
+        share = parse_share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
+        nbytes = 0 if share is not None else parse_size(limit, what="limit")
         alignment = check_align(align, "align")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise (TypeError if not isinstance(name, str) else ValueError)(
                 f"name must be a non-empty string, got {name!r}")
         floor = 0 if reserve is None else parse_size(reserve, what="reserve")
-        if floor > nbytes:
+        if floor > nbytes and share is None:
             raise ValueError(
                 f"reserve {reserve!r} ({format_size(floor)}) exceeds limit {limit!r} "
                 f"({format_size(nbytes)}) of budget {name!r}")
@@ -142,6 +144,7 @@ class Budget(BudgetView, AdapterHooks):
         self._parent: Final = parent
         self._device: Final = ordinal
         self._token: Token[tuple[Budget, ...]] | None = None
+        self._share: Final = share
 
     # -- the with protocol -----------------------------------------------------------------
 
@@ -167,13 +170,20 @@ class Budget(BudgetView, AdapterHooks):
     def _open_root(self) -> None:
         backend = get_backend(self._backend_spec, device=self._device)
         path = self._trace if self._trace is not None else os.environ.get(TRACE_ENV)
-        self._node.open_root(backend, writer_for(path) if path else None)
+        node = self._node
+        open_registered(backend, node.name, self._share or node.account.limit, node.align,
+                        lambda limit: node.open_root(backend, writer_for(path) if path else None,
+                                                     limit))
         interrupts.install()
         if self._node.track_stacks:
             watch_leaks(self)
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
+        if self._share is not None:
+            raise ValueError(f"budget {name!r} was given limit {self._share.text!r}, a share of "
+                             f"a device's unclaimed memory, but is entered inside "
+                             f"{parent.name!r}; only a root budget sizes itself from the device")
         root_backend = parent.backend
         if self._backend_spec is not None and get_backend(self._backend_spec) is not root_backend:
             raise ValueError(f"budget {name!r} was given backend={self._backend_spec!r} but "

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from .published import Published
+
 __all__ = ["Account", "available", "charge", "passed_up", "refusal"]
 
 
@@ -30,7 +32,7 @@ class Account:
     """
 
     __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "chain",
-                 "plain")
+                 "plain", "published")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -44,6 +46,7 @@ class Account:
         self.parent: Final = parent
         self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
         self.plain: Final = not any(account.reserve for account in self.chain)
+        self.published: Published | None = None  # a root's numbers in the host ledger
 
 
 def passed_up(account: Account, used: int) -> int:
@@ -78,6 +81,8 @@ def charge(account: Account, delta: int) -> None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+        if link.published is not None:  # ``link`` is the root now
+            link.published.moved(used, link.peak)
         return
     node: Account | None = account
     while node is not None and delta:
@@ -85,6 +90,8 @@ def charge(account: Account, delta: int) -> None:
         used = node.used = old + delta
         if used > node.peak:
             node.peak = used
+        if node.published is not None:
+            node.published.moved(used, node.peak)
         if node.reserve:
             delta = passed_up(node, used) - passed_up(node, old)
         node = node.parent
