@@ -243,7 +243,7 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
 
 def _device(device: LedgerDevice) -> str:
     """The device as messages name it: its label, and its identity unless that is plain."""
-    if device.identity in (device.label, "host"):
+    if device.identity in device.label or device.identity == "host":
         return device.label
     return f"{device.label} ({device.identity})"
 

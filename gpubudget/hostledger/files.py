@@ -77,7 +77,7 @@ class LedgerDirectory:
             self.fd: Final = os.open(path, _DIRECTORY_FLAGS)
         except OSError as exc:
             raise LedgerError(f"cannot open the ledger directory {str(path)!r}: "
-                              + _why(exc)) from None
+                              + _why(exc, os.path.islink(path))) from None
         try:
             self.mode: Final = self._checked(os.fstat(self.fd))
         except BaseException:
@@ -186,10 +186,10 @@ class LedgerDirectory:
         return str(self.path / name)
 
 
-def _why(exc: OSError) -> str:
+def _why(exc: OSError, link: bool = False) -> str:
     import errno
 
-    if exc.errno == errno.ELOOP:
+    if exc.errno == errno.ELOOP or link:
         return "it is a symbolic link, which gpubudget never follows"
     if exc.errno == errno.ENOTDIR:
         return "it is not a directory"
