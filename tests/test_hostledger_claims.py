@@ -19,7 +19,7 @@ import pytest
 from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget.backends import HostBackend
 from gpubudget.backends.host import HostReservation
-from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view
+from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view, procs
 from gpubudget.units import GiB, MiB
 from tests.helpers import subprocess_env
 
@@ -309,7 +309,7 @@ def test_a_claim_that_never_settles_is_counted_as_taken(monkeypatch: pytest.Monk
     monkeypatch.setattr(claims, "SETTLE_SECONDS", 0.3)
     gpu = SlowGpu()
     book = claims.book_for(gpu.ledger_device())
-    me = claims.myself()
+    me = procs.myself()
     with book.locked():  # a process that claimed 2 GiB and is stuck before reserving
         book.claim({"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
                     "claim": 2 * GiB}, "stuck", "me")

@@ -6,14 +6,16 @@ process (pid, process, budget, limit, used, peak, denials) and, where NVML answe
 memory each process holds on the device outside its budgets, with the processes that hold
 GPU memory and have no budget at all. On a terminal it redraws every second: ``s`` changes
 the column rows are sorted by, ``r`` reverses the order, ``/`` filters (type, then Enter;
-Esc cancels), ``c`` clears the filter, ``q`` quits. ``--once`` prints the view once as text,
-``--json`` once as JSON. Names come from other processes: unprintable characters are shown
-escaped.
+Esc cancels), ``c`` clears the filter, ``q`` quits. ``--once`` prints the view once as text
+(as does ``top`` when its output is not a terminal), ``--json`` once as JSON. Names come from
+other processes: unprintable characters are shown escaped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -74,9 +76,9 @@ def _rows(device: DeviceView, options: TopOptions) -> list[_Row]:
     wanted = options.filter.lower()
     if wanted and wanted not in f"{device.identity} {device.label}".lower():
         rows = [row for row in rows if wanted in f"{row.pid} {row.process} {row.budget}".lower()]
-    largest_first = options.sort in _NUMERIC
-    rows.sort(key=lambda row: (row.key(options.sort), row.pid, row.budget),
-              reverse=largest_first != options.reverse)
+    rows.sort(key=lambda row: (row.pid, row.budget))  # ties stay in this order
+    rows.sort(key=lambda row: row.key(options.sort),
+              reverse=(options.sort in _NUMERIC) != options.reverse)
     return rows
 
 
@@ -93,8 +95,9 @@ def _cell(text: str, width: int, right: bool) -> str:
 
 def _device_line(device: DeviceView) -> str:
     processes = len({entry.pid for entry in device.entries})
-    parts = [printable(device.identity) + ("" if device.label == device.identity
-                                           else f" {printable(device.label)}"),
+    named = device.label if device.identity in device.label else (
+        f"{device.identity} {device.label}")
+    parts = [printable(named),
              f"{format_size(device.total)}"]
     if device.cap is not None:
         parts.append(f"cap {format_size(device.cap)}")
@@ -143,7 +146,7 @@ def top_command(options: TopOptions, *, once: bool, as_json: bool) -> int:
     if as_json:
         print(json.dumps(host_view(options.directory, idle=options.idle).as_dict(), indent=2))
         return 0
-    if once:
+    if once or not _terminal():
         print("\n".join(render(host_view(options.directory, idle=options.idle), options)))
         return 0
     import curses
@@ -151,11 +154,23 @@ def top_command(options: TopOptions, *, once: bool, as_json: bool) -> int:
     def read() -> HostView:
         return host_view(options.directory, idle=options.idle)
 
-    result: int = curses.wrapper(lambda screen: _live(screen, options, read))
+    first = read()  # a bad ledger is said before the terminal is taken over
+    for stale in ("LINES", "COLUMNS"):  # curses would take them over the terminal's own size
+        os.environ.pop(stale, None)
+    result: int = curses.wrapper(lambda screen: _live(screen, options, read, first))
     return result
 
 
-def _live(screen: Any, options: TopOptions, read: Callable[[], HostView]) -> int:
+def _terminal() -> bool:
+    """Whether standard input and output are a terminal the live view can take over."""
+    try:
+        return sys.stdin.isatty() and sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _live(screen: Any, options: TopOptions, read: Callable[[], HostView], view: HostView
+          ) -> int:
     """The live view: redraw every ``interval`` seconds, answer keys in between."""
     import curses
 
@@ -165,13 +180,12 @@ def _live(screen: Any, options: TopOptions, read: Callable[[], HostView]) -> int
         pass
     screen.timeout(100)
     typing: str | None = None  # the filter being typed, after '/'
-    view = read()
     refreshed = time.monotonic()
     while True:
         shown = replace(options, filter=typing) if typing is not None else options
         lines = render(view, shown)
         if typing is not None:
-            lines[0] += "   (type a filter, Enter to keep it, Esc to cancel)"
+            lines[0] += " (typing: Enter keeps it, Esc cancels)"
         _draw(screen, lines)
         key = screen.getch()
         if typing is not None:

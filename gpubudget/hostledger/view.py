@@ -49,7 +49,8 @@ class DeviceView:
     @property
     def pids(self) -> tuple[int, ...]:
         """Processes with budgets here, then (NVML) those without, in order of pid."""
-        return tuple(sorted({entry.pid for entry in self.entries} | set(self.used_by or {})))
+        budgeted = sorted({entry.pid for entry in self.entries})
+        return (*budgeted, *sorted(set(self.used_by or {}) - set(budgeted)))
 
     def outside(self, pid: int) -> int | None:
         """What process ``pid`` holds on the device beyond its budgets' reservations
