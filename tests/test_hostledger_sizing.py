@@ -95,5 +95,5 @@ def test_a_limit_is_refused_above_the_cap_a_hard_total_or_the_free_memory() -> N
     assert rule(6 * GiB, free=6 * GiB) == 6 * GiB
     reason = decide(6 * GiB, granularity=256, held=0, total=16 * GiB, cap=None, hard=False,
                     free=6 * GiB, unsettled=GiB).reason
-    assert reason == ("the device has 6.00 GiB free, 1.00 GiB of it claimed by roots still "
-                      "reserving, 5.00 GiB left")
+    assert reason == ("the device has 6.00 GiB free of 16.00 GiB total, 1.00 GiB of it "
+                      "claimed by roots still reserving, 5.00 GiB left")

@@ -147,7 +147,8 @@ def decide(request: int | Share, *, granularity: int, held: int, total: int,
         rooms.append((total - held, f"the device has {format_size(total)}, "
                                     f"{format_size(held)} of it claimed"))
     if free is not None:
-        rooms.append((free - unsettled, f"the device has {format_size(free)} free"
+        rooms.append((free - unsettled, f"the device has {format_size(free)} free of "
+                                        f"{format_size(total)} total"
                       + (f", {format_size(unsettled)} of it claimed by roots still reserving"
                          if unsettled else "")))
     room, why = min(rooms, default=(math.inf, ""), key=lambda pair: pair[0])
