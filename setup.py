@@ -15,7 +15,6 @@ from setuptools import setup
 
 COMPILED = [
     "gpubudget/units.py",
-    "gpubudget/published.py",
     "gpubudget/ledger.py",
     "gpubudget/arena.py",
     "gpubudget/streams.py",

@@ -8,7 +8,11 @@ used in this order with the tree's lock held:
 1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
    changes nothing and names the first account that refuses;
 2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
-   so a request that is refused, or that the arena cannot place, never moves a peak.
+   so a request that is refused, or that the arena cannot place, never moves a peak. A root
+   registered in the host ledger (:mod:`gpubudget.hostledger`) has its ``used`` stored into
+   its slot there each time it changes, and its ``peak`` each time ``used`` is at it (so
+   after ``reset_peak()`` the slot's peak follows once ``used`` reaches the new one): plain
+   stores, nothing else.
 
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
@@ -18,8 +22,6 @@ of its own live blocks plus, for each unreleased child, ``max(child.used, child.
 from __future__ import annotations
 
 from typing import Final
-
-from .published import Published
 
 __all__ = ["Account", "available", "charge", "passed_up", "refusal"]
 
@@ -46,7 +48,9 @@ class Account:
         self.parent: Final = parent
         self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
         self.plain: Final = not any(account.reserve for account in self.chain)
-        self.published: Published | None = None  # a root's numbers in the host ledger
+        # A registered root's words in its host-ledger slot (used, peak, denials), which
+        # every change of ``used`` stores into: plain stores, for other processes to read.
+        self.published: memoryview | None = None
 
 
 def passed_up(account: Account, used: int) -> int:
@@ -81,8 +85,11 @@ def charge(account: Account, delta: int) -> None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
-        if link.published is not None:  # ``link`` is the root now
-            link.published.moved(used, link.peak)
+        published = link.published  # ``link`` is the root now
+        if published is not None:
+            published[0] = used
+            if used == link.peak:  # at its peak: a new one, or the one reset_peak() set
+                published[1] = used
         return
     node: Account | None = account
     while node is not None and delta:
@@ -91,7 +98,9 @@ def charge(account: Account, delta: int) -> None:
         if used > node.peak:
             node.peak = used
         if node.published is not None:
-            node.published.moved(used, node.peak)
+            node.published[0] = used
+            if used == node.peak:
+                node.published[1] = used
         if node.reserve:
             delta = passed_up(node, used) - passed_up(node, old)
         node = node.parent

@@ -21,7 +21,6 @@ from . import interrupts
 from .callers import user_stacklevel
 
 if TYPE_CHECKING:
-    from .published import Published
     from .tracefile import TraceWriter
 
 __all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "Recorder", "Stats"]
@@ -98,7 +97,7 @@ class Recorder:
         self.logged = 0  # events ever logged; ``logged - len(events)`` were dropped
         self.writer = writer
         self.trace_error: str | None = None  # why tracing stopped, if it did
-        self.published: Published | None = None  # the root's slot in the host ledger
+        self.published: memoryview | None = None  # the root's words in the host ledger
 
     # -- one method per event: count, log, trace -----------------------------------------
 
@@ -130,7 +129,7 @@ class Recorder:
                nbytes: int, reason: str, refused_by: str, used: int, total: int) -> None:
         stats.count_denial(nbytes, reason, refused_by)
         if self.published is not None:
-            self.published.denied()
+            self.published[2] += 1  # denials in the tree, for other processes to read
         self.events.append((self.clock(), "deny", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:

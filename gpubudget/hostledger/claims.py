@@ -11,8 +11,9 @@
    :data:`SETTLE_SECONDS`; then count it as taken.
 3. Reserve the memory (a device call, no lock held). If that fails, the slot is released
    and the error names who holds the device's memory: all or nothing.
-4. Mark the slot ``reserved``; from now on every change of the root's ``used`` and every
-   denial in its tree is stored into the slot (:class:`~gpubudget.published.Published`).
+4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
+   ``peak``) and every denial in its tree is stored into the slot's words, with plain
+   stores (:mod:`gpubudget.ledger` and :mod:`gpubudget.recorder` do it).
 5. When the root releases its reservation (or the process exits, or dies), the slot goes.
 """
 
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Final
 from ..backends import Backend, Reservation
 from ..callers import user_stacklevel
 from ..errors import BudgetError
-from ..published import Published
 from ..tracefile import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
@@ -108,11 +108,12 @@ class Claim:
         assert reservation is not None
         with self.book.locked():
             self.book.reserved(self.slot, reservation.nbytes, time.monotonic_ns())
-        published = Published(self.book.words, slot_word(self.slot, "used"))
+        at = slot_word(self.slot, "used")  # then "peak" and "denials"
+        words = self.book.words[at: at + 3]
         account = tree.root.account
-        published.moved(account.used, account.peak)
+        words[0], words[1] = account.used, account.peak
         self.tree = tree
-        account.published = tree.recorder.published = published
+        account.published = tree.recorder.published = words
         tree.reservation = _Released(reservation, self)
 
     def release(self) -> None:

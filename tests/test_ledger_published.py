@@ -1,6 +1,6 @@
-"""gpubudget.published: a root's numbers stored in its host-ledger slot as they change, exactly
-(reserve floors and their release included), and nothing stored for children or unregistered
-roots."""
+"""A registered root's numbers stored into its host-ledger slot as they change (by
+gpubudget.ledger.charge and the recorder's denials), exactly: reserve floors and their
+release, resizes, reset_peak(); nothing after the root released its slot."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.hostledger import host_view
-from gpubudget.published import Published
 from gpubudget.units import KiB, MiB
 
 
@@ -23,19 +22,6 @@ def _ledger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def slot() -> tuple[int, int, int]:
     (entry,) = host_view(nvml=False).entries
     return entry.used, entry.peak, entry.denials
-
-
-def test_stores_used_always_and_peak_only_when_it_changes() -> None:
-    words = memoryview(bytearray(8 * 5)).cast("Q")
-    published = Published(words, 2)
-    published.moved(10, 10)
-    words[3] = 99  # nothing rewrites the peak while it stays the same
-    published.moved(5, 10)
-    assert words.tolist() == [0, 0, 5, 99, 0]
-    published.moved(7, 7)  # reset_peak(): the peak follows the account's
-    published.denied()
-    published.denied()
-    assert words.tolist() == [0, 0, 7, 7, 2]
 
 
 def test_the_slot_follows_the_root_through_children_reserves_and_denials() -> None:
