@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 __all__ = [
     "CLAIMED",
@@ -76,13 +76,16 @@ State = Literal["claimed", "reserved"]
 _STATES: Final[dict[int, State]] = {CLAIMED: "claimed", RESERVED: "reserved"}
 
 
+_FIELD_WORD: Final = {field: index for index, field in enumerate(SLOT_FIELDS)}
+
+
 def slot_word(slot: int, field: str) -> int:
     """Index, among the file's 64-bit words, of ``field`` of slot ``slot``.
 
     >>> slot_word(0, "state"), slot_word(1, "used")
     (512, 552)
     """
-    return (HEADER_BYTES + slot * SLOT_BYTES) // 8 + SLOT_FIELDS.index(field)
+    return (HEADER_BYTES + slot * SLOT_BYTES) // 8 + _FIELD_WORD[field]
 
 
 def header_word(field: str) -> int:
@@ -150,9 +153,9 @@ def encode_slot(numbers: dict[str, int], name: str, process: str) -> bytes:
                      text_field(process))
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One claimed slot as read: a root budget of some process (maybe ended)."""
+class Entry(NamedTuple):
+    """One claimed slot as read: a root budget of some process (maybe ended). A named tuple:
+    a claim reads every slot of its device, so each must be cheap to make."""
 
     slot: int
     state: State
@@ -184,12 +187,11 @@ class Entry:
 def decode_entry(data: bytes, offset: int, slot: int) -> Entry | None:
     """The slot at ``offset`` of ``data``, or ``None`` if it is free (or not a state this
     version writes)."""
-    *numbers, name, process = SLOT.unpack_from(data, offset)
-    values = dict(zip(SLOT_FIELDS, numbers))
-    state = _STATES.get(values.pop("state"))
-    if state is None:
+    (state, pid, start, pidns, boot, limit, claim, reserved, used, peak, denials, claimed_at,
+     reserved_at, ordinal, share, serial, name, process) = SLOT.unpack_from(data, offset)
+    kind = _STATES.get(state)
+    if kind is None:
         return None
-    ordinal, share = values.pop("ordinal"), values.pop("share")
-    return Entry(slot=slot, state=state, ordinal=ordinal - 1 if ordinal else None,
-                 share=share / 1e6 if share else None, name=_text(name),
-                 process=_text(process), **values)
+    return Entry(slot, kind, pid, start, pidns, boot, limit, claim, reserved, used, peak,
+                 denials, claimed_at, reserved_at, ordinal - 1 if ordinal else None,
+                 share / 1e6 if share else None, serial, _text(name), _text(process))
