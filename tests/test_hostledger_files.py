@@ -133,23 +133,31 @@ def test_a_planted_link_or_foreign_file_is_refused_never_written(tmp_path: Path)
 
 def test_processes_creating_one_file_at_once_all_get_the_same(tmp_path: Path) -> None:
     made(tmp_path / "ledger")
-    inodes: list[int] = []
-    barrier = threading.Barrier(8)
+    for round_ in range(20):  # creators racing, and openers seeing it between link and unlink
+        name = f"device{round_}.ledger"
+        inodes: list[int] = []
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(8)
 
-    def create() -> None:
-        directory = LedgerDirectory(tmp_path / "ledger", create=False)
-        barrier.wait()
-        fd, header = directory.create("host.ledger", *IDENTITY)
-        inodes.append(os.fstat(fd).st_ino)
-        assert header.identity == "host"
-        os.close(fd)
-        directory.close()
+        def create() -> None:
+            directory = LedgerDirectory(tmp_path / "ledger", create=False)
+            try:
+                barrier.wait()
+                fd, header = directory.create(name, *IDENTITY)
+                inodes.append(os.fstat(fd).st_ino)
+                assert header.identity == "host"
+                os.close(fd)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+            finally:
+                directory.close()
 
-    threads = [threading.Thread(target=create) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(inodes) == 8 and len(set(inodes)) == 1
-    assert os.listdir(tmp_path / "ledger") == ["host.ledger"]
-    assert (tmp_path / "ledger" / "host.ledger").read_bytes()[:8] == MAGIC
+        threads = [threading.Thread(target=create) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [] and len(inodes) == 8 and len(set(inodes)) == 1
+        assert (tmp_path / "ledger" / name).read_bytes()[:8] == MAGIC
+    assert sorted(os.listdir(tmp_path / "ledger")) == sorted(
+        f"device{round_}.ledger" for round_ in range(20))  # no temporary file left

@@ -248,14 +248,15 @@ def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
     try:
         _flock(fd, fcntl.LOCK_SH, directory.path / name)
         try:
-            data = os.pread(fd, FILE_BYTES, 0)
+            try:
+                header = decode_header(os.pread(fd, HEADER_BYTES, 0))
+            except ValueError as exc:
+                raise LedgerError(f"the ledger file {str(directory.path / name)!r}: "
+                                  f"{exc}") from None
+            data = os.pread(fd, header.high * SLOT_BYTES, HEADER_BYTES)  # the slots in use
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
-        try:
-            header = decode_header(data)
-        except ValueError as exc:
-            raise LedgerError(f"the ledger file {str(directory.path / name)!r}: {exc}") from None
-        entries = _entries(data[HEADER_BYTES:], header.high)
+        entries = _entries(data, header.high)
         live = tuple(entry for entry, running in zip(entries, _live(entries, fd)) if running)
         return Snapshot(header, live, len(entries) - len(live))
     finally:

@@ -27,6 +27,7 @@ import os
 import secrets
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Final
 
@@ -39,6 +40,8 @@ LEDGER_DIR_ENV: Final = "GPUBUDGET_LEDGER_DIR"
 """Environment variable: the directory of the host's ledger files."""
 _DIRECTORY_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SUFFIX: Final = ".ledger"
+_LINKED_SECONDS: Final = 0.5
+"""How long a file with two names may be its creator's, between ``link`` and ``unlink``."""
 
 
 def default_directory() -> Path:
@@ -117,13 +120,20 @@ class LedgerDirectory:
         """Open the ledger file ``name`` (read-only unless ``writable``), check it, and
         return its descriptor and header; ``FileNotFoundError`` if it does not exist."""
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, dir_fd=self.fd)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise LedgerError(f"cannot open the ledger file {self._show(name)!r}: "
-                              + _why(exc)) from None
+        deadline = time.monotonic() + _LINKED_SECONDS
+        while True:
+            try:
+                fd = os.open(name, flags, dir_fd=self.fd)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise LedgerError(f"cannot open the ledger file {self._show(name)!r}: "
+                                  + _why(exc)) from None
+            # Two names for a moment: a creator between link() and unlink() (see create)
+            if os.fstat(fd).st_nlink == 1 or time.monotonic() > deadline:
+                break
+            os.close(fd)
+            time.sleep(0.001)
         try:
             return fd, self._check_file(fd, name)
         except BaseException:
