@@ -21,7 +21,8 @@ from .backends import Backend, get_backend, validate_spec
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
-from .hostledger import open_registered, parse_share
+from .hostledger import parse_share
+from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
 from .node import Node
 from .snapshot import watch_leaks

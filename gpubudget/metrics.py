@@ -155,6 +155,13 @@ def start_metrics_server(port: int, address: str = "127.0.0.1", *,
     machine. ``port=0`` lets the system choose (:attr:`MetricsServer.port` says which).
     ``ImportError`` naming the extra if ``prometheus_client`` is missing; ``ValueError`` for
     a port outside 0..65535.
+
+    >>> import urllib.request
+    >>> server = start_metrics_server(0, nvml=False)
+    >>> with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as answer:
+    ...     b"# TYPE gpubudget_used_bytes gauge" in answer.read()
+    True
+    >>> server.close()
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an int from 0 to 65535, got {port!r}")

@@ -111,7 +111,12 @@ def _device_line(device: DeviceView) -> str:
 
 def render(view: HostView, options: TopOptions = TopOptions()) -> list[str]:
     """The text of the view, one string per line (what ``--once`` prints and the live view
-    draws)."""
+    draws).
+
+    >>> import tempfile
+    >>> render(host_view(tempfile.mkdtemp(), nvml=False))[-1]
+    'no budgets registered on this host'
+    """
     order = f"{options.sort} {'▲' if (options.sort in _NUMERIC) == options.reverse else '▼'}"
     lines = [f"gpubudget top · {view.taken_at.astimezone():%Y-%m-%d %H:%M:%S} · "
              f"{printable(view.directory)} · sort {order}"

@@ -29,7 +29,7 @@ True
 from __future__ import annotations
 
 from .caps import device_cap, set_device_cap
-from .claims import LEDGER_ENV, SETTLE_SECONDS, device_claims, ledger_enabled, open_registered
+from .claims import LEDGER_ENV, SETTLE_SECONDS, device_claims, ledger_enabled
 from .devices import DEVICE_MEMORY_ENV, LedgerDevice, device_for
 from .errors import LedgerError
 from .files import LEDGER_DIR_ENV, default_directory, ledger_directory
@@ -56,7 +56,6 @@ __all__ = [
     "host_view",
     "ledger_directory",
     "ledger_enabled",
-    "open_registered",
     "parse_share",
     "set_device_cap",
 ]

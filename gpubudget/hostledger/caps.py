@@ -66,7 +66,14 @@ def set_device_cap(cap: int | str | None, *, backend: Backend | str | None = Non
 
 def device_cap(*, backend: Backend | str | None = None, device: int | None = None
                ) -> int | None:
-    """The host-wide cap of the device (see :func:`set_device_cap`), ``None`` if none."""
+    """The host-wide cap of the device (see :func:`set_device_cap`), ``None`` if none.
+
+    >>> import os, tempfile
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, GPUBUDGET_LEDGER_DIR=tempfile.mkdtemp()):
+    ...     print(device_cap(backend="host"))
+    None
+    """
     book = book_for(_device(backend, device))
     with book.locked():
         return book.header().cap

@@ -63,7 +63,14 @@ _warned = False
 
 
 def ledger_enabled() -> bool:
-    """Whether roots register in the host ledger (unless ``GPUBUDGET_LEDGER=0``)."""
+    """Whether roots register in the host ledger (unless ``GPUBUDGET_LEDGER=0``).
+
+    >>> import os
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, GPUBUDGET_LEDGER="0"):
+    ...     ledger_enabled()
+    False
+    """
     return os.environ.get(LEDGER_ENV, "").strip().lower() not in ("0", "off", "no", "false")
 
 
@@ -85,7 +92,16 @@ def book_for(device: LedgerDevice) -> DeviceBook:
 
 
 def device_claims(device: LedgerDevice) -> list[Entry]:
-    """The root budgets of live processes on ``device`` now (clearing those that ended)."""
+    """The root budgets of live processes on ``device`` now (clearing those that ended).
+
+    >>> import tempfile
+    >>> from gpubudget import gpu_budget
+    >>> from gpubudget.hostledger import LedgerDevice
+    >>> gpu = LedgerDevice("GPU-example", "a GPU", 2**30, hard=True,
+    ...                    directory=Path(tempfile.mkdtemp()))
+    >>> device_claims(gpu)
+    []
+    """
     book = book_for(device)
     with book.locked():
         return book.live_entries()

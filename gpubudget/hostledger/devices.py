@@ -72,7 +72,12 @@ def host_device() -> LedgerDevice:
 
 
 def device_for(backend: Backend) -> LedgerDevice | None:
-    """The device ``backend`` allocates on, or ``None`` if it is not one the ledger knows."""
+    """The device ``backend`` allocates on, or ``None`` if it is not one the ledger knows.
+
+    >>> from gpubudget.backends import HostBackend
+    >>> device_for(HostBackend()).identity
+    'host'
+    """
     describe = getattr(backend, "ledger_device", None)
     if callable(describe):
         device: LedgerDevice = describe()

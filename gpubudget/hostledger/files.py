@@ -45,14 +45,24 @@ _LINKED_SECONDS: Final = 0.5
 
 
 def default_directory() -> Path:
-    """``gpubudget-ledger-<uid>`` in ``/dev/shm``, else in the temporary directory."""
+    """``gpubudget-ledger-<uid>`` in ``/dev/shm``, else in the temporary directory.
+
+    >>> default_directory().name == f"gpubudget-ledger-{os.geteuid()}"
+    True
+    """
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return Path(base) / f"gpubudget-ledger-{os.geteuid()}"
 
 
 def ledger_directory() -> Path:
     """The directory this process registers in: ``GPUBUDGET_LEDGER_DIR`` if set, else the
-    default."""
+    default.
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, GPUBUDGET_LEDGER_DIR="/srv/gpu-ledger"):
+    ...     ledger_directory()
+    PosixPath('/srv/gpu-ledger')
+    """
     named = os.environ.get(LEDGER_DIR_ENV, "").strip()
     return Path(named) if named else default_directory()
 

@@ -155,7 +155,13 @@ def encode_slot(numbers: dict[str, int], name: str, process: str) -> bytes:
 
 class Entry(NamedTuple):
     """One claimed slot as read: a root budget of some process (maybe ended). A named tuple:
-    a claim reads every slot of its device, so each must be cheap to make."""
+    a claim reads every slot of its device, so each must be cheap to make.
+
+    >>> entry = decode_entry(encode_slot({"state": RESERVED, "pid": 7, "claim": 4096,
+    ...                                   "reserved": 4352}, "model", "python serve.py"), 0, 0)
+    >>> entry.name, entry.pid, entry.holds
+    ('model', 7, 4352)
+    """
 
     slot: int
     state: State

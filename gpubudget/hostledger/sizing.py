@@ -52,7 +52,15 @@ def parse_share(value: object, what: str = "limit") -> Share | None:
     """``value`` as a :class:`Share` if it is written as one (a string with ``%`` or
     starting with ``rest``); ``None`` for anything else (a size, checked elsewhere).
     ``ValueError`` quoting ``value`` if it is a share written wrong: no number, a
-    percentage outside (0, 100], a margin that is not a size."""
+    percentage outside (0, 100], a margin that is not a size.
+
+    >>> parse_share("30% - 1GiB").fraction
+    0.3
+    >>> parse_share("150%")
+    Traceback (most recent call last):
+    ...
+    ValueError: limit '150%': a share must be more than 0% and at most 100% of the unclaimed memory
+    """
     if not isinstance(value, str):
         return None
     looks = "%" in value or value.strip().lower().startswith("rest")

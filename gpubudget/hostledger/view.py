@@ -24,7 +24,12 @@ __all__ = ["DeviceView", "HostView", "host_view"]
 
 @dataclass(frozen=True)
 class DeviceView:
-    """One device: what its ledger says, and NVML's per-process figures if any."""
+    """One device: what its ledger says, and NVML's per-process figures if any.
+
+    >>> gpu = DeviceView("GPU-1", "NVIDIA H200", 2**37, None, False, (), 0, {4242: 2**30})
+    >>> gpu.pids, gpu.outside(4242), gpu.claimed
+    ((4242,), 1073741824, 0)
+    """
 
     identity: str
     label: str
