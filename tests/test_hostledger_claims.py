@@ -192,7 +192,7 @@ def test_processes_sizing_themselves_at_the_same_instant_never_overlap(
         workers: list[Worker]) -> None:
     team = [Worker() for _ in range(3)]
     workers += team
-    for round_ in range(40):
+    for round_ in range(100):
         spec = "50%" if round_ % 2 else "rest"
         at = time.time() + 0.05
         for index, worker in enumerate(team):

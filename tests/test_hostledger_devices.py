@@ -59,6 +59,7 @@ def test_a_gpu_is_named_by_its_uuid_and_read_for_its_free_memory() -> None:
     assert (device.identity, device.label, device.total, device.ordinal, device.hard) == (
         "GPU-8f3c1a2b-0000-1111-2222-333344445555", "NVIDIA H200", 140 * GiB, 1, False)
     assert device.free() == 100 * GiB - 2  # read again at each call
+    assert device_for(backend) is device and backend.reads == 2  # identity asked once
 
 
 def test_backends_the_ledger_does_not_know_are_not_registered() -> None:

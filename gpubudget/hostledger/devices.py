@@ -15,6 +15,7 @@ Other backends (a trace replay, a user's own) are not registered.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +85,19 @@ def device_for(backend: Backend) -> LedgerDevice | None:
         return device
     if type(backend) is HostBackend:  # not a subclass such as a trace replay's
         return host_device()
-    uuid = getattr(backend, "device_uuid", None)
-    if not callable(uuid):
+    if not callable(getattr(backend, "device_uuid", None)):
         return None
+    known = _gpus.get(backend)
+    if known is None:  # a GPU's identity and size never change: asked of the driver once
+        known = _gpus[backend] = _gpu(backend)
+    return known
+
+
+_gpus: Final[weakref.WeakKeyDictionary[Backend, LedgerDevice | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _gpu(backend: Backend) -> LedgerDevice | None:
     info = backend.mem_info()
     if info is None:
         return None
@@ -98,5 +109,5 @@ def device_for(backend: Backend) -> LedgerDevice | None:
         reading = backend.mem_info()
         return reading[0] if reading else None
 
-    return LedgerDevice(str(uuid()), label, info[1], hard=False,
+    return LedgerDevice(str(getattr(backend, "device_uuid")()), label, info[1], hard=False,
                         ordinal=ordinal if isinstance(ordinal, int) else None, free=free)
