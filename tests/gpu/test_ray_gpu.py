@@ -80,13 +80,15 @@ def test_actors_on_every_gpu_are_in_the_ledger_and_a_third_that_does_not_fit_is_
     view = host_view(ledger)
     entries = {entry.pid: entry for entry in view.entries}
     assert set(pids) <= set(entries)
-    assert {device.identity for device in view.devices if device.entries} == set(uuids())
-    for device in view.devices:
+    gpus = [device for device in view.devices if device.entries]
+    assert {device.identity for device in gpus} == set(uuids())  # the driver's UUIDs
+    for device in gpus:
         mine = [entry for entry in device.entries if entry.pid in pids]
         assert len(mine) == 2 and all(entry.limit == limit and entry.used == GiB
                                       and entry.reserved >= limit and entry.ordinal == 0
                                       for entry in mine)
-        if view.nvml_error is None:  # each actor's CUDA context is outside its budget
+        if view.nvml_error is None:  # NVML names the GPU alike; contexts are outside budgets
+            assert device.used_by is not None, f"NVML does not know {device.identity}"
             assert all(device.outside(entry.pid) is not None for entry in mine)
     text = subprocess.run([sys.executable, "-m", "gpubudget", "top", "--once", "--ledger-dir",
                            str(ledger)], capture_output=True, text=True, check=True,
