@@ -56,7 +56,9 @@ class Budget(BudgetView, AdapterHooks):
     limit
         Most bytes the budget and its children may be charged: an int or a string such as
         ``"4GiB"`` (see :func:`gpubudget.parse_size`). A root budget reserves it from the
-        device in one allocation at entry (rounded up to ``align``).
+        device in one allocation at entry (rounded up to ``align``). A root may instead ask
+        for a share of the device memory no root of the host has claimed (``"50%"``,
+        ``"rest - 2GiB"``), sized at entry: see :mod:`gpubudget.hostledger`.
     align
         Power of two: blocks start at a multiple of ``max(align, requested alignment)`` and
         are charged their size rounded up to that. Default 256, what ``cudaMalloc`` gives.

@@ -21,7 +21,7 @@ from gpubudget.backends import HostBackend
 from gpubudget.backends.host import HostReservation
 from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view, procs
 from gpubudget.units import GiB, MiB
-from tests.helpers import subprocess_env
+from tests.helpers import RecordingBackend, subprocess_env
 
 TOTAL = 8 * GiB
 
@@ -120,6 +120,14 @@ def test_a_share_as_a_child_or_without_a_ledger_is_an_error(monkeypatch: pytest.
         with pytest.raises(ValueError, match="budget 'half' was given limit '50%', a share of "
                            "a device's unclaimed memory, but is entered inside 'pool'"):
             gpu_budget("50%", name="half").__enter__()
+    with pytest.raises(LedgerError, match=r"budget 'half' asks for a share \('50%'\) of a "
+                       r"device's memory, and the host backend's memory \(<tests.helpers."
+                       r"RecordingBackend .*\) is not a device the host ledger knows"):
+        gpu_budget("50%", name="half", backend=RecordingBackend()).__enter__()
+    monkeypatch.setenv("GPUBUDGET_DEVICE_CAP", "1GiB")  # caps devices the ledger knows only
+    with gpu_budget("2GiB", name="elsewhere", backend=RecordingBackend()):
+        assert host_view(nvml=False).entries == ()
+    monkeypatch.delenv("GPUBUDGET_DEVICE_CAP")
     monkeypatch.setenv("GPUBUDGET_LEDGER", "0")
     with pytest.raises(LedgerError, match=r"budget 'half' asks for a share \('50%'\), which "
                        r"needs the host ledger, and GPUBUDGET_LEDGER=0 turns the host ledger off"):

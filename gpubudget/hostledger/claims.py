@@ -181,17 +181,20 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
     a share. Backends the ledger does not know are not registered (a share is then a
     ``BudgetError``)."""
     device = device_for(backend)
+    if device is None:  # not a device (a trace's replay, a backend of the user's own)
+        if isinstance(request, Share):
+            raise LedgerError(f"budget {name!r} asks for a share ({request.text!r}) of a "
+                              f"device's memory, and the {backend.name} backend's memory "
+                              f"({backend!r}) is not a device the host ledger knows")
+        return open_tree(request)
     cap_text = os.environ.get(CAP_ENV, "").strip()
-    required = isinstance(request, Share) or bool(cap_text) or (device is not None
-                                                                and device.hard)
-    if device is None or not ledger_enabled():
+    required = isinstance(request, Share) or bool(cap_text) or device.hard
+    if not ledger_enabled():
         if required:
-            why = (f"{LEDGER_ENV}=0 turns the host ledger off" if device is not None else
-                   f"the {backend.name} backend's memory is not a device the ledger knows")
             asked = (f"a share ({request.text!r})" if isinstance(request, Share) else
                      f"{CAP_ENV}={cap_text!r}" if cap_text else "a simulated device")
             raise LedgerError(f"budget {name!r} asks for {asked}, which needs the host "
-                              f"ledger, and {why}")
+                              f"ledger, and {LEDGER_ENV}=0 turns the host ledger off")
         assert isinstance(request, int)
         return open_tree(request)
     cap = parse_cap(cap_text, device.total) if cap_text else None
