@@ -11,7 +11,8 @@ A slot is 32 native 64-bit words: 16 numbers (:data:`SLOT_FIELDS`), then the bud
 (64 bytes) and the process's title (64 bytes), UTF-8, NUL-padded. Its ``state`` is
 :data:`FREE`, :data:`CLAIMED` (the process is reserving its memory) or :data:`RESERVED`.
 The owning process writes ``used``, ``peak`` and ``denials`` (three consecutive words) with
-plain stores as they change; everything else changes only under the file's lock. The file lives on one host (``/dev/shm``), so words are in the machine's byte order.
+plain stores as they change; everything else changes only under the file's lock. The file
+lives on one host (``/dev/shm``), so words are in the machine's byte order.
 """
 
 from __future__ import annotations
