@@ -21,6 +21,8 @@ from .backends import Backend, get_backend, validate_spec
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
+from .hostledger import parse_share
+from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
 from .node import Node
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
@@ -58,7 +60,9 @@ class Budget(BudgetView, AdapterHooks):
     limit
         Most bytes the budget and its children may be charged: an int or a string such as
         ``"4GiB"`` (see :func:`gpubudget.parse_size`). A root budget reserves it from the
-        device in one allocation at entry (rounded up to ``align``).
+        device in one allocation at entry (rounded up to ``align``). A root may instead ask
+        for a share of the device memory no root of the host has claimed (``"50%"``,
+        ``"rest - 2GiB"``), sized at entry: see :mod:`gpubudget.hostledger`.
     align
         Power of two: blocks start at a multiple of ``max(align, requested alignment)`` and
         are charged their size rounded up to that. Default 256, what ``cudaMalloc`` gives.
@@ -110,7 +114,7 @@ class Budget(BudgetView, AdapterHooks):
     <Budget 'pool' limit=1.00 MiB used=195.50 KiB peak=195.50 KiB exited>
     """
 
-    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token",
+    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token", "_share",
                  "__weakref__")
 
     def __init__(
@@ -126,13 +130,14 @@ class Budget(BudgetView, AdapterHooks):
         parent: Budget | None = None,
         device: int | None = None,
     ) -> None:
-        nbytes = parse_size(limit, what="limit")
+        share = parse_share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
+        nbytes = 0 if share is not None else parse_size(limit, what="limit")
         alignment = check_align(align, "align")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise (TypeError if not isinstance(name, str) else ValueError)(
                 f"name must be a non-empty string, got {name!r}")
         floor = 0 if reserve is None else parse_size(reserve, what="reserve")
-        if floor > nbytes:
+        if floor > nbytes and share is None:
             raise ValueError(
                 f"reserve {reserve!r} ({format_size(floor)}) exceeds limit {limit!r} "
                 f"({format_size(nbytes)}) of budget {name!r}")
@@ -156,6 +161,7 @@ class Budget(BudgetView, AdapterHooks):
         self._parent: Final = parent
         self._device: Final = ordinal
         self._token: Token[tuple[Budget, ...]] | None = None
+        self._share: Final = share
 
     # -- the with protocol -----------------------------------------------------------------
 
@@ -186,9 +192,11 @@ class Budget(BudgetView, AdapterHooks):
             writer = writer_for(self._trace)  # TraceError, one line, if it cannot be written
         elif self._trace is None and os.environ.get(TRACE_ENV):
             writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
-        self._node.open_root(backend, writer)
-        if untraced is not None and self._node.tree is not None:
-            self._node.tree.recorder.trace_error = untraced  # the report says why
+        node = self._node
+        open_registered(backend, node.name, self._share or node.account.limit, node.align,
+                        lambda limit: node.open_root(backend, writer, limit))
+        if untraced is not None and node.tree is not None:
+            node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
         opened(self)
         if self._node.track_stacks:
@@ -196,6 +204,10 @@ class Budget(BudgetView, AdapterHooks):
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
+        if self._share is not None:
+            raise ValueError(f"budget {name!r} was given limit {self._share.text!r}, a share of "
+                             f"a device's unclaimed memory, but is entered inside "
+                             f"{parent.name!r}; only a root budget sizes itself from the device")
         if self._device is not None and parent.device not in (None, self._device):
             raise ValueError(f"budget {name!r} was given device={self._device} but is entered "
                              f"inside {parent.name!r}, which is on device {parent.device}; a "

@@ -8,8 +8,11 @@
           │    │                        the device refused the root reservation, the parent
           │    │                        cannot set aside a child's ``reserve=``, or no budget
           │    │                        is active where one is required
-          │    └── AllocationDenied     ``allocate(..., raise_on_denial=True)`` was refused;
-          │                             says which budget refused, why, and the sizes
+          │    ├── AllocationDenied     ``allocate(..., raise_on_denial=True)`` was refused;
+          │    │                        says which budget refused, why, and the sizes
+          │    └── LedgerError          (gpubudget.hostledger) the host ledger refused a
+          │                             root's claim (naming who holds the memory) or cannot
+          │                             be used (naming the path and what is wrong)
           ├── BudgetNestingError        (also RuntimeError) a budget exited out of order, or
           │                             in a context where it is not active
           ├── BackendError              a backend is unknown or unusable

@@ -8,7 +8,11 @@ used in this order with the tree's lock held:
 1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
    changes nothing and names the first account that refuses;
 2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
-   so a request that is refused, or that the arena cannot place, never moves a peak.
+   so a request that is refused, or that the arena cannot place, never moves a peak. A root
+   registered in the host ledger (:mod:`gpubudget.hostledger`) has its ``used`` stored into
+   its slot there each time it changes, and its ``peak`` each time ``used`` is at it (so
+   after ``reset_peak()`` the slot's peak follows once ``used`` reaches the new one): plain
+   stores, nothing else.
 
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
@@ -30,7 +34,7 @@ class Account:
     """
 
     __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "chain",
-                 "plain")
+                 "plain", "published")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -44,6 +48,9 @@ class Account:
         self.parent: Final = parent
         self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
         self.plain: Final = not any(account.reserve for account in self.chain)
+        # A registered root's words in its host-ledger slot (used, peak, denials), which
+        # every change of ``used`` stores into: plain stores, for other processes to read.
+        self.published: memoryview | None = None
 
 
 def passed_up(account: Account, used: int) -> int:
@@ -78,6 +85,11 @@ def charge(account: Account, delta: int) -> None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+        published = link.published  # ``link`` is the root now
+        if published is not None:
+            published[0] = used
+            if used == link.peak:  # at its peak: a new one, or the one reset_peak() set
+                published[1] = used
         return
     node: Account | None = account
     while node is not None and delta:
@@ -85,6 +97,10 @@ def charge(account: Account, delta: int) -> None:
         used = node.used = old + delta
         if used > node.peak:
             node.peak = used
+        if node.published is not None:
+            node.published[0] = used
+            if used == node.peak:
+                node.published[1] = used
         if node.reserve:
             delta = passed_up(node, used) - passed_up(node, old)
         node = node.parent

@@ -76,13 +76,18 @@ class Node:
 
     # -- entering --------------------------------------------------------------------------
 
-    def open_root(self, backend: Backend, writer: TraceWriter | None) -> None:
-        """Reserve the whole limit from ``backend``; ``BudgetError`` if it cannot."""
+    def open_root(self, backend: Backend, writer: TraceWriter | None,
+                  limit: int | None = None) -> Tree:
+        """Reserve the whole limit (``limit`` if given: decided at entry) from ``backend``;
+        ``BudgetError`` if it cannot."""
+        if limit is not None:
+            self.account = Account(self.name, limit)
         tree = Tree(self, backend, writer)
         self.account = Account(self.name, self.account.limit)  # a root holds its whole limit
         self.tree = tree
         self.lock = tree.lock
         self._opened()
+        return tree
 
     def open_child(self, parent: Node) -> None:
         """Enter under ``parent``, setting aside this budget's reserve there."""

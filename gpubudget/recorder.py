@@ -88,7 +88,7 @@ class Stats:
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "logged", "writer", "trace_error", "clock")
+    __slots__ = ("events", "logged", "writer", "trace_error", "clock", "published")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -97,6 +97,7 @@ class Recorder:
         self.logged = 0  # events ever logged; ``logged - len(events)`` were dropped
         self.writer = writer
         self.trace_error: str | None = None  # why tracing stopped, if it did
+        self.published: memoryview | None = None  # the root's words in the host ledger
 
     # -- one method per event: count, log, trace -----------------------------------------
 
@@ -127,6 +128,8 @@ class Recorder:
     def denied(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
                nbytes: int, reason: str, refused_by: str, used: int, total: int) -> None:
         stats.count_denial(nbytes, reason, refused_by)
+        if self.published is not None:
+            self.published[2] += 1  # denials in the tree, for other processes to read
         self.events.append((self.clock(), "deny", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:

@@ -1,11 +1,14 @@
-"""Shared helpers: tests run on the host backend unless they say otherwise."""
+"""Shared helpers: tests run on the host backend unless they say otherwise, and register
+their root budgets in a host ledger of the test session's own (not the machine's)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
+from gpubudget import roots
 from gpubudget.context import ACTIVE
 
 
@@ -16,3 +19,14 @@ def _host_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     leaked = ACTIVE.get()
     ACTIVE.set(())
     assert leaked == (), f"test left budgets active: {leaked}"
+    still_open = [root.name for root in list(roots._open_roots) if root.state == "open"]
+    roots._open_roots.clear()  # one test's leak does not fail the next
+    assert still_open == [], f"test left root budgets open (entered, never exited): {still_open}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The processes the suite starts (subprocesses, Ray workers) inherit it too."""
+    os.environ["GPUBUDGET_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
+    yield
+    del os.environ["GPUBUDGET_LEDGER_DIR"]

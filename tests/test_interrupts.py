@@ -30,6 +30,13 @@ PACKAGE = os.path.dirname(gpubudget.__file__)
 
 
 @pytest.fixture(autouse=True)
+def _ledger_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Entering a root reads the host ledger: a Ctrl-C at each of its lines runs the entry
+    once per line, so the roots other tests left there would make this quadratic."""
+    monkeypatch.setenv("GPUBUDGET_LEDGER_DIR", str(tmp_path / "ledger"))
+
+
+@pytest.fixture(autouse=True)
 def _handler_installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(interrupts.STATE, "installed", False)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -19,7 +19,6 @@ import inspect
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import threading
@@ -43,10 +42,11 @@ from gpubudget.ray import (
     ray_command,
 )
 from gpubudget.ray import actor as ray_actor
-from gpubudget.ray import methods, simulated
+from gpubudget.ray import methods
 from gpubudget.ray.placement import cuda_ordinal, derived_limit, gpu_share, open_device
 from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, RegistryBook
 from gpubudget.units import GiB, MiB
+from tests.helpers import subprocess_env
 
 if TYPE_CHECKING:
     from ray.actor import ActorClass, ActorHandle
@@ -101,9 +101,8 @@ def test_default_limit_is_the_share_less_the_margin_in_whole_mib() -> None:
         derived_limit(0.1, 8 * GiB, GiB, "a")
 
 
-def test_device_memory_comes_from_cuda_or_the_environment(monkeypatch: pytest.MonkeyPatch,
-                                                          tmp_path: Path) -> None:
-    monkeypatch.setattr(simulated, "LEDGER_ROOT", tmp_path)
+def test_device_memory_comes_from_cuda_or_the_environment(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
     monkeypatch.setenv("GPUBUDGET_BACKEND", "host")
     monkeypatch.delenv("GPUBUDGET_DEVICE_MEMORY", raising=False)
     with pytest.raises(PlacementError, match="GPUBUDGET_DEVICE_MEMORY is not set.*8GiB"):
@@ -114,31 +113,43 @@ def test_device_memory_comes_from_cuda_or_the_environment(monkeypatch: pytest.Mo
     monkeypatch.setenv("GPUBUDGET_DEVICE_MEMORY", "6GiB")
     backend, total, is_simulated = open_device(0, "node-gpu0", "actor A")
     assert (total, is_simulated) == (6 * GiB, True)
-    assert isinstance(backend, SimulatedGpu) and backend.mem_info() == (6 * GiB, 6 * GiB)
-    assert backend.directory == tmp_path / "node-gpu0"
+    assert isinstance(backend, SimulatedGpu) and backend.key == "node-gpu0"
+    assert backend.directory is None  # the process's ledger directory
 
 
 def test_a_simulated_gpu_is_shared_by_every_process_that_names_it(tmp_path: Path) -> None:
     first = SimulatedGpu("gpu0", 8 * GiB, directory=tmp_path)
     second = SimulatedGpu("gpu0", 8 * GiB, directory=tmp_path)  # as another process would
-    with gpu_budget("5GiB", backend=first) as pool:
+    with gpu_budget("5GiB", name="pool", backend=first) as pool:
         assert second.mem_info() == (3 * GiB, 8 * GiB)
-        other = gpu_budget("4GiB", backend=second)  # a root of its own, as in another actor
-        with pytest.raises(BudgetError, match=r"3.00 GiB free of 8.00 GiB total"):
+        other = gpu_budget("4GiB", name="other", backend=second)  # a root, as in another actor
+        with pytest.raises(BudgetError, match=r"'other' cannot claim 4.00 GiB on simulated GPU "
+                           r"gpu0: the device has 8.00 GiB, 5.00 GiB of it claimed, 3.00 GiB "
+                           r"left; held by pid \d+ \(.*\) 'pool' 5.00 GiB"):
             contextvars.Context().run(other.__enter__)
         block = pool.allocate(4096)
         assert block is not None and pool.free(block)
     assert second.mem_info() == (8 * GiB, 8 * GiB)  # released with the budget
+    with pytest.raises(ValueError, match="key must be a string of 1 to 64 bytes"):
+        SimulatedGpu("x" * 65, GiB)
 
 
 def test_reservations_of_exited_processes_stop_counting(tmp_path: Path) -> None:
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True)
-    (tmp_path / f"{finished.stdout.strip()}-1").write_text(str(6 * GiB))
-    (tmp_path / f"{os.getpid()}-999").write_text(str(GiB))  # this process: counts
-    gpu = SimulatedGpu("gpu0", 8 * GiB, directory=tmp_path)
-    assert gpu.mem_info() == (7 * GiB, 8 * GiB)
-    assert not (tmp_path / f"{finished.stdout.strip()}-1").exists()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from gpubudget import gpu_budget; "
+         "from gpubudget.ray import SimulatedGpu; "
+         "gpu = SimulatedGpu('gpu0', 8 * 2**30, directory=sys.argv[1]); "
+         "budget = gpu_budget('6GiB', backend=gpu).__enter__(); print('held', flush=True); "
+         "time.sleep(600)", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        gpu = SimulatedGpu("gpu0", 8 * GiB, directory=tmp_path)
+        assert gpu.mem_info() == (2 * GiB, 8 * GiB)
+    finally:
+        holder.kill()  # SIGKILL: no exit handler runs
+        holder.wait()
+    assert gpu.mem_info() == (8 * GiB, 8 * GiB)
 
 
 def test_budgeted_checks_its_arguments_and_quotes_them() -> None:
@@ -432,11 +443,8 @@ def ray_cluster() -> Iterator[None]:
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, runtime_env={"env_vars": {
                  "GPUBUDGET_DEVICE_MEMORY": DEVICE_MEMORY, "GPUBUDGET_BACKEND": "host"}})
-    node = ray.get_runtime_context().get_node_id()
     yield
     ray.shutdown()
-    for ledger in simulated.LEDGER_ROOT.glob(f"{node}-gpu*"):  # the simulated GPUs' records
-        shutil.rmtree(ledger, ignore_errors=True)
 
 
 def model_class(num_gpus: float, limit: str | None = None) -> ActorClass:
@@ -493,6 +501,9 @@ def model_class(num_gpus: float, limit: str | None = None) -> ActorClass:
 
         def crash(self) -> None:
             os._exit(3)
+
+        def pid(self) -> int:
+            return os.getpid()
 
     return ray.remote(num_cpus=0, num_gpus=num_gpus)(Model)
 
@@ -621,11 +632,18 @@ def creation_error(actor: ActorHandle) -> str:
 def test_a_limit_larger_than_the_free_memory_fails_creation_with_our_message(
         ray_cluster: None, trio: list[tuple[ActorHandle, dict[str, Any]]]) -> None:
     # the only half GPU left is beside the single trio actor, which holds 3 GiB of 8
+    import ray
+
     big = model_class(num_gpus=0.5, limit="6GiB").remote()
     message = creation_error(big)
     assert "BudgetError: Ray actor Model" in message
-    assert "(num_gpus=0.5): budget 'Model' could not reserve 6.00 GiB" in message
-    assert "5.00 GiB free of 8.00 GiB" in message
+    assert "(num_gpus=0.5): budget 'Model' cannot claim 6.00 GiB on simulated GPU " in message
+    assert "the device has 8.00 GiB, 3.00 GiB of it claimed, 5.00 GiB left; held by pid " \
+        in message
+    _, single = pair_and_single(trio)
+    holder = ray.get([actor.pid.remote() for actor, described in trio
+                      if described["actor_id"] == single["actor_id"]])[0]
+    assert f"held by pid {holder} (ray::Model" in message and "'Model' 3.00 GiB" in message
 
 
 def test_an_actor_without_a_gpu_fails_creation_saying_what_is_supported(

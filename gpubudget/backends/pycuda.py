@@ -181,6 +181,16 @@ class PyCudaBackend:
     def __repr__(self) -> str:
         return f"<PyCudaBackend cuda:{self.ordinal} {self.device.name()}>"
 
+    def device_uuid(self) -> str:
+        """The device's UUID as NVML and ``nvidia-smi -L`` write it (``GPU-8f3c…``): the
+        same in every process, whatever ``CUDA_VISIBLE_DEVICES`` makes its ordinal."""
+        handle, raw = ctypes.c_int(), (ctypes.c_ubyte * 16)()
+        _check(self.driver.cuDeviceGet(ctypes.byref(handle), self.ordinal), "cuDeviceGet")
+        get_uuid = getattr(self.driver, "cuDeviceGetUuid_v2", None) or self.driver.cuDeviceGetUuid
+        _check(get_uuid(ctypes.byref(raw), handle), "cuDeviceGetUuid")
+        text = bytes(raw).hex()
+        return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
+
     @contextmanager
     def active(self) -> Iterator[None]:
         """This device's primary context current for the calls inside, the caller's after."""

@@ -1,5 +1,5 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
-``ray``.
+``ray``, ``top``, ``metrics``.
 
 Exit status: 0 done; 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 from collections.abc import Sequence
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 from .. import __version__
 from ..errors import GpuBudgetError
@@ -107,7 +107,61 @@ def _parser() -> argparse.ArgumentParser:
                             help="the cluster, as ray.init(address=...) takes it (default: "
                             "RAY_ADDRESS, else the cluster started on this machine)")
     ray_parser.add_argument("--json", action="store_true", help="print one JSON document")
+    _host_commands(commands)
     return parser
+
+
+def _host_commands(commands: Any) -> None:
+    """``top`` and ``metrics``: the host ledger, live and for Prometheus."""
+    from .top import SORT_KEYS
+
+    top_parser = commands.add_parser(
+        "top", help="every budget of every process on this host, per GPU, live",
+        description="Show the host ledger: per device, every root budget of every live "
+        "process (limit, used, peak, denials) and, with NVML, the memory each process holds "
+        "outside its budgets. Keys: s sort, r reverse, / filter, c clear filter, q quit.")
+    top_parser.add_argument("--once", action="store_true", help="print the view once")
+    top_parser.add_argument("--json", action="store_true", help="print it once as JSON")
+    top_parser.add_argument("--sort", choices=SORT_KEYS, default="used",
+                            help="sort rows by this (default: %(default)s)")
+    top_parser.add_argument("--reverse", action="store_true", help="reverse the order")
+    top_parser.add_argument("--filter", default="", metavar="TEXT",
+                            help="only rows whose pid, process, budget or device has TEXT")
+    top_parser.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
+                            help="seconds between refreshes (default: %(default)s)")
+    top_parser.add_argument("--all", action="store_true",
+                            help="also devices with no budget")
+    metrics_parser = commands.add_parser(
+        "metrics", help="serve the host ledger to Prometheus",
+        description="Serve every budget of every process on this host as Prometheus metrics "
+        "at http://ADDRESS:PORT/metrics until interrupted (needs prometheus_client: pip "
+        "install 'gpubudget[metrics]').")
+    metrics_parser.add_argument("--port", type=_port, required=True,
+                                help="the port (0: any free one, printed on stderr)")
+    metrics_parser.add_argument("--address", default="127.0.0.1",
+                                help="the address to listen on (default: %(default)s, this "
+                                "host only; 0.0.0.0 for every interface)")
+    for each in (top_parser, metrics_parser):
+        each.add_argument("--ledger-dir", metavar="DIR",
+                          help="the ledger directory (default: GPUBUDGET_LEDGER_DIR, else "
+                          "/dev/shm/gpubudget-ledger-UID)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"--interval {text!r} is not a number of seconds "
+                                         f"from 0.1 to 3600")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"--port {text!r} is not a port number (0 to 65535)")
+    return int(text)
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -123,6 +177,17 @@ def _run(argv: Sequence[str] | None) -> int:
             from ..ray import ray_command
 
             return ray_command(args.address, args.json)
+        if args.command == "top":
+            from .top import TopOptions, top_command
+
+            options = TopOptions(sort=args.sort, reverse=args.reverse, filter=args.filter,
+                                 directory=args.ledger_dir, interval=args.interval,
+                                 idle=args.all)
+            return top_command(options, once=args.once, as_json=args.json)
+        if args.command == "metrics":
+            from ..metrics import metrics_command
+
+            return metrics_command(args.port, args.address, args.ledger_dir)
         return fit_command(args.traces, args.max_size)
     except BrokenPipeError:
         raise

@@ -16,6 +16,7 @@ from typing import Final
 
 from ..backends import Backend, cuda_usable, get_backend
 from ..errors import GpuBudgetError
+from ..hostledger import DEVICE_MEMORY_ENV
 from ..units import GiB, MiB, format_size, parse_size
 from .simulated import SimulatedGpu
 
@@ -31,9 +32,6 @@ __all__ = [
     "open_device",
 ]
 
-DEVICE_MEMORY_ENV: Final = "GPUBUDGET_DEVICE_MEMORY"
-"""Environment variable: the memory of each GPU Ray declares where there is no CUDA device
-(logical GPUs, ``ray.init(num_gpus=2)`` on a CPU machine), e.g. ``8GiB``."""
 BACKEND_ENV: Final = "GPUBUDGET_BACKEND"
 DEFAULT_MARGIN: Final = 1 * GiB
 """Bytes of an actor's share of a GPU left outside its default budget: the CUDA context of

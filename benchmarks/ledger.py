@@ -1,0 +1,131 @@
+"""What the host ledger costs: on the allocate/free path, and at a root's entry and exit.
+
+    python -m benchmarks.ledger [--repeat R]
+
+Prints, side by side in one run (median of R, interleaved): nanoseconds per charge+uncharge
+pair of ``ledger.charge`` with and without a slot to store into (the only ledger code on the
+allocate/free path); microseconds per free+allocate pair on the churn trace for a packed
+best-fit, a root budget registered in the ledger and one that is not (``GPUBUDGET_LEDGER=0``);
+and microseconds to enter and exit a root, registered or not, with 0 and 100 other roots of
+live processes in the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from gpubudget import Budget, gpu_budget
+from gpubudget.ledger import Account, charge
+
+from .churn import ALIGN, CAPACITY, BareBestFit, run_trace
+from .traces import churn
+
+
+@contextmanager
+def registered(yes: bool) -> Iterator[None]:
+    previous = os.environ.get("GPUBUDGET_LEDGER")
+    os.environ["GPUBUDGET_LEDGER"] = "1" if yes else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["GPUBUDGET_LEDGER"]
+        else:
+            os.environ["GPUBUDGET_LEDGER"] = previous
+
+
+def charge_pairs(slot: memoryview | None, pairs: int = 200_000) -> float:
+    """Nanoseconds per charge+uncharge of a child whose root stores into ``slot``."""
+    root = Account("root", 1 << 40)
+    child = Account("child", 1 << 40, 0, root)
+    root.published = slot
+    charge(child, 1 << 30)
+    start = time.perf_counter()
+    for _ in range(pairs):
+        charge(child, 4096)
+        charge(child, -4096)
+    return (time.perf_counter() - start) / pairs * 1e9
+
+
+def churn_pairs(register: bool | None) -> float:
+    """Microseconds per free+allocate pair: a bare best-fit (``None``) or a root budget."""
+    warmup, timed = churn()
+    if register is None:
+        bare = BareBestFit(CAPACITY)
+        seconds = run_trace(bare.allocate, bare.free, warmup, timed)
+    else:
+        with registered(register), gpu_budget(CAPACITY, align=ALIGN, name="churn",
+                                              backend="host") as budget:
+            seconds = run_trace(budget.allocate, budget.free, warmup, timed)
+    return seconds / len(timed) * 1e6
+
+
+def entries(register: bool, count: int = 200) -> float:
+    """Microseconds to enter and exit a root ``count`` times."""
+    with registered(register):
+        start = time.perf_counter()
+        for _ in range(count):
+            with gpu_budget("1MiB", backend="host"):
+                pass
+        return (time.perf_counter() - start) / count * 1e6
+
+
+def others(count: int) -> list[tuple[Budget, contextvars.Context]]:
+    """``count`` roots kept open in contexts of their own: slots the next claims read."""
+    held = []
+    for _ in range(count):
+        context = contextvars.Context()
+        budget = gpu_budget("1MiB", backend="host")
+        context.run(budget.__enter__)
+        held.append((budget, context))
+    return held
+
+
+def table(repeat: int = 5) -> list[str]:
+    slot = memoryview(mmap.mmap(-1, mmap.PAGESIZE)).cast("Q")[0:3]
+    runs: dict[str, Callable[[], float]] = {
+        "charge pair, no slot (ns)": lambda: charge_pairs(None),
+        "charge pair, into a slot (ns)": lambda: charge_pairs(slot),
+        "churn pair, packed best-fit (us)": lambda: churn_pairs(None),
+        "churn pair, root not registered (us)": lambda: churn_pairs(False),
+        "churn pair, root registered (us)": lambda: churn_pairs(True),
+        "root entry+exit, not registered (us)": lambda: entries(False),
+        "root entry+exit, registered (us)": lambda: entries(True),
+    }
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(repeat):
+        for label, run in runs.items():
+            times[label].append(run())
+    crowd = others(100)
+    crowded = statistics.median(entries(True) for _ in range(repeat))
+    for budget, context in crowd:
+        context.run(budget.__exit__, None, None, None)
+    rows = [f"host ledger costs, median of {repeat} interleaved runs", "",
+            "| measure | value |", "| --- | ---: |"]
+    rows += [f"| {label} | {statistics.median(values):.2f} |" for label, values in times.items()]
+    rows.append(f"| root entry+exit, registered, 100 other roots live (us) | {crowded:.2f} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+    import gpubudget
+
+    os.environ.setdefault("GPUBUDGET_LEDGER_DIR", tempfile.mkdtemp(prefix="gpubudget-bench-"))
+    print(f"core: {'compiled (mypyc)' if gpubudget.compiled else 'pure Python'}")
+    for row in table(args.repeat):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""Registering a root budget in the host ledger: claim, reserve, publish, release.
+
+:func:`open_registered` is what a root's entry calls. In order:
+
+1. Read the device's free memory (a device call, with no lock held).
+2. Under the ledger's lock (microseconds): clear the slots of processes that have ended;
+   decide how much the root may have (:func:`~gpubudget.hostledger.sizing.decide`: its
+   limit, or its share of what is unclaimed, within the device cap); write its slot,
+   ``claimed``. If a claim of another process may not show in the free memory read in 1
+   (it is still reserving), let go of the lock and start again, for up to
+   :data:`SETTLE_SECONDS`; then count it as taken.
+3. Reserve the memory (a device call, no lock held). If that fails, the slot is released
+   and the error names who holds the device's memory: all or nothing.
+4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
+   ``peak``) and every denial in its tree is stored into the slot's words, with plain
+   stores (:mod:`gpubudget.ledger` and :mod:`gpubudget.recorder` do it).
+5. When the root releases its reservation (or the process exits, or dies), the slot goes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from ..backends import Backend, Reservation
+from ..callers import user_stacklevel
+from ..errors import BudgetError
+from ..tracefile import printable
+from ..units import format_size, round_up
+from .book import DeviceBook
+from .devices import LedgerDevice, device_for
+from .errors import LedgerError
+from .files import LedgerDirectory, ledger_directory
+from .layout import Entry, slot_word
+from .procs import myself, process_title
+from .sizing import CAP_ENV, Share, decide, parse_cap
+
+if TYPE_CHECKING:
+    from ..tree import Tree
+
+__all__ = ["LEDGER_ENV", "SETTLE_SECONDS", "Claim", "book_for", "device_claims", "holders",
+           "ledger_enabled", "open_registered"]
+
+LEDGER_ENV: Final = "GPUBUDGET_LEDGER"
+"""Environment variable: ``0`` (or ``off``) registers no root in the host ledger."""
+SETTLE_SECONDS: Final = 2.0
+"""How long a claim waits for other processes' reservations under way to show in the
+device's free memory before it counts them as taken."""
+SHOWN_HOLDERS: Final = 8
+
+_lock = threading.Lock()
+_books: dict[tuple[Path, str], DeviceBook] = {}
+_claims: set[Claim] = set()
+_serials: Final = itertools.count(1)
+_warned = False
+
+
+def ledger_enabled() -> bool:
+    """Whether roots register in the host ledger (unless ``GPUBUDGET_LEDGER=0``).
+
+    >>> import os
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, GPUBUDGET_LEDGER="0"):
+    ...     ledger_enabled()
+    False
+    """
+    return os.environ.get(LEDGER_ENV, "").strip().lower() not in ("0", "off", "no", "false")
+
+
+def book_for(device: LedgerDevice) -> DeviceBook:
+    """This process's handle on ``device``'s ledger file (opened, or created, once)."""
+    path = device.directory if device.directory is not None else ledger_directory()
+    key = (path, device.identity)
+    with _lock:
+        book = _books.get(key)
+        if book is None:
+            directory = LedgerDirectory(path, create=True)
+            try:
+                book = DeviceBook(directory, device.identity, device.label, device.total,
+                                  device.hard)
+            finally:
+                directory.close()
+            _books[key] = book
+        return book
+
+
+def device_claims(device: LedgerDevice) -> list[Entry]:
+    """The root budgets of live processes on ``device`` now (clearing those that ended).
+
+    >>> import tempfile
+    >>> from gpubudget import gpu_budget
+    >>> from gpubudget.hostledger import LedgerDevice
+    >>> gpu = LedgerDevice("GPU-example", "a GPU", 2**30, hard=True,
+    ...                    directory=Path(tempfile.mkdtemp()))
+    >>> device_claims(gpu)
+    []
+    """
+    book = book_for(device)
+    with book.locked():
+        return book.live_entries()
+
+
+class Claim:
+    """One root's slot in its device's ledger, held by this process."""
+
+    def __init__(self, book: DeviceBook, slot: int, limit: int) -> None:
+        self.book: Final = book
+        self.slot: Final = slot
+        self.limit: Final = limit
+        self.pid: Final = os.getpid()
+        self.tree: Tree | None = None
+
+    def attach(self, tree: Tree) -> None:
+        """The root's memory is reserved: mark the slot, publish the root's numbers there,
+        and release the slot with the reservation."""
+        reservation = tree.reservation
+        assert reservation is not None
+        with self.book.locked():
+            self.book.reserved(self.slot, reservation.nbytes, time.monotonic_ns())
+        at = slot_word(self.slot, "used")  # then "peak" and "denials"
+        words = self.book.words[at: at + 3]
+        account = tree.root.account
+        words[0], words[1] = account.used, account.peak
+        self.tree = tree
+        account.published = tree.recorder.published = words
+        tree.reservation = _Released(reservation, self)
+
+    def release(self) -> None:
+        """Free the slot (in the process that claimed it, once); the memory is returned
+        already, or was never reserved."""
+        with _lock:
+            if self not in _claims:
+                return
+            _claims.discard(self)
+        self._detach()
+        try:
+            with self.book.locked():
+                self.book.release(self.slot)
+        except LedgerError:  # the lock held too long: the slot goes when the process does
+            pass
+
+    def _detach(self) -> None:
+        tree, self.tree = self.tree, None
+        if tree is not None:
+            tree.root.account.published = tree.recorder.published = None
+
+
+class _Released:
+    """A root's reservation whose release also frees the root's slot."""
+
+    __slots__ = ("_inner", "_claim")
+
+    def __init__(self, inner: Reservation, claim: Claim) -> None:
+        self._inner = inner
+        self._claim = claim
+
+    @property
+    def address(self) -> int:
+        return self._inner.address
+
+    @property
+    def nbytes(self) -> int:
+        return self._inner.nbytes
+
+    def release(self) -> None:
+        self._inner.release()  # the memory first: a slot never outlives what it stands for
+        self._claim.release()
+
+
+def open_registered(backend: Backend, name: str, request: int | Share, align: int,
+                    open_tree: Callable[[int], Tree]) -> Tree:
+    """Enter a root registered in the host ledger: claim, ``open_tree(limit)`` (which
+    reserves), attach; see the module docstring. ``request``: the root's limit in bytes, or
+    a share. Backends the ledger does not know are not registered (a share is then a
+    ``BudgetError``)."""
+    device = device_for(backend)
+    if device is None:  # not a device (a trace's replay, a backend of the user's own)
+        if isinstance(request, Share):
+            raise LedgerError(f"budget {name!r} asks for a share ({request.text!r}) of a "
+                              f"device's memory, and the {backend.name} backend's memory "
+                              f"({backend!r}) is not a device the host ledger knows")
+        return open_tree(request)
+    cap_text = os.environ.get(CAP_ENV, "").strip()
+    required = isinstance(request, Share) or bool(cap_text) or device.hard
+    if not ledger_enabled():
+        if required:
+            asked = (f"a share ({request.text!r})" if isinstance(request, Share) else
+                     f"{CAP_ENV}={cap_text!r}" if cap_text else "a simulated device")
+            raise LedgerError(f"budget {name!r} asks for {asked}, which needs the host "
+                              f"ledger, and {LEDGER_ENV}=0 turns the host ledger off")
+        assert isinstance(request, int)
+        return open_tree(request)
+    cap = parse_cap(cap_text, device.total) if cap_text else None
+    try:
+        book = book_for(device)
+    except LedgerError as exc:
+        if required:
+            raise
+        _warn_once(f"gpubudget: root budgets are not registered in the host ledger: {exc}")
+        assert isinstance(request, int)
+        return open_tree(request)
+    claim = _claim(book, device, name, request, align, cap)
+    try:
+        tree = open_tree(claim.limit)
+    except BudgetError as exc:
+        claim.release()
+        raise BudgetError(f"{exc}{_held_elsewhere(book, device)}") from exc.__cause__
+    except BaseException:
+        claim.release()
+        raise
+    claim.attach(tree)
+    return tree
+
+
+def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
+           align: int, cap: int | None) -> Claim:
+    wanted = request if isinstance(request, Share) else round_up(request, align)
+    me = myself()
+    numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
+               "ordinal": device.ordinal + 1 if device.ordinal is not None else 0,
+               "share": round(request.fraction * 1e6) if isinstance(request, Share) else 0}
+    process = process_title()
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        started = time.monotonic_ns()
+        free = device.free() if device.free is not None else None
+        with book.locked():
+            book.set_device(device.total, device.hard)
+            entries = book.live_entries()
+            unsettled = sum(entry.holds for entry in entries if entry.state == "claimed"
+                            or entry.reserved_at >= started)
+            if free is None or not unsettled or time.monotonic() > deadline:
+                held = sum(entry.holds for entry in entries)
+                shared_cap = book.header().cap
+                caps = [value for value in (cap, shared_cap) if value is not None]
+                decision = decide(wanted, granularity=align, held=held, total=device.total,
+                                  cap=min(caps) if caps else None, hard=device.hard,
+                                  free=free, unsettled=unsettled)
+                if decision.nbytes is None:
+                    asked = (f"{request.text!r} of {_device(device)}"
+                             if isinstance(request, Share) else
+                             f"{format_size(round_up(request, align))} on {_device(device)}")
+                    raise LedgerError(f"budget {name!r} cannot claim {asked}: "
+                                      f"{decision.reason}{holders(entries)}")
+                slot = book.claim({**numbers, "limit": decision.nbytes if isinstance(
+                    request, Share) else request, "claim": decision.nbytes,
+                    "claimed_at": time.monotonic_ns(), "serial": next(_serials)},
+                    name, process)
+                claim = Claim(book, slot, request if isinstance(request, int)
+                              else decision.nbytes)
+                with _lock:
+                    _claims.add(claim)
+                return claim
+        time.sleep(0.002)  # a reservation under way elsewhere: read the free memory again
+
+
+def _device(device: LedgerDevice) -> str:
+    """The device as messages name it: its label, and its identity unless that is plain."""
+    if device.identity in device.label or device.identity == "host":
+        return device.label
+    return f"{device.label} ({device.identity})"
+
+
+def holders(entries: list[Entry]) -> str:
+    """``; held by pid 12 (python serve.py) 'detector' 3.00 GiB, ...``: the budgets on a
+    device, largest first (empty when there are none)."""
+    others = sorted(entries, key=lambda entry: -entry.holds)
+    if not others:
+        return ""
+    shown = [f"pid {entry.pid} ({printable(entry.process)}) {printable(entry.name)!r} "
+             f"{format_size(entry.holds)}" for entry in others[:SHOWN_HOLDERS]]
+    more = len(others) - len(shown)
+    return "; held by " + ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def _held_elsewhere(book: DeviceBook, device: LedgerDevice) -> str:
+    try:
+        with book.locked():
+            entries = book.live_entries()
+    except LedgerError:
+        return ""
+    found = holders(entries)
+    return f" (on {_device(device)}{found})" if found else ""
+
+
+def _warn_once(message: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _forked() -> None:
+    """In a forked child: the parent's slots and locks are not this process's."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    for claim in list(_claims):
+        claim._detach()
+    _claims.clear()
+    for book in _books.values():
+        book.forget()
+    _books.clear()
+
+
+def _at_exit() -> None:
+    """Interpreter exit: free this process's slots (device memory was returned already)."""
+    for claim in list(_claims):
+        if claim.pid == os.getpid():
+            claim.release()
+
+
+os.register_at_fork(after_in_child=_forked)
+atexit.register(_at_exit)

@@ -1,0 +1,175 @@
+"""How much a root may claim: shares of what is unclaimed, the device cap, and the decision.
+
+A root's limit may be a share of the device memory that no root of the host has claimed,
+instead of a number: ``"50%"`` (half of it), ``"rest"`` (all of it, same as ``"100%"``), each
+optionally less a margin (``"rest - 2GiB"``, ``"30% - 512MiB"``). The decision is taken
+under the ledger's lock (:mod:`gpubudget.hostledger.claims`), so two processes that size
+themselves at the same instant take their shares one after the other, never of the same
+memory.
+
+:func:`decide` is the whole rule, a pure function of what the ledger and the device say.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Final
+
+from ..units import MiB, format_size, parse_size
+
+__all__ = ["CAP_ENV", "Decision", "Share", "decide", "parse_cap", "parse_share"]
+
+CAP_ENV: Final = "GPUBUDGET_DEVICE_CAP"
+"""Environment variable: the most that the roots of the host may claim on each device, in
+all (``120GiB``, or ``90%`` of the device's memory)."""
+_SHARE: Final = re.compile(
+    r"\s*(?:(?P<rest>rest)|(?P<percent>[0-9]*\.?[0-9]*)\s*%)\s*(?:-\s*(?P<margin>.*?))?\s*",
+    re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Share:
+    """A root's limit given as ``fraction`` of the device memory unclaimed at its entry,
+    less ``margin`` bytes; ``text`` is how it was written.
+
+    >>> parse_share("50%")
+    Share(fraction=0.5, margin=0, text='50%')
+    >>> parse_share("rest - 2GiB").margin == 2 * 2**30
+    True
+    >>> parse_share("4GiB") is None                     # a plain size
+    True
+    """
+
+    fraction: float
+    margin: int
+    text: str
+
+
+def parse_share(value: object, what: str = "limit") -> Share | None:
+    """``value`` as a :class:`Share` if it is written as one (a string with ``%`` or
+    starting with ``rest``); ``None`` for anything else (a size, checked elsewhere).
+    ``ValueError`` quoting ``value`` if it is a share written wrong: no number, a
+    percentage outside (0, 100], a margin that is not a size.
+
+    >>> parse_share("30% - 1GiB").fraction
+    0.3
+    >>> parse_share("150%")
+    Traceback (most recent call last):
+    ...
+    ValueError: limit '150%': a share must be more than 0% and at most 100% of the unclaimed memory
+    """
+    if not isinstance(value, str):
+        return None
+    looks = "%" in value or value.strip().lower().startswith("rest")
+    if not looks:
+        return None
+    match = _SHARE.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{what} {value!r} is not a share: write a percentage of the "
+                         f"unclaimed device memory such as '50%', or 'rest', optionally "
+                         f"less a margin ('rest - 2GiB')")
+    fraction = 1.0
+    if match["percent"] is not None:
+        try:
+            percent = Decimal(match["percent"])
+        except InvalidOperation:
+            raise ValueError(f"{what} {value!r} is not a share: {match['percent']!r} before "
+                             f"'%' is not a number") from None
+        if not 0 < percent <= 100:
+            raise ValueError(f"{what} {value!r}: a share must be more than 0% and at most "
+                             f"100% of the unclaimed memory")
+        fraction = float(percent / 100)
+    margin = 0
+    if match["margin"] is not None:
+        try:
+            margin = parse_size(match["margin"], what=f"the margin of {what} {value!r}")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+    return Share(fraction, margin, value)
+
+
+def parse_cap(text: str, total: int, what: str = CAP_ENV) -> int:
+    """A cap written as a size (``120GiB``) or a percentage of the device's ``total``
+    (``90%``), in bytes; ``ValueError`` naming ``what`` and quoting ``text`` otherwise.
+
+    >>> parse_cap("90%", 10 * 2**30) == 9 * 2**30, parse_cap("8GiB", 10 * 2**30) == 8 * 2**30
+    (True, True)
+    """
+    written = text.strip()
+    if written.endswith("%"):
+        try:
+            percent = Decimal(written[:-1].strip())
+        except InvalidOperation:
+            percent = Decimal("NaN")
+        if not percent.is_finite() or not 0 < percent <= 100:
+            raise ValueError(f"{what}={text!r} is not a cap: a percentage must be a number "
+                             f"more than 0 and at most 100, such as '90%'")
+        return int(total * percent / 100)
+    try:
+        return parse_size(written, what=f"{what}={text!r}")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{exc} (a cap is a size such as '120GiB' or a percentage of the "
+                         f"device's memory such as '90%')") from None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :func:`decide` answers: ``nbytes`` granted, or ``None`` and why not."""
+
+    nbytes: int | None
+    reason: str = ""
+    """Why not, in words, with the numbers (for the error that names the holders)."""
+
+
+def decide(request: int | Share, *, granularity: int, held: int, total: int,
+           cap: int | None, hard: bool, free: int | None, unsettled: int) -> Decision:
+    """How many bytes a new root may claim.
+
+    ``request``: its limit (bytes, already rounded up to ``granularity``) or a share;
+    ``held``: bytes claimed on the device by the roots of live processes; ``total``: the
+    device's memory; ``cap``: the most all roots may claim; ``hard``: claims must fit
+    ``total``; ``free``: the device's free memory as read just before (``None``: unknown);
+    ``unsettled``: bytes of claims whose memory that reading may not show yet.
+
+    A share is of what is unclaimed: the room under the cap (or the total), and no more than
+    the free memory less the unsettled claims; it is rounded down to a MiB, then to
+    ``granularity``. A limit is refused above the cap's room, above the total's room on a
+    hard device, and above the free memory less the unsettled claims.
+
+    >>> from gpubudget.units import GiB
+    >>> decide(Share(0.5, 0, "50%"), granularity=256, held=2 * GiB, total=8 * GiB,
+    ...        cap=None, hard=True, free=None, unsettled=0).nbytes == 3 * GiB
+    True
+    >>> decide(6 * GiB, granularity=256, held=4 * GiB, total=16 * GiB, cap=8 * GiB,
+    ...        hard=False, free=None, unsettled=0).reason
+    'the device cap is 8.00 GiB, 4.00 GiB of it claimed, 4.00 GiB left'
+    """
+    rooms: list[tuple[int, str]] = []
+    if cap is not None:
+        rooms.append((cap - held, f"the device cap is {format_size(cap)}, "
+                                  f"{format_size(held)} of it claimed"))
+    if hard or (cap is None and isinstance(request, Share)):
+        rooms.append((total - held, f"the device has {format_size(total)}, "
+                                    f"{format_size(held)} of it claimed"))
+    if free is not None:
+        rooms.append((free - unsettled, f"the device has {format_size(free)} free of "
+                                        f"{format_size(total)} total"
+                      + (f", {format_size(unsettled)} of it claimed by roots still reserving"
+                         if unsettled else "")))
+    room, why = min(rooms, default=(math.inf, ""), key=lambda pair: pair[0])
+    room = max(int(room), 0) if room != math.inf else 0
+    if isinstance(request, Share):
+        nbytes = int(room * request.fraction) - request.margin
+        nbytes = nbytes // MiB * MiB if nbytes >= MiB else nbytes
+        nbytes -= nbytes % granularity
+        if nbytes <= 0:
+            margin = f" less {format_size(request.margin)}" if request.margin else ""
+            return Decision(None, f"{why}, {format_size(room)} left: {request.text!r} is "
+                                  f"{request.fraction:.0%} of it{margin}, nothing")
+        return Decision(nbytes)
+    if rooms and request > room:
+        return Decision(None, f"{why}, {format_size(room)} left")
+    return Decision(request)

@@ -1,0 +1,146 @@
+"""Every registered budget of the host, read at one moment: what ``top`` and metrics show.
+
+:func:`host_view` reads every ledger file of the directory (changing nothing; the slots of
+processes that have ended are left out) and, where NVML answers, joins what each process
+holds on each GPU: the memory it holds outside its budgets is NVML's figure less what its
+budgets reserved there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .book import read_book
+from .files import LedgerDirectory, ledger_directory
+from .layout import Entry
+from .nvml import GpuProcesses, read_nvml
+
+__all__ = ["DeviceView", "HostView", "host_view"]
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One device: what its ledger says, and NVML's per-process figures if any.
+
+    >>> gpu = DeviceView("GPU-1", "NVIDIA H200", 2**37, None, False, (), 0, {4242: 2**30})
+    >>> gpu.pids, gpu.outside(4242), gpu.claimed
+    ((4242,), 1073741824, 0)
+    """
+
+    identity: str
+    label: str
+    total: int
+    cap: int | None
+    hard: bool
+    entries: tuple[Entry, ...]
+    """The root budgets of live processes."""
+    ended: int
+    """Slots of processes that have ended, not yet cleared (they hold nothing)."""
+    used_by: dict[int, int] | None
+    """NVML: bytes each process holds on this device in all (``None``: not known)."""
+
+    @property
+    def claimed(self) -> int:
+        return sum(entry.holds for entry in self.entries)
+
+    @property
+    def used(self) -> int:
+        return sum(entry.used for entry in self.entries)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """Processes with budgets here, then (NVML) those without, in order of pid."""
+        budgeted = sorted({entry.pid for entry in self.entries})
+        return (*budgeted, *sorted(set(self.used_by or {}) - set(budgeted)))
+
+    def outside(self, pid: int) -> int | None:
+        """What process ``pid`` holds on the device beyond its budgets' reservations
+        (NVML's figure less theirs), if NVML knows."""
+        if self.used_by is None or pid not in self.used_by:
+            return None
+        reserved = sum(entry.reserved for entry in self.entries if entry.pid == pid)
+        return max(self.used_by[pid] - reserved, 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        processes = []
+        for pid in self.pids:
+            mine = [entry for entry in self.entries if entry.pid == pid]
+            processes.append({
+                "pid": pid, "process": mine[0].process if mine else None,
+                "device_used": None if self.used_by is None else self.used_by.get(pid),
+                "outside": self.outside(pid)})
+        return {"device": self.identity, "label": self.label, "total": self.total,
+                "cap": self.cap, "simulated": self.hard, "claimed": self.claimed,
+                "used": self.used, "ended_entries": self.ended,
+                "budgets": [_entry_dict(entry) for entry in self.entries],
+                "processes": processes}
+
+
+def _entry_dict(entry: Entry) -> dict[str, Any]:
+    return {"pid": entry.pid, "process": entry.process, "budget": entry.name,
+            "state": entry.state, "limit": entry.limit, "share": entry.share,
+            "reserved": entry.reserved, "used": entry.used, "peak": entry.peak,
+            "denials": entry.denials, "cuda_ordinal": entry.ordinal}
+
+
+@dataclass(frozen=True)
+class HostView:
+    """Every device of a ledger directory at one moment."""
+
+    directory: str
+    taken_at: datetime.datetime
+    devices: tuple[DeviceView, ...]
+    nvml_error: str | None
+    """Why NVML's per-process figures are missing, if they are."""
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return tuple(entry for device in self.devices for entry in device.entries)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"directory": self.directory, "time": self.taken_at.isoformat(),
+                "nvml": self.nvml_error or "ok",
+                "devices": [device.as_dict() for device in self.devices]}
+
+
+def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = True,
+              idle: bool = False) -> HostView:
+    """Read every ledger file of ``directory`` (default: this process's ledger directory,
+    which may not exist yet: then nothing is registered). ``nvml``: join NVML's per-process
+    figures where it answers. ``idle``: list devices with no live budget too (GPUs NVML sees
+    included). A missing ``directory`` given here, or a bad file, is a ``LedgerError``
+    naming it.
+
+    >>> import tempfile
+    >>> host_view(tempfile.mkdtemp(), nvml=False).devices
+    ()
+    """
+    path = Path(directory) if directory is not None else ledger_directory()
+    gpus, nvml_error = read_nvml() if nvml else ({}, "not asked")
+    devices: list[DeviceView] = []
+    if directory is not None or os.path.lexists(path):
+        opened = LedgerDirectory(path, create=False)
+        try:
+            for name in opened.names():
+                snapshot = read_book(opened, name)
+                header = snapshot.header
+                gpu = gpus.pop(header.identity, None)
+                if snapshot.entries or idle or (gpu is not None and gpu.used_by):
+                    devices.append(DeviceView(
+                        header.identity, header.label, header.total, header.cap, header.hard,
+                        snapshot.entries, snapshot.ended,
+                        gpu.used_by if gpu is not None else None))
+        finally:
+            opened.close()
+    devices.extend(_without_ledger(gpu) for gpu in gpus.values() if idle or gpu.used_by)
+    return HostView(str(path), datetime.datetime.now(datetime.timezone.utc), tuple(devices),
+                    nvml_error)
+
+
+def _without_ledger(gpu: GpuProcesses) -> DeviceView:
+    """A GPU that NVML sees and no budget has registered on."""
+    return DeviceView(gpu.uuid, gpu.name, gpu.total, None, False, (), 0, gpu.used_by)

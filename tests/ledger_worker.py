@@ -1,0 +1,60 @@
+"""A process that holds root budgets on command, for the host ledger's tests.
+
+Run as ``python -m tests.ledger_worker``; it reads one command per line on stdin and answers
+one line on stdout:
+
+- ``enter LIMIT NAME [AT]``: enter a root budget of ``LIMIT`` (a size or a share) on the host
+  backend, at the wall-clock time ``AT`` if given (busy-waiting for it, so that several
+  workers enter at the same instant); answers ``ok BYTES`` or ``denied MESSAGE``;
+- ``allocate BYTES``: allocate in the last root entered; answers ``ok ADDRESS`` or ``denied``;
+- ``exit``: leave every root entered, freeing their blocks; answers ``ok``;
+- ``quit``: end.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import sys
+import time
+
+from gpubudget import Budget, BudgetError, gpu_budget
+
+
+def main() -> None:
+    held: list[tuple[Budget, contextvars.Context, list[int]]] = []
+    for line in sys.stdin:
+        command, *words = line.split(maxsplit=3)
+        if command == "enter":
+            if len(words) > 2:
+                deadline = float(words[2])
+                while time.time() < deadline:
+                    pass
+            budget = gpu_budget(words[0], name=words[1], backend="host")
+            context = contextvars.Context()  # a root of its own, whatever came before
+            try:
+                context.run(budget.__enter__)
+            except BudgetError as exc:
+                answer = "denied " + str(exc).replace("\n", " ")
+            else:
+                held.append((budget, context, []))
+                answer = f"ok {budget.limit}"
+        elif command == "allocate":
+            budget, _, blocks = held[-1]
+            address = budget.allocate(int(words[0]))
+            if address is not None:
+                blocks.append(address)
+            answer = "denied" if address is None else f"ok {address}"
+        elif command == "exit":
+            while held:
+                budget, context, blocks = held.pop()
+                for address in blocks:
+                    budget.free(address)
+                context.run(budget.__exit__, None, None, None)
+            answer = "ok"
+        else:
+            return
+        print(answer, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""gpubudget.hostledger.book: slots claimed, reserved and released under the file's lock;
+slots of ended processes cleared by the next claim and left out by readers; a process of
+another PID namespace known alive by its slot lock; a lock held too long is an error."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpubudget.hostledger import LedgerError, book, procs
+from gpubudget.hostledger.book import DeviceBook, read_book
+from gpubudget.hostledger.files import LedgerDirectory
+from gpubudget.hostledger.layout import HEADER_BYTES, RESERVED, SLOT_BYTES, encode_slot
+from tests.helpers import subprocess_env
+
+
+def open_book(path: Path) -> DeviceBook:
+    directory = LedgerDirectory(path, create=True)
+    try:
+        return DeviceBook(directory, "host", "host memory", 2**30, hard=True)
+    finally:
+        directory.close()
+
+
+def mine(**numbers: int) -> dict[str, int]:
+    me = procs.myself()
+    return {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot, **numbers}
+
+
+def write_slot(ledger: DeviceBook, slot: int, numbers: dict[str, int], name: str) -> None:
+    """A slot as another process would have written it."""
+    offset = HEADER_BYTES + slot * SLOT_BYTES
+    ledger.map[offset: offset + SLOT_BYTES] = encode_slot(numbers, name, "someone")
+    words = ledger.words
+    words[4] = max(words[4], slot + 1)  # slots ever used
+
+
+def finished_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+def test_claim_reserve_release(tmp_path: Path) -> None:
+    ledger = open_book(tmp_path)
+    with ledger.locked():
+        first = ledger.claim(mine(limit=100, claim=256), "a", "me")
+        second = ledger.claim(mine(limit=200, claim=256), "b", "me")
+        ledger.reserved(first, 256, 5)
+        entries = ledger.live_entries()
+    assert (first, second) == (0, 1)
+    assert [(e.name, e.state, e.reserved, e.reserved_at) for e in entries] == [
+        ("a", "reserved", 256, 5), ("b", "claimed", 0, 0)]
+    with ledger.locked():
+        ledger.release(first)
+        assert [e.name for e in ledger.live_entries()] == ["b"]
+        assert ledger.claim(mine(), "c", "me") == 0  # the first free slot again
+        ledger.set_cap(512)
+        assert ledger.header().cap == 512 and ledger.header().high == 2
+    snapshot = read_book(LedgerDirectory(tmp_path, create=False), "host.ledger")
+    assert ([e.name for e in snapshot.entries], snapshot.ended, snapshot.header.cap) == (
+        ["c", "b"], 0, 512)
+
+
+def test_a_full_ledger_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(book, "SLOTS", 2)
+    ledger = open_book(tmp_path)
+    with ledger.locked():
+        ledger.claim(mine(), "a", "me")
+        ledger.claim(mine(), "b", "me")
+        with pytest.raises(LedgerError, match="is full: 2 root budgets of live processes"):
+            ledger.claim(mine(), "c", "me")
+
+
+def test_slots_of_ended_processes_are_cleared_by_a_claim_and_skipped_by_readers(
+        tmp_path: Path) -> None:
+    ledger = open_book(tmp_path)
+    me = procs.myself()
+    write_slot(ledger, 0, {"state": RESERVED, "pid": finished_pid(), "start": 1, "boot": me.boot,
+                           "pidns": me.pidns, "claim": 2**29}, "ended")
+    write_slot(ledger, 1, {"state": RESERVED, "pid": me.pid, "start": me.start + 7,
+                           "boot": me.boot, "pidns": me.pidns, "claim": 2**29}, "reused pid")
+    write_slot(ledger, 2, {"state": RESERVED, "pid": me.pid, "start": me.start,
+                           "boot": me.boot ^ 1, "pidns": me.pidns}, "another boot")
+    write_slot(ledger, 3, mine(state=RESERVED, claim=2**20), "live")
+    snapshot = read_book(LedgerDirectory(tmp_path, create=False), "host.ledger")
+    assert [e.name for e in snapshot.entries] == ["live"] and snapshot.ended == 3
+    with ledger.locked():
+        assert [e.name for e in ledger.live_entries()] == ["live"]
+    assert read_book(LedgerDirectory(tmp_path, create=False), "host.ledger").ended == 0
+    assert bytes(ledger.map[HEADER_BYTES: HEADER_BYTES + SLOT_BYTES]) == bytes(SLOT_BYTES)
+
+
+def test_a_process_of_another_pid_namespace_is_alive_while_it_holds_its_slot_lock(
+        tmp_path: Path) -> None:
+    ledger = open_book(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from tests.test_hostledger_book import "
+         "open_book, mine; from pathlib import Path; ledger = open_book(Path(sys.argv[1]))\n"
+         "with ledger.locked(): ledger.claim(mine(pidns=1), 'theirs', 'them')\n"
+         "print(flush=True); time.sleep(600)", str(tmp_path)],
+        stdout=subprocess.PIPE, env=subprocess_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline()
+        with ledger.locked():  # pid 1's namespace is not ours: only the lock can tell
+            assert [e.name for e in ledger.live_entries()] == ["theirs"]
+    finally:
+        holder.kill()
+        holder.wait()
+    with ledger.locked():  # killed: the kernel dropped its lock
+        assert ledger.live_entries() == []
+
+
+def test_a_forked_child_does_not_keep_its_parents_slots_alive(tmp_path: Path) -> None:
+    ledger = open_book(tmp_path)
+    with ledger.locked():
+        slot = ledger.claim(mine(pidns=1), "parent's", "me")
+    ledger.forget()  # what a forked child does with the descriptor it inherited
+    with ledger.locked():
+        assert ledger.live_entries() == []  # nobody holds the lock: taken for dead
+    assert slot == 0
+
+
+def test_a_lock_held_too_long_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    ledger = open_book(tmp_path)
+    monkeypatch.setattr(book, "LOCK_SECONDS", 0.2)
+    other = os.open(tmp_path / "host.ledger", os.O_RDONLY)  # another open file: a conflict
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(LedgerError, match=r"has been locked by another process for more "
+                                              r"than 0.2 s"):
+            with ledger.locked():
+                pass
+    finally:
+        os.close(other)
+    with ledger.locked():
+        pass

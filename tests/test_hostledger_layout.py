@@ -1,0 +1,63 @@
+"""gpubudget.hostledger.layout: the file format reads back what it wrote, and refuses what it
+did not."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpubudget.hostledger import layout
+from gpubudget.hostledger.layout import (
+    HEADER,
+    SLOT_FIELDS,
+    decode_entry,
+    decode_header,
+    encode_header,
+    encode_slot,
+    text_field,
+)
+
+
+def test_a_header_reads_back() -> None:
+    header = decode_header(encode_header("GPU-1234", "NVIDIA H200", 141 * 2**30, hard=False))
+    assert (header.identity, header.label, header.total, header.hard, header.cap,
+            header.high) == ("GPU-1234", "NVIDIA H200", 141 * 2**30, False, None, 0)
+    assert len(encode_header("x", "y", 1, True)) == layout.HEADER_BYTES
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"short", "too short for a ledger header"),
+    (b"NOTLEDGR" + bytes(4088), "not a gpubudget ledger (it starts with b'NOTLEDGR')"),
+    (HEADER.pack(b"GPUBLEDG", 2, 256, 4096, 0, 0, 0, 0, b"", b""),
+     "written in ledger format 2; this gpubudget reads format 1"),
+    (HEADER.pack(b"GPUBLEDG", 1, 128, 4096, 0, 0, 0, 0, b"", b""), "damaged header"),
+    (HEADER.pack(b"GPUBLEDG", 1, 256, 4096, 5000, 0, 0, 0, b"", b""), "5000 used"),
+])
+def test_a_header_that_is_not_ours_says_why(data: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        decode_header(data)
+
+
+def test_a_slot_reads_back_and_a_free_one_reads_as_none() -> None:
+    numbers = {field: index + 1 for index, field in enumerate(SLOT_FIELDS)}
+    numbers.update(state=layout.RESERVED, share=500_000, ordinal=2)
+    entry = decode_entry(encode_slot(numbers, "detector", "python serve.py"), 0, 7)
+    assert entry is not None
+    assert (entry.slot, entry.state, entry.pid, entry.limit, entry.used, entry.share,
+            entry.ordinal, entry.name, entry.process) == (
+        7, "reserved", 2, 6, 9, 0.5, 1, "detector", "python serve.py")
+    assert entry.holds == max(entry.claim, entry.reserved) == 8
+    assert decode_entry(encode_slot({}, "", ""), 0, 0) is None
+    assert decode_entry(encode_slot({"state": 9}, "", ""), 0, 0) is None  # unknown state
+    assert decode_entry(encode_slot({"state": layout.CLAIMED}, "", ""), 0, 0) is not None
+
+
+def test_texts_are_cut_to_64_bytes_without_splitting_a_character() -> None:
+    assert text_field("é" * 40) == ("é" * 32).encode()
+    assert text_field("a" + "é" * 40) == ("a" + "é" * 31).encode()
+    assert text_field("\udcff") == b"\\udcff"  # a lone surrogate is written escaped
+
+
+def test_word_indexes() -> None:
+    assert layout.slot_word(0, "state") * 8 == layout.HEADER_BYTES
+    assert layout.slot_word(2, "denials") * 8 == layout.HEADER_BYTES + 2 * 256 + 10 * 8
+    assert layout.header_word("cap") == 5

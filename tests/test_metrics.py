@@ -1,0 +1,140 @@
+"""gpubudget.metrics: the host ledger scraped over HTTP on localhost, as Prometheus reads it,
+from a server in this process and from ``gpubudget metrics``."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpubudget import gpu_budget
+from gpubudget.cli import main
+from gpubudget.metrics import start_metrics_server
+from gpubudget.units import GiB, MiB
+from tests.helpers import subprocess_env
+from tests.test_hostledger_claims import Worker
+
+prometheus_client = pytest.importorskip(
+    "prometheus_client", reason="prometheus_client is not installed: pip install -e '.[dev]'")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(autouse=True)
+def _ledger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUBUDGET_LEDGER_DIR", str(tmp_path / "ledger"))
+    monkeypatch.setenv("GPUBUDGET_DEVICE_MEMORY", "8GiB")
+
+
+@pytest.fixture
+def busy() -> Iterator[list[Worker]]:
+    first, second = Worker(), Worker()
+    try:
+        assert first.ask("enter 2GiB detector").startswith("ok")
+        assert first.ask("allocate 1048576").startswith("ok")
+        assert second.ask("enter 1GiB llm").startswith("ok")
+        assert second.ask("allocate 4294967296").startswith("denied")
+        yield [first, second]
+    finally:
+        first.close()
+        second.close()
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        assert answer.headers["Content-Type"].startswith("text/plain")
+        text = answer.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def budget(name: str, pid: int, metric: str, samples: Samples) -> float:
+    return samples[(metric, (("budget", name), ("device", "host"), ("process", str(pid))))]
+
+
+def test_every_budget_of_every_process_scraped_over_http(busy: list[Worker]) -> None:
+    first, second = busy
+    server = start_metrics_server(0)
+    try:
+        samples = scrape(server.port)
+    finally:
+        server.close()
+    assert budget("detector", first.pid, "gpubudget_limit_bytes", samples) == 2 * GiB
+    assert budget("detector", first.pid, "gpubudget_reserved_bytes", samples) == 2 * GiB
+    assert budget("detector", first.pid, "gpubudget_used_bytes", samples) == MiB
+    assert budget("detector", first.pid, "gpubudget_peak_bytes", samples) == MiB
+    assert budget("llm", second.pid, "gpubudget_denials_total", samples) == 1
+    assert budget("llm", second.pid, "gpubudget_used_bytes", samples) == 0
+    assert samples[("gpubudget_device_claimed_bytes", (("device", "host"),))] == 3 * GiB
+    assert samples[("gpubudget_device_memory_bytes", (
+        ("device", "host"), ("label", "host memory (a simulated GPU of 8.00 GiB)")))] == 8 * GiB
+    assert samples[("gpubudget_process_info", (
+        ("command", "python -m tests.ledger_worker"), ("process", str(first.pid))))] == 1
+    assert not [key for key in samples if key[0] == "gpubudget_device_cap_bytes"]
+
+
+def test_two_roots_of_one_name_in_a_process_are_told_apart() -> None:
+    first, second = contextvars.Context(), contextvars.Context()
+    a = first.run(gpu_budget("1MiB", name="pool").__enter__)
+    b = second.run(gpu_budget("2MiB", name="pool").__enter__)
+    server = start_metrics_server(0, nvml=False)
+    try:
+        samples = scrape(server.port)
+    finally:
+        server.close()
+        first.run(a.__exit__, None, None, None)
+        second.run(b.__exit__, None, None, None)
+    assert budget("pool", os.getpid(), "gpubudget_limit_bytes", samples) == MiB
+    assert budget("pool#2", os.getpid(), "gpubudget_limit_bytes", samples) == 2 * MiB
+
+
+def test_the_command_serves_until_terminated(busy: list[Worker]) -> None:
+    server = subprocess.Popen([sys.executable, "-m", "gpubudget", "metrics", "--port", "0"],
+                              stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert server.stderr is not None
+        line = server.stderr.readline()
+        assert line.startswith("gpubudget metrics: serving http://127.0.0.1:"), line
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        samples = scrape(port)
+        assert budget("detector", busy[0].pid, "gpubudget_used_bytes", samples) == MiB
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if server.stderr is not None:
+            server.stderr.close()
+
+
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    assert main(["metrics", "--port", "http"]) == 2
+    assert "--port 'http' is not a port number (0 to 65535)" in capsys.readouterr().err
+    assert main(["metrics"]) == 2
+    assert "the following arguments are required: --port" in capsys.readouterr().err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "GPU-x.ledger").write_text("x")
+    assert main(["metrics", "--port", "0", "--ledger-dir", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the ledger file" in err and "is 1 bytes" in err
+    with pytest.raises(ValueError, match="port must be an int from 0 to 65535, got 70000"):
+        start_metrics_server(70000)
+
+
+def test_without_prometheus_client_the_error_names_the_extra(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    with pytest.raises(ImportError, match=r"pip install 'gpubudget\[metrics\]'"):
+        start_metrics_server(0)
+    assert main(["metrics", "--port", "0"]) == 2
+    assert "needs prometheus_client: pip install 'gpubudget[metrics]'" in capsys.readouterr().err
