@@ -27,8 +27,8 @@ from .residency import Residency
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
-from .tree import Denied, as_size
-from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
+from .tree import Denied
+from .units import DEFAULT_ALIGN, as_int, as_size, check_align, format_size, parse_size
 from .view import BudgetView
 
 if TYPE_CHECKING:

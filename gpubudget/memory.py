@@ -26,7 +26,7 @@ from typing import Final
 
 from .backends import Backend, Reservation
 from .backends.virtual import Staging, VirtualRange
-from .errors import BudgetError
+from .errors import BudgetError, InvariantError
 from .units import MiB, format_size, round_up
 
 __all__ = ["DEFAULT_GRANULE", "Asleep", "Mapping", "free_memory", "reserve"]
@@ -90,17 +90,25 @@ class Mapping:
         try:
             for index in range(index, last + 1):
                 if not mapped[index]:
-                    self.memory.map(index)
-                    mapped[index] = 1
+                    self._map(index)
                     done.append(index)
         except Exception as exc:  # noqa: BLE001 - the device cannot back it: undo, say so
             self._unmap(done)
             self._note(f"growth of {format_size(nbytes)} refused: {type(exc).__name__}: {exc}")
             return "device_full"
-        self.count += len(done)
-        if self.count > self.high:
-            self.high = self.count
         return None
+
+    def check(self, taken: Iterable[tuple[int, int]]) -> None:
+        """Invariant ``MAPPED``: awake, every granule a taken block touches is mapped, and
+        ``count`` is the number mapped; asleep, none is."""
+        mapped = {index for index, on in enumerate(self.mapped) if on}
+        if len(mapped) != self.count:
+            raise InvariantError("MAPPED", f"{len(mapped)} granules mapped, {self.count} counted")
+        need = set() if self.asleep is not None else self.touched(taken)
+        if not need <= mapped or (self.asleep is not None and mapped):
+            raise InvariantError("MAPPED", f"granules {sorted(need - mapped)[:8]} are touched "
+                                 f"by blocks but not mapped" if need - mapped else
+                                 f"{len(mapped)} granules mapped while asleep")
 
     def touched(self, blocks: Iterable[tuple[int, int]]) -> set[int]:
         """The granules that blocks ``(address, nbytes)`` touch."""
@@ -149,8 +157,7 @@ class Mapping:
         done: list[int] = []
         try:
             for index in sorted(self.touched(blocks)):
-                self.memory.map(index)
-                self.mapped[index] = 1
+                self._map(index)
                 done.append(index)
             copied = 0
             for address, nbytes in blocks:
@@ -162,8 +169,6 @@ class Mapping:
         except BaseException:
             self._unmap(done)
             raise
-        self.count = len(done)
-        self.high = max(self.high, self.count)
         self.asleep = None
         asleep.staging.release()
         return copied
@@ -175,6 +180,13 @@ class Mapping:
             self.asleep = None
         self.memory.release()
         self.count = 0
+
+    def _map(self, index: int) -> None:
+        self.memory.map(index)
+        self.mapped[index] = 1
+        self.count += 1
+        if self.count > self.high:
+            self.high = self.count
 
     def _unmap(self, indices: list[int]) -> int:
         """Unmap ``indices`` (mapped granules); how many were. One that fails stays mapped

@@ -43,13 +43,13 @@ from .ledger import charge, passed_up, refusal
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
 from .streams import PendingFrees
-from .units import as_int, is_power_of_two, parse_size, round_up
+from .units import as_int, as_size, is_power_of_two, round_up
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "as_size", "unlock"]
+__all__ = ["Denied", "Live", "Tree", "unlock"]
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -387,6 +387,8 @@ class Tree:
     def _check_locked(self) -> None:
         self.arena.check()
         taken = {block.address: block.size for block in self.arena.walk() if not block.free}
+        if self.mapping is not None:
+            self.mapping.check(taken.items())
         held = {address: record[1] for address, record in self.live.items()}
         held.update((p.address, p.nbytes) for p in self.pending)
         if taken != held:
@@ -403,17 +405,6 @@ class Tree:
                 raise InvariantError("LEDGER", f"budget {node.name!r} used "
                                      f"{node.account.used}, its blocks and children make "
                                      f"{expected}, limit {node.account.limit}")
-
-
-def as_size(value: object) -> int | None:
-    """``value`` as bytes: an integer-like value (see :func:`~gpubudget.units.as_int`), or a
-    string :func:`~gpubudget.units.parse_size` reads; else ``None`` (a denial)."""
-    if isinstance(value, str):
-        try:
-            return parse_size(value)
-        except ValueError:
-            return None
-    return as_int(value)
 
 
 def unlock(lock: threading.RLock) -> None:
