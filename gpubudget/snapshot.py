@@ -145,13 +145,7 @@ def _outside_bytes(tree: Tree) -> int | None:
     """Device memory taken outside the tree while its root was open."""
     if tree.free_at_entry is None:
         return None
-    now = tree.free_at_exit if tree.root.state != "open" else None
-    if now is None and tree.root.state == "open":
-        try:
-            info = tree.backend.mem_info()
-        except Exception:  # noqa: BLE001 - only a statistic
-            info = None
-        now = info[0] if info else None
+    now = tree.free_at_exit if tree.root.state != "open" else tree.unclaimed()
     return tree.free_at_entry - now if now is not None else None
 
 

@@ -90,7 +90,7 @@ class Tree:
         self.recorder: Final = Recorder(writer, getattr(backend, "clock", time.perf_counter))
         # Device memory free just after the reservation, and at the root's exit: what others
         # took meanwhile shows in the report (device backends only).
-        self.free_at_entry = None if self.device is None else _free(backend)
+        self.free_at_entry = None if self.device is None else self.unclaimed()
         self.free_at_exit: int | None = None
         _unreleased.add(self)
 
@@ -357,9 +357,16 @@ class Tree:
     def _event_failed(self, message: str) -> None:
         self.root.stats.errors.append(message)
 
+    def unclaimed(self) -> int | None:
+        """The device's free memory, plus what a growable root has mapped (its own growth is
+        not memory taken by others)."""
+        info = free_memory(self.backend)
+        mapped = self.mapping.mapped_bytes if self.mapping is not None else 0
+        return info[0] + mapped if info else None
+
     def note_free_at_exit(self) -> None:
         if self.device is not None:
-            self.free_at_exit = _free(self.backend)
+            self.free_at_exit = self.unclaimed()
 
     def release_reservation(self) -> None:
         """Lock held, the root released: wait for pending frees, give the memory back."""
@@ -436,6 +443,3 @@ def unlock(lock: threading.RLock) -> None:
         lock.release()
 
 
-def _free(backend: Backend) -> int | None:
-    info = free_memory(backend)
-    return info[0] if info else None
