@@ -101,7 +101,7 @@ class Mapping:
     def check(self, taken: Iterable[tuple[int, int]]) -> None:
         """Invariant ``MAPPED``: awake, every granule a taken block touches is mapped, and
         ``count`` is the number mapped; asleep, none is."""
-        mapped = {index for index, on in enumerate(self.mapped) if on}
+        mapped = set(self._mapped())
         if len(mapped) != self.count:
             raise InvariantError("MAPPED", f"{len(mapped)} granules mapped, {self.count} counted")
         need = set() if self.asleep is not None else self.touched(taken)
@@ -122,7 +122,7 @@ class Mapping:
     def trim(self, taken: Iterable[tuple[int, int]]) -> int:
         """Unmap every mapped granule that no block of ``taken`` touches; the bytes freed."""
         keep = self.touched(taken)
-        spare = [index for index, on in enumerate(self.mapped) if on and index not in keep]
+        spare = [index for index in self._mapped() if index not in keep]
         return self._unmap(spare) * self.granule
 
     def offload(self, live: Iterable[tuple[int, int]]) -> int:
@@ -142,7 +142,7 @@ class Mapping:
             staging.release()
             raise
         self.asleep = Asleep(staging, offsets)
-        self._unmap([index for index, on in enumerate(self.mapped) if on])
+        self._unmap(self._mapped())
         return total
 
     def restore(self, live: Iterable[tuple[int, int]], interrupted: Callable[[], bool]) -> int:
@@ -180,6 +180,11 @@ class Mapping:
             self.asleep = None
         self.memory.release()
         self.count = 0
+
+    def _mapped(self) -> list[int]:
+        """The indices of the granules mapped now."""
+        mapped = self.mapped
+        return [index for index in range(len(mapped)) if mapped[index]]
 
     def _map(self, index: int) -> None:
         self.memory.map(index)
