@@ -25,11 +25,12 @@ from .hostledger import parse_share
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
 from .node import Node
+from .residency import Residency
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
-from .tree import Denied, as_size
-from .units import DEFAULT_ALIGN, as_int, check_align, format_size, parse_size
+from .tree import Denied
+from .units import DEFAULT_ALIGN, as_int, as_size, check_align, format_size, parse_size
 from .view import BudgetView
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-bloc
 
 
 @final
-class Budget(BudgetView, AdapterHooks):
+class Budget(BudgetView, AdapterHooks, Residency):
     """A scoped limit on device memory; use it as a context manager.
 
     ``gpu_budget`` is another name for this class, the one the examples use. Entering a
@@ -100,6 +101,14 @@ class Budget(BudgetView, AdapterHooks):
         entering thread (what TensorRT, CuPy and PyTorch use there), else 0. A child draws
         from its root's device and refuses a different one (``ValueError`` at entry). Host
         memory belongs to no device: there it is ignored.
+    initial
+        Root budgets only: reserve *addresses* for the whole limit and map only ``initial``
+        bytes of memory at entry (``0``: none); more is mapped as blocks need it (a growth
+        the device cannot back is a ``device_full`` denial), never more than the limit
+        rounded up to the device's allocation granularity. Such a root can :meth:`trim`,
+        :meth:`offload` and :meth:`restore`. ``None``: the whole limit is reserved at entry.
+    trim_on_exit
+        Growable roots: :meth:`trim` each time a child budget's scope ends.
 
     Examples
     --------
@@ -114,7 +123,8 @@ class Budget(BudgetView, AdapterHooks):
     <Budget 'pool' limit=1.00 MiB used=195.50 KiB peak=195.50 KiB exited>
     """
 
-    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_token", "_share",
+    __slots__ = ("_node", "_backend_spec", "_trace", "_parent", "_device", "_initial", "_token",
+                 "_share",
                  "__weakref__")
 
     def __init__(
@@ -129,6 +139,8 @@ class Budget(BudgetView, AdapterHooks):
         trace: str | os.PathLike[str] | Literal[False] | None = None,
         parent: Budget | None = None,
         device: int | None = None,
+        initial: int | str | None = None,
+        trim_on_exit: bool = False,
     ) -> None:
         share = parse_share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
         nbytes = 0 if share is not None else parse_size(limit, what="limit")
@@ -155,11 +167,16 @@ class Budget(BudgetView, AdapterHooks):
         if device is not None and (ordinal is None or ordinal < 0):
             raise (TypeError if ordinal is None else ValueError)(
                 f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
+        mapped = _initial(initial, nbytes, limit)
+        if not isinstance(trim_on_exit, bool):
+            raise TypeError(f"trim_on_exit must be a bool, got {trim_on_exit!r}")
         self._node = Node(self, name, nbytes, floor, alignment, track_stacks)
+        self._node.trim_on_exit = trim_on_exit
         self._backend_spec: Final = backend
         self._trace: Final = trace
         self._parent: Final = parent
         self._device: Final = ordinal
+        self._initial: Final = mapped
         self._token: Token[tuple[Budget, ...]] | None = None
         self._share: Final = share
 
@@ -193,8 +210,9 @@ class Budget(BudgetView, AdapterHooks):
         elif self._trace is None and os.environ.get(TRACE_ENV):
             writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
         node = self._node
+        initial = self._initial
         open_registered(backend, node.name, self._share or node.account.limit, node.align,
-                        lambda limit: node.open_root(backend, writer, limit))
+                        lambda limit: node.open_root(backend, writer, limit, initial), initial)
         if untraced is not None and node.tree is not None:
             node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
@@ -217,6 +235,10 @@ class Budget(BudgetView, AdapterHooks):
                              f"is entered inside {parent.name!r}; backend= is for root budgets "
                              f"only (a child always draws from its root's memory, here "
                              f"{parent.backend!r})")
+        if self._initial is not None:
+            raise ValueError(f"budget {name!r} was given initial= but is entered inside "
+                             f"{parent.name!r}; initial= is for root budgets only (a child "
+                             f"draws from its root's memory)")
         if self._trace is not None and self._trace is not False:
             raise ValueError(f"budget {name!r} was given trace={self._trace!r} but is entered "
                              f"inside {parent.name!r}; only a root budget writes a trace "
@@ -436,3 +458,15 @@ def misnested(message: str, exc_type: type[BaseException] | None) -> None:
     if exc_type is None:
         raise BudgetNestingError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+
+
+def _initial(initial: object, limit: int, given: object) -> int | None:
+    """``initial=`` checked: ``None``, or bytes from 0 to the limit."""
+    if initial is None:
+        return None
+    zero = initial in (0, "0") and not isinstance(initial, bool)
+    nbytes = 0 if zero else parse_size(initial, what="initial")  # type: ignore[arg-type]
+    if nbytes > limit:
+        raise ValueError(f"initial {initial!r} ({format_size(nbytes)}) exceeds limit "
+                         f"{given!r} ({format_size(limit)})")
+    return nbytes

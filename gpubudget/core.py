@@ -31,7 +31,7 @@ from typing import Final
 
 __all__ = ["CORE", "PURE_ENV", "SourceFinder", "choose", "pure_asked"]
 
-CORE: Final = ("ledger", "arena", "streams", "recorder", "tree", "node")
+CORE: Final = ("ledger", "arena", "streams", "recorder", "memory", "tree", "node")
 """The modules of the allocation core (``gpubudget.<name>``), compiled by ``setup.py``."""
 PURE_ENV: Final = "GPUBUDGET_PURE"
 """Set (not ``0``) at install: build no extension; at run time: run the core from source."""

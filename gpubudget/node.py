@@ -51,7 +51,7 @@ class Node:
 
     __slots__ = ("budget", "id", "name", "align", "track_stacks", "account", "stats", "lock",
                  "tree", "parent", "children", "granularity", "state", "refusal", "pins",
-                 "unreleased", "probes", "exit_hooks")
+                 "unreleased", "probes", "exit_hooks", "trim_on_exit")
 
     def __init__(self, budget: Budget, name: str | None, limit: int, reserve: int, align: int,
                  track_stacks: bool) -> None:
@@ -72,17 +72,19 @@ class Node:
         self.pins = 0  # objects (a TensorRT runtime) that may still allocate through it
         self.unreleased = 0  # children entered and not yet released
         self.probes: dict[str, Probe] = {}  # adapters' usage, read for reports
+        self.trim_on_exit = False  # a growable root: trim when a child's scope ends
         self.exit_hooks: list[Callable[[], None]] = []  # adapters' calls when the scope ends
 
     # -- entering --------------------------------------------------------------------------
 
     def open_root(self, backend: Backend, writer: TraceWriter | None,
-                  limit: int | None = None) -> Tree:
-        """Reserve the whole limit (``limit`` if given: decided at entry) from ``backend``;
-        ``BudgetError`` if it cannot."""
+                  limit: int | None = None, initial: int | None = None) -> Tree:
+        """Reserve the whole limit (``limit`` if given: decided at entry) from ``backend``
+        (``initial``: reserve addresses for it and map ``initial`` bytes); ``BudgetError``
+        if it cannot."""
         if limit is not None:
             self.account = Account(self.name, limit)
-        tree = Tree(self, backend, writer)
+        tree = Tree(self, backend, writer, initial)
         self.account = Account(self.name, self.account.limit)  # a root holds its whole limit
         self.tree = tree
         self.lock = tree.lock
@@ -158,6 +160,8 @@ class Node:
                 tree.recorder.exited(self.id, root=self.parent is None)
                 self.release_if_unused()
                 hooks, self.exit_hooks = self.exit_hooks, []
+                if self.parent is not None and tree.root.trim_on_exit:
+                    tree.trim()
             lock.release()
         except BaseException:
             unlock(lock)

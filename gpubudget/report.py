@@ -46,7 +46,9 @@ class Denial:
     """``over_limit``, ``fragmented``, ``invalid_size``, ``invalid_alignment``,
     ``invalid_tag``, ``invalid_stream``, ``invalid_address`` (resizing a block that is not there), ``inactive``,
     ``released``, ``interrupted`` (a Ctrl-C arrived during the call), ``wrong_device`` (an
-    adapter was called while another CUDA device was current) or ``internal_error``."""
+    adapter was called while another CUDA device was current), ``asleep`` (a growable root
+    put to sleep by ``offload()``), ``device_full`` (a growable root whose device had no
+    memory to map for it) or ``internal_error``."""
     refused_by: str
     """Name of the budget whose limit or arena refused (this budget or an ancestor)."""
     count: int
@@ -123,6 +125,8 @@ _REASONS = {
     "released": "already released:",
     "interrupted": "interrupted (Ctrl-C) in",
     "wrong_device": "another CUDA device was current, asked of",
+    "asleep": "asleep (offloaded; restore() first), asked of",
+    "device_full": "the device had no memory to map for the growth of",
     "internal_error": "internal error in",
 }
 _SHOW_BLOCKS: Final = 20
@@ -206,6 +210,14 @@ class BudgetReport:
     just after the reservation minus free memory at exit (or now, while open)."""
     trace_error: str | None = None
     """Root budgets: why the trace file stopped (a write failed), if it did."""
+    mapped: int | None = None
+    """Growable roots (``initial=``): bytes of device memory mapped now; ``None`` for a root
+    that reserved its whole limit."""
+    mapped_peak: int | None = None
+    """Growable roots: the most bytes mapped at once."""
+    asleep: int | None = None
+    """Growable roots put to sleep (``offload()``): the bytes of live blocks waiting in host
+    memory for ``restore()``; ``None`` while awake."""
 
     @property
     def leaks(self) -> tuple[LiveBlock, ...]:
@@ -341,6 +353,13 @@ class BudgetReport:
                 f"{rest}  device memory taken outside budgets meanwhile: "
                 f"{format_size(self.outside_bytes)}"
             )
+        if self.mapped is not None:
+            lines.append(f"{rest}  device memory mapped {format_size(self.mapped)} (peak "
+                         f"{format_size(self.mapped_peak or 0)}) for its "
+                         f"{format_size(self.limit)} of addresses")
+        if self.asleep is not None:
+            lines.append(f"{rest}  asleep: {format_size(self.asleep)} of live blocks in host "
+                         f"memory until restore()")
         if self.trace_error is not None:
             lines.append(f"{rest}  {self.trace_error}")
         for error in self.callback_errors:

@@ -66,13 +66,19 @@ def snapshot(node: Node) -> BudgetReport:
         events = [event for event in tree.recorder.events if event[2] in names]
         dropped = tree.recorder.logged - len(tree.recorder.events)
         trace_error = tree.recorder.trace_error
+        mapping = tree.mapping if node.parent is None else None
+        residency: dict[str, object] = {} if mapping is None else {
+            "mapped": mapping.mapped_bytes, "mapped_peak": mapping.peak_bytes,
+            "asleep": (mapping.asleep.staging.nbytes if mapping.asleep is not None else None),
+            "callback_errors": report.callback_errors + tuple(mapping.errors)}
     start = events[0][0] if events else 0.0
     timeline = tuple(
         TimelineEvent(t - start, kind, names[budget], size, tag, used, total)
         for t, kind, budget, size, tag, used, total in events
     )
     return dataclasses.replace(report, timeline=timeline, events_dropped=dropped,
-                               outside_bytes=outside, trace_error=trace_error)
+                               outside_bytes=outside, trace_error=trace_error,
+                               **residency)  # type: ignore[arg-type]
 
 
 def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
@@ -139,13 +145,7 @@ def _outside_bytes(tree: Tree) -> int | None:
     """Device memory taken outside the tree while its root was open."""
     if tree.free_at_entry is None:
         return None
-    now = tree.free_at_exit if tree.root.state != "open" else None
-    if now is None and tree.root.state == "open":
-        try:
-            info = tree.backend.mem_info()
-        except Exception:  # noqa: BLE001 - only a statistic
-            info = None
-        now = info[0] if info else None
+    now = tree.free_at_exit if tree.root.state != "open" else tree.unclaimed()
     return tree.free_at_entry - now if now is not None else None
 
 

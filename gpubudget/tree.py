@@ -38,17 +38,18 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
 from .backends import Backend, Event, Reservation, device_of
-from .errors import BudgetError, InvariantError
+from .errors import InvariantError
 from .ledger import charge, passed_up, refusal
+from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
 from .streams import PendingFrees
-from .units import as_int, format_size, is_power_of_two, parse_size, round_up
+from .units import as_int, as_size, is_power_of_two, round_up
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from .tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "as_size", "unlock"]
+__all__ = ["Denied", "Live", "Tree", "unlock"]
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -67,17 +68,20 @@ it are live keeps its memory (a block is never freed under its user by the colle
 class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
-    __slots__ = ("root", "lock", "backend", "device", "reservation", "arena", "live",
+    __slots__ = ("root", "lock", "backend", "device", "reservation", "mapping", "arena", "live",
                  "pending", "ordered", "recorder", "free_at_entry", "free_at_exit")
 
-    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None) -> None:
+    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
+                 initial: int | None = None) -> None:
         capacity = round_up(root.account.limit, root.align)
-        reservation, base = _reserve(backend, capacity, root.align, root.name)
+        reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
         self.lock: Final = threading.RLock()  # re-entrant only for ``unlock``
         self.backend: Final = backend
         self.device: Final = device_of(backend)
-        self.reservation: Reservation | None = reservation
+        self.reservation: Reservation | Mapping | None = reservation
+        # a growable root's memory: granules mapped as blocks need them (see memory.py)
+        self.mapping: Final = reservation if isinstance(reservation, Mapping) else None
         self.arena: Final = Arena(base, capacity, root.align)
         self.live: Final[dict[int, Live]] = {}
         self.pending: Final = PendingFrees()
@@ -86,7 +90,7 @@ class Tree:
         self.recorder: Final = Recorder(writer, getattr(backend, "clock", time.perf_counter))
         # Device memory free just after the reservation, and at the root's exit: what others
         # took meanwhile shows in the report (device backends only).
-        self.free_at_entry = None if self.device is None else _free(backend)
+        self.free_at_entry = None if self.device is None else self.unclaimed()
         self.free_at_exit: int | None = None
         _unreleased.add(self)
 
@@ -139,9 +143,15 @@ class Tree:
                         address = self._place_with_pending(nbytes, granularity, stream)
                     else:
                         address = self.arena.allocate(nbytes, granularity)
+                    reason = "fragmented"
+                    if address is not None and self.mapping is not None:
+                        reason = self.mapping.admit(address, nbytes) or reason
+                        if reason != "fragmented":  # asleep, or the device cannot back it
+                            self.arena.free(address)
+                            address = None
                     if address is None:
-                        self._deny_locked(node, size, align, tag, nbytes, "fragmented",
-                                          node.name, why)
+                        self._deny_locked(node, size, align, tag, nbytes, reason, node.name,
+                                          why)
                     else:
                         charge(account, nbytes)  # the commit: ledger, registry, record
                         self.live[address] = (node, nbytes, tag, stack)
@@ -170,7 +180,8 @@ class Tree:
             else:
                 owner, nbytes, tag, _ = record
                 event: Event | None | Literal[False] = None
-                if stream is not None and self.ordered:
+                if stream is not None and self.ordered and (
+                        self.mapping is None or self.mapping.asleep is None):
                     # before the commit: if the stream cannot take an event, nothing changes
                     event = self._event_on(owner, stream)
                 if event is not False:
@@ -240,15 +251,35 @@ class Tree:
         granularity = max(owner.granularity, align)
         nbytes = round_up(size, granularity)
         delta = nbytes - old
+        if self.mapping is not None and self.mapping.asleep is not None:
+            self._deny_locked(owner, size, align, tag, nbytes, "asleep", owner.name)
+            return None
         in_place = address % granularity == 0 and (
             delta <= 0 or refusal(owner.account, delta) is None)
-        if in_place and self.arena.resize(address, nbytes):
+        if in_place and self.arena.resize(address, nbytes) and not self._unbacked(
+                address, old, nbytes):
             charge(owner.account, delta)  # the commit
             self.live[address] = (owner, nbytes, tag, stack)
             self.recorder.resized(owner.stats, owner.id, address, size, align, tag, old,
                                   nbytes, owner.account.used, self.root.account.used)
             return address
         return (owner, size, align, tag, stack, old, nbytes)
+
+    def _unbacked(self, address: int, old: int, nbytes: int) -> bool:
+        """Lock held, a block just resized in place from ``old`` to ``nbytes``: whether its
+        growth could not be mapped (then it is ``old`` bytes again, and the move is tried)."""
+        if self.mapping is None or nbytes <= old or self.mapping.admit(address, nbytes) is None:
+            return False
+        self.arena.resize(address, old)
+        return True
+
+    def trim(self) -> int:
+        """Lock held: unmap the granules of a growable root that no block touches (pending
+        frees included); the bytes given back (0 for a root that reserved its limit)."""
+        if self.mapping is None or self.mapping.asleep is not None:
+            return 0
+        return self.mapping.trim((block.address, block.size) for block in self.arena.walk()
+                                 if not block.free)
 
     def owner(self, where: object) -> Live | None:
         address = where if type(where) is int else as_int(where) or 0
@@ -326,9 +357,16 @@ class Tree:
     def _event_failed(self, message: str) -> None:
         self.root.stats.errors.append(message)
 
+    def unclaimed(self) -> int | None:
+        """The device's free memory, plus what a growable root has mapped (its own growth is
+        not memory taken by others)."""
+        info = free_memory(self.backend)
+        mapped = self.mapping.mapped_bytes if self.mapping is not None else 0
+        return info[0] + mapped if info else None
+
     def note_free_at_exit(self) -> None:
         if self.device is not None:
-            self.free_at_exit = _free(self.backend)
+            self.free_at_exit = self.unclaimed()
 
     def release_reservation(self) -> None:
         """Lock held, the root released: wait for pending frees, give the memory back."""
@@ -356,6 +394,8 @@ class Tree:
     def _check_locked(self) -> None:
         self.arena.check()
         taken = {block.address: block.size for block in self.arena.walk() if not block.free}
+        if self.mapping is not None:
+            self.mapping.check(taken.items())
         held = {address: record[1] for address, record in self.live.items()}
         held.update((p.address, p.nbytes) for p in self.pending)
         if taken != held:
@@ -372,17 +412,6 @@ class Tree:
                 raise InvariantError("LEDGER", f"budget {node.name!r} used "
                                      f"{node.account.used}, its blocks and children make "
                                      f"{expected}, limit {node.account.limit}")
-
-
-def as_size(value: object) -> int | None:
-    """``value`` as bytes: an integer-like value (see :func:`~gpubudget.units.as_int`), or a
-    string :func:`~gpubudget.units.parse_size` reads; else ``None`` (a denial)."""
-    if isinstance(value, str):
-        try:
-            return parse_size(value)
-        except ValueError:
-            return None
-    return as_int(value)
 
 
 def unlock(lock: threading.RLock) -> None:
@@ -414,32 +443,3 @@ def unlock(lock: threading.RLock) -> None:
         lock.release()
 
 
-def _free(backend: Backend) -> int | None:
-    try:
-        info = backend.mem_info()
-    except Exception:  # noqa: BLE001 - only a statistic
-        return None
-    return info[0] if info else None
-
-
-def _reserve(backend: Backend, capacity: int, align: int, name: str) -> tuple[Reservation, int]:
-    """One reservation of ``capacity`` bytes starting at a multiple of ``align``, and that
-    start; ``BudgetError`` (with the device's free and total memory) if the backend refuses."""
-    try:
-        reservation = backend.reserve(capacity)
-        base = round_up(reservation.address, align)
-        if base != reservation.address:  # alignment beyond what the backend guarantees
-            reservation.release()
-            reservation = backend.reserve(capacity + align)
-            base = round_up(reservation.address, align)
-        return reservation, base
-    except Exception as exc:  # MemoryError, or whatever a backend of the user's raises
-        try:
-            info = backend.mem_info()
-        except Exception:  # noqa: BLE001
-            info = None
-        where = (f"{format_size(info[0])} free of {format_size(info[1])} total" if info
-                 else "free memory unknown")
-        raise BudgetError(
-            f"budget {name!r} could not reserve {format_size(capacity)} from the "
-            f"{backend.name} backend ({where}): {type(exc).__name__}: {exc}") from exc

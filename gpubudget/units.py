@@ -164,3 +164,14 @@ def check_align(value: object, what: str = "align") -> int:
     if not is_power_of_two(number):
         raise ValueError(f"{what} must be a power of two >= 1, got {value!r}")
     return number
+
+
+def as_size(value: object) -> int | None:
+    """``value`` as bytes: an integer-like value (see :func:`as_int`), or a
+    string :func:`parse_size` reads; else ``None`` (a denial)."""
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError:
+            return None
+    return as_int(value)

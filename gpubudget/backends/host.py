@@ -14,6 +14,7 @@ import sys
 from typing import Final
 
 from .base import Event
+from .virtual import HostVirtualRange
 
 __all__ = ["HostBackend", "HostReservation"]
 
@@ -70,8 +71,9 @@ class HostBackend:
     name = "host"
     synchronous = True  # no streams: every free completes at once
 
-    def __init__(self, noreserve: bool = False) -> None:
+    def __init__(self, noreserve: bool = False, device_capacity: int | None = None) -> None:
         self.noreserve = noreserve
+        self.device_capacity = device_capacity
 
     def reserve(self, nbytes: int) -> HostReservation:
         try:
@@ -91,3 +93,13 @@ class HostBackend:
 
     def record_event(self, stream: int) -> Event:
         return _DONE
+
+    def allocation_granularity(self) -> int:
+        """The smallest granule a growable root maps at a time: 64 KiB (a page multiple)."""
+        return 64 * 1024
+
+    def reserve_virtual(self, nbytes: int, granule: int) -> HostVirtualRange:
+        """Addresses for ``nbytes`` (no memory), mapped granule by granule: see
+        :mod:`gpubudget.backends.virtual`. ``device_capacity`` (``None``: the machine's)
+        bounds the bytes mapped at once, as a device's memory would."""
+        return HostVirtualRange(nbytes, granule, self.device_capacity)

@@ -29,6 +29,8 @@ from typing import Final
 
 import pycuda.driver as cuda
 
+from .virtual import CudaVirtualRange, cuda_granularity
+
 __all__ = ["PyCudaBackend", "PyCudaEvent", "PyCudaReservation", "current_device"]
 
 _CUDA_SUCCESS: Final = 0
@@ -174,7 +176,7 @@ class PyCudaBackend:
         self._context: Final = context.value
         self.closed = False
         self._lock = threading.Lock()
-        self._live: weakref.WeakSet[PyCudaReservation] = weakref.WeakSet()
+        self._live: weakref.WeakSet[PyCudaReservation | CudaVirtualRange] = weakref.WeakSet()
         self._events: list[int] = []  # recorded events dropped, ready to be recorded again
         atexit.register(self._close)
 
@@ -219,6 +221,18 @@ class PyCudaBackend:
         with self._lock:
             self._live.add(reservation)
         return reservation
+
+    def allocation_granularity(self) -> int:
+        """The smallest physical allocation CUDA's virtual memory management makes here."""
+        return cuda_granularity(self)
+
+    def reserve_virtual(self, nbytes: int, granule: int) -> CudaVirtualRange:
+        """Addresses for ``nbytes`` on this device (no memory), mapped granule by granule
+        (see :mod:`gpubudget.backends.virtual`); freed with the rest at exit."""
+        memory = CudaVirtualRange(self, nbytes, granule)
+        with self._lock:
+            self._live.add(memory)
+        return memory
 
     def mem_info(self) -> tuple[int, int] | None:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()

@@ -122,8 +122,13 @@ class Claim:
         and release the slot with the reservation."""
         reservation = tree.reservation
         assert reservation is not None
+        mapping = tree.mapping  # a growable root: what it has mapped, kept current
+        held = mapping.mapped_bytes if mapping is not None else reservation.nbytes
         with self.book.locked():
-            self.book.reserved(self.slot, reservation.nbytes, time.monotonic_ns())
+            self.book.reserved(self.slot, held, time.monotonic_ns())
+        if mapping is not None:
+            at = slot_word(self.slot, "reserved")
+            mapping.published = self.book.words[at: at + 1]
         at = slot_word(self.slot, "used")  # then "peak" and "denials"
         words = self.book.words[at: at + 3]
         account = tree.root.account
@@ -175,10 +180,12 @@ class _Released:
 
 
 def open_registered(backend: Backend, name: str, request: int | Share, align: int,
-                    open_tree: Callable[[int], Tree]) -> Tree:
+                    open_tree: Callable[[int], Tree], initial: int | None = None) -> Tree:
     """Enter a root registered in the host ledger: claim, ``open_tree(limit)`` (which
     reserves), attach; see the module docstring. ``request``: the root's limit in bytes, or
-    a share. Backends the ledger does not know are not registered (a share is then a
+    a share. ``initial``: a growable root's memory at entry (it claims its limit, what it may
+    grow to, but only ``initial`` must be free now; its slot's reserved bytes follow what it
+    maps). Backends the ledger does not know are not registered (a share is then a
     ``BudgetError``)."""
     device = device_for(backend)
     if device is None:  # not a device (a trace's replay, a backend of the user's own)
@@ -206,7 +213,7 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
         _warn_once(f"gpubudget: root budgets are not registered in the host ledger: {exc}")
         assert isinstance(request, int)
         return open_tree(request)
-    claim = _claim(book, device, name, request, align, cap)
+    claim = _claim(book, device, name, request, align, cap, initial)
     try:
         tree = open_tree(claim.limit)
     except BudgetError as exc:
@@ -220,7 +227,7 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
 
 
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
-           align: int, cap: int | None) -> Claim:
+           align: int, cap: int | None, initial: int | None) -> Claim:
     wanted = request if isinstance(request, Share) else round_up(request, align)
     me = myself()
     numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
@@ -231,6 +238,8 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
     while True:
         started = time.monotonic_ns()
         free = device.free() if device.free is not None else None
+        if free is not None and initial is not None:  # growable: only initial is taken now
+            free = free + max(wanted - initial, 0) if isinstance(wanted, int) else None
         with book.locked():
             book.set_device(device.total, device.hard)
             entries = book.live_entries()

@@ -1,0 +1,129 @@
+"""What a growable root (``gpu_budget(limit, initial=...)``) does with its physical memory:
+give back what no block uses (:meth:`Residency.trim`), sleep (:meth:`Residency.offload`: live
+blocks copied to pinned host memory, every granule unmapped, the addresses kept) and wake
+(:meth:`Residency.restore`: mapped again, the bytes copied back to the same addresses).
+
+:class:`Residency` is a part of :class:`~gpubudget.budget.Budget` (one of its bases). The
+work is done by the tree's :class:`~gpubudget.memory.Mapping`, with the tree's lock held.
+While a budget sleeps, its tree refuses allocations and resizes (``asleep``) and frees
+complete at once (nothing on the device can be using the memory); nothing may read or
+write its blocks (kernels queued before ``offload`` are waited for).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from . import interrupts
+from .errors import BudgetError
+from .interrupts import STATE, protect
+from .memory import Mapping
+from .node import Node
+from .tree import Tree, unlock
+
+__all__ = ["Residency"]
+
+
+class Residency:
+    """Methods of a growable root; see the module docstring."""
+
+    __slots__ = ()
+    _node: Node
+
+    @property
+    def mapped(self) -> int | None:
+        """Bytes of device memory this budget's tree has mapped now: a growable root maps
+        them as blocks need them; ``None`` for a root that reserved its whole limit (or a
+        budget not entered)."""
+        tree = self._node.tree
+        mapping = tree.mapping if tree is not None else None
+        return mapping.mapped_bytes if mapping is not None else None
+
+    def _growable(self, what: str) -> tuple[Tree, Mapping]:
+        node = self._node
+        tree = node.tree
+        if node.parent is not None:
+            why = "a child: the tree's memory is its root's"
+        elif tree is None or node.state not in ("open", "exited"):
+            why = node.state
+        elif tree.mapping is None:
+            why = "a root that reserved its whole limit (no initial=)"
+        else:
+            return tree, tree.mapping
+        raise BudgetError(f"{what} is for a growable root budget (entered with initial=) that "
+                          f"has not released; budget {node.name!r} is {why}")
+
+    def trim(self) -> int:
+        """Give back the device memory of every granule that no block touches; the bytes.
+
+        Examples
+        --------
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("64MiB", initial=0, backend="host") as pool:
+        ...     block = pool.allocate("4MiB")
+        ...     grown = pool.mapped
+        ...     pool.free(block)
+        ...     (grown > 0, pool.trim() == grown, pool.mapped)
+        True
+        (True, True, 0)
+        """
+        tree, _ = self._growable("trim()")
+        lock = tree.lock
+        try:  # see ``tree.unlock``
+            lock.acquire()
+            freed = tree.trim()
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+        return freed
+
+    @protect
+    def offload(self) -> int:
+        """Put the budget to sleep: wait for the stream-ordered frees, copy every live block
+        to pinned host memory, unmap all its device memory; the bytes copied. The addresses
+        stay reserved, so pointers into the budget (TensorRT engines, CuPy arrays, PyTorch
+        tensors) are valid again after :meth:`restore`. All or nothing: if host memory or a
+        copy fails, the error is raised and the budget stays awake. Nothing may use the
+        budget's memory until :meth:`restore`."""
+        return self._move("offload")
+
+    @protect
+    def restore(self) -> int:
+        """Wake the budget: map device memory for its live blocks and copy their bytes back
+        to the same addresses; the bytes copied (0 if it was awake). All or nothing: if the
+        device cannot back them or a copy fails, the error is raised; a Ctrl-C during the
+        copies stops them; either way what was mapped is given back and the budget stays
+        asleep, its blocks safe in host memory."""
+        return self._move("restore")
+
+    def _move(self, way: Literal["offload", "restore"]) -> int:
+        tree, mapping = self._growable(f"{way}()")
+        lock = tree.lock
+        try:  # see ``tree.unlock``
+            lock.acquire()
+            moved = _offload(tree, mapping) if way == "offload" else _restore(tree, mapping)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+        if STATE.pending and interrupts.raise_here():
+            raise KeyboardInterrupt
+        return moved
+
+
+def _offload(tree: Tree, mapping: Mapping) -> int:
+    if mapping.asleep is not None:
+        return 0
+    tree.pending.retire(tree.arena, True, tree.root.stats.errors.append)
+    return mapping.offload((address, record[1]) for address, record in tree.live.items())
+
+
+def _restore(tree: Tree, mapping: Mapping) -> int:
+    return mapping.restore(((address, record[1]) for address, record in tree.live.items()),
+                           _interrupted)
+
+
+def _interrupted() -> bool:
+    """Whether a Ctrl-C came during the copies (taken: it is raised by ``restore``)."""
+    return STATE.pending and interrupts.take()

@@ -1,0 +1,288 @@
+"""Growable roots (``initial=``) on the host backend, whose ranges are mapped with
+``mprotect``: a block outside a mapped granule would fault, as it would on a device."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from gpubudget import BudgetError, gpu_budget
+from gpubudget import interrupts
+from gpubudget.backends.host import HostBackend
+from gpubudget.backends.virtual import HostVirtualRange
+from gpubudget.units import KiB, MiB
+from tests.helpers import consistent, fill, holds
+
+
+def test_a_root_maps_as_blocks_need_and_never_more_than_its_limit() -> None:
+    with gpu_budget("64MiB", initial="8MiB", backend="host", name="grow") as grow:
+        assert grow.mapped == 8 * MiB  # granules of 4 MiB: a sixteenth of the limit
+        a = grow.allocate("6MiB")
+        assert a is not None and grow.mapped == 8 * MiB
+        fill(a, 6 * MiB, 1)
+        b = grow.allocate("10MiB")
+        assert b is not None and grow.mapped == 16 * MiB
+        fill(b, 10 * MiB, 2)
+        with gpu_budget("64MiB", name="child") as child:
+            c = child.allocate("40MiB")
+            assert c is not None and grow.mapped == 56 * MiB
+            fill(c, 40 * MiB, 3)
+            assert child.allocate("16MiB") is None  # over the root's limit: never mapped
+            assert grow.mapped <= 64 * MiB
+        consistent(grow)
+        assert holds(a, 6 * MiB, 1) and holds(b, 10 * MiB, 2)
+        report = grow.report()
+        assert report.mapped == grow.mapped and report.mapped_peak == 56 * MiB
+        assert "device memory mapped 56.00 MiB" in str(report)
+
+
+def test_trim_gives_back_what_no_block_touches_and_trim_on_exit() -> None:
+    with gpu_budget("64MiB", initial=0, backend="host", trim_on_exit=True) as pool:
+        kept = pool.allocate("4MiB")
+        assert kept is not None
+        with gpu_budget("32MiB") as child:
+            scratch = child.allocate("20MiB")
+            assert scratch is not None and pool.mapped == 24 * MiB
+            child.free(scratch)
+        assert pool.mapped == 4 * MiB  # trimmed when the child's scope ended
+        fill(kept, 4 * MiB, 7)
+        pool.free(kept)
+        assert pool.trim() == 4 * MiB and pool.mapped == 0
+        again = pool.allocate("4MiB")  # maps again, on demand
+        assert again is not None and pool.mapped == 4 * MiB
+        fill(again, 4 * MiB, 8)
+        consistent(pool)
+
+
+def test_a_growth_the_device_cannot_back_is_denied_device_full() -> None:
+    backend = HostBackend(device_capacity=16 * MiB)  # the "device" has 16 MiB
+    with gpu_budget("64MiB", initial=0, backend=backend, name="big") as big:
+        a = big.allocate("12MiB")
+        assert a is not None
+        assert big.allocate("8MiB") is None
+        (denial,) = big.report().denials
+        assert (denial.reason, denial.refused_by) == ("device_full", "big")
+        assert big.mapped == 12 * MiB and big.used == 12 * MiB  # nothing half done
+        assert any("refused" in e for e in big.report().callback_errors)
+        assert big.allocate("4MiB") is not None  # what fits still does
+        consistent(big)
+
+
+def test_offload_and_restore_keep_every_byte_at_the_same_address() -> None:
+    with gpu_budget("64MiB", initial=0, backend="host", name="model") as model:
+        blocks = {model.allocate(n * KiB): n for n in (100, 3000, 20_000)}
+        for index, (address, n) in enumerate(blocks.items()):
+            assert address is not None
+            fill(address, n * KiB, index + 1)
+        with gpu_budget("32MiB", name="head") as head:
+            h = head.allocate("5MiB")
+            assert h is not None
+            fill(h, 5 * MiB, 9)
+        gone = model.allocate("1MiB")
+        assert gone is not None
+        copied = model.offload()
+        assert copied == model.used and model.mapped == 0
+        assert model.report().asleep == copied and "asleep:" in str(model.report())
+        assert model.allocate(100) is None and model.report().denials[-1].reason == "asleep"
+        assert model.free(gone)  # frees work asleep
+        consistent(model)
+        assert model.restore() == copied - MiB
+        assert model.mapped is not None and model.mapped > 0
+        for index, (address, n) in enumerate(blocks.items()):
+            assert address is not None and holds(address, n * KiB, index + 1)
+        assert holds(h, 5 * MiB, 9)
+        assert model.restore() == 0  # awake already
+        consistent(model)
+
+
+class _Flaky(HostVirtualRange):
+    """Host addresses whose copies to the "device" call ``after_copy``."""
+
+    __slots__ = ("after_copy",)
+    after_copy: Callable[[], None] | None
+
+    def to_device(self, device: int, host: int, nbytes: int) -> None:
+        super().to_device(device, host, nbytes)
+        if self.after_copy is not None:
+            self.after_copy()
+
+
+class _FlakyBackend(HostBackend):
+    range: _Flaky
+
+    def reserve_virtual(self, nbytes: int, granule: int) -> HostVirtualRange:
+        self.range = _Flaky(nbytes, granule, self.device_capacity)
+        self.range.after_copy = None
+        return self.range
+
+
+def test_a_restore_that_cannot_be_backed_or_is_interrupted_stays_asleep() -> None:
+    backend = _FlakyBackend(device_capacity=32 * MiB)
+    with gpu_budget("64MiB", initial=0, backend=backend) as pool:
+        a, b = pool.allocate("8MiB"), pool.allocate("8MiB")
+        assert a is not None and b is not None
+        fill(a, 8 * MiB, 4)
+        fill(b, 8 * MiB, 5)
+        pool.offload()
+        backend.range.capacity = 8 * MiB  # someone else took the device meanwhile
+        with pytest.raises(MemoryError):
+            pool.restore()
+        assert pool.report().asleep == 16 * MiB and pool.mapped == 0
+        backend.range.capacity = 32 * MiB
+        copies: list[int] = []
+
+        def ctrl_c() -> None:
+            copies.append(1)
+            interrupts.defer()  # a Ctrl-C arrives during the first copy
+
+        backend.range.after_copy = ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            pool.restore()
+        assert len(copies) == 1 and pool.report().asleep == 16 * MiB and pool.mapped == 0
+        backend.range.after_copy = None
+        assert pool.restore() == 16 * MiB
+        assert holds(a, 8 * MiB, 4) and holds(b, 8 * MiB, 5)
+        consistent(pool)
+
+
+def test_bad_uses_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="initial '2GiB'.*exceeds limit"):
+        gpu_budget("1GiB", initial="2GiB")
+    with pytest.raises(ValueError, match="initial"):
+        gpu_budget("1GiB", initial=-1)
+    with pytest.raises(TypeError, match="trim_on_exit"):
+        gpu_budget("1GiB", initial=0, trim_on_exit="yes")  # type: ignore[arg-type]
+    with gpu_budget("1MiB", backend="host", name="fixed") as fixed:
+        with pytest.raises(BudgetError, match="reserved its whole limit"):
+            fixed.trim()
+        with pytest.raises(ValueError, match="initial= is for root budgets only"):
+            with gpu_budget("512KiB", initial=0):
+                pass  # pragma: no cover
+        assert fixed.mapped is None and fixed.report().mapped is None
+    with gpu_budget("4MiB", initial=0, backend="host") as pool:
+        with gpu_budget("1MiB") as child:
+            with pytest.raises(BudgetError, match="a child"):
+                child.offload()
+    with pytest.raises(BudgetError, match="released"):
+        pool.restore()
+
+    class NoVirtual(HostBackend):
+        reserve_virtual = None  # type: ignore[assignment]
+
+    with pytest.raises(BudgetError, match="initial= needs a backend that maps"):
+        with gpu_budget("4MiB", initial=0, backend=NoVirtual()):
+            pass  # pragma: no cover
+
+
+def test_threads_allocate_while_the_root_grows() -> None:
+    with gpu_budget("256MiB", initial=0, backend="host") as pool:
+        errors: list[BaseException] = []
+
+        def work(index: int) -> None:
+            try:
+                with gpu_budget("64MiB", parent=pool, name=f"t{index}") as mine:
+                    for round_ in range(50):
+                        block = mine.allocate((round_ % 7 + 1) * 100 * KiB)
+                        assert block is not None
+                        fill(block, 100 * KiB, index)
+                        assert holds(block, 100 * KiB, index)
+                        mine.free(block)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        consistent(pool)
+
+
+class GrowableModel(RuleBasedStateMachine):
+    """Random allocations, frees, trims, sleeps and wakes of a growable root on a "device"
+    smaller than its limit: every block keeps its bytes, every check passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = HostBackend(device_capacity=3 * MiB)
+        self.budget = gpu_budget("4MiB", initial=0, backend=self.backend, align=4096)
+        self.budget.__enter__()
+        self.blocks: dict[int, tuple[int, int]] = {}  # address -> (size, byte)
+        self.asleep = False
+        self.byte = 0
+
+    @rule(size=st.integers(1, 600 * KiB))
+    def allocate(self, size: int) -> None:
+        address = self.budget.allocate(size)
+        if self.asleep:
+            assert address is None
+        elif address is not None:
+            self.byte = self.byte % 250 + 1
+            fill(address, size, self.byte)
+            self.blocks[address] = (size, self.byte)
+
+    @precondition(lambda self: bool(self.blocks))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        address = data.draw(st.sampled_from(sorted(self.blocks)))
+        assert self.budget.free(address)
+        del self.blocks[address]
+
+    @rule()
+    def trim(self) -> None:
+        if not self.asleep:
+            self.budget.trim()
+
+    @rule()
+    def sleep(self) -> None:
+        self.budget.offload()
+        self.asleep = True
+
+    @rule()
+    def wake(self) -> None:
+        self.budget.restore()
+        self.asleep = False
+
+    @invariant()
+    def bytes_and_books_hold(self) -> None:
+        consistent(self.budget)
+        mapped = self.budget.mapped
+        assert mapped is not None and mapped <= 3 * MiB
+        if not self.asleep:
+            for address, (size, byte) in self.blocks.items():
+                assert holds(address, size, byte)
+        else:
+            assert mapped == 0
+
+    def teardown(self) -> None:
+        self.budget.__exit__(None, None, None)
+
+
+TestGrowableModel = GrowableModel.TestCase
+TestGrowableModel.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def test_the_host_ledger_counts_what_a_growable_root_maps() -> None:
+    from gpubudget.hostledger import host_view
+
+    with gpu_budget("64MiB", initial="8MiB", backend="host", name="lazy") as lazy:
+        def entry() -> Any:
+            (found,) = [e for e in host_view(nvml=False).entries if e.name == "lazy"]
+            return found
+
+        assert (entry().limit, entry().reserved) == (64 * MiB, 8 * MiB)
+        block = lazy.allocate("20MiB")
+        assert block is not None and entry().reserved == lazy.mapped == 20 * MiB
+        lazy.free(block)
+        lazy.trim()
+        assert entry().reserved == 0
+        lazy.offload()
+        assert entry().reserved == 0
+        lazy.restore()
