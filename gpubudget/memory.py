@@ -127,12 +127,13 @@ class Mapping:
         spare = [index for index in self._mapped() if index not in keep]
         return self._unmap(spare) * self.granule
 
-    def offload(self, live: Iterable[tuple[int, int]]) -> int:
-        """Copy the blocks ``live`` to pinned host memory and unmap every granule; the bytes
-        copied. The error (``MemoryError``, a failed copy) with nothing changed if it cannot."""
+    def offload(self, live: Iterable[tuple[int, int]], pinned: bool = True) -> int:
+        """Copy the blocks ``live`` to host memory (page-locked if ``pinned``) and unmap every
+        granule; the bytes copied. The error (``MemoryError``, a failed copy) with nothing
+        changed if it cannot."""
         blocks = sorted(live)
         total = sum(nbytes for _, nbytes in blocks)
-        staging = self.memory.stage(total)
+        staging = self.memory.stage(total, pinned)
         offsets: dict[int, int] = {}
         try:
             offset = 0

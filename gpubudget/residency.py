@@ -79,14 +79,16 @@ class Residency:
         return freed
 
     @protect
-    def offload(self) -> int:
+    def offload(self, *, pinned: bool = True) -> int:
         """Put the budget to sleep: wait for the stream-ordered frees, copy every live block
-        to pinned host memory, unmap all its device memory; the bytes copied. The addresses
+        to host memory, unmap all its device memory; the bytes copied. ``pinned``: page-locked
+        host memory (copies at the bus's speed, but locking it costs time too, see the
+        README); ``False``: plain host memory. The addresses
         stay reserved, so pointers into the budget (TensorRT engines, CuPy arrays, PyTorch
         tensors) are valid again after :meth:`restore`. All or nothing: if host memory or a
         copy fails, the error is raised and the budget stays awake. Nothing may use the
         budget's memory until :meth:`restore`."""
-        return self._move("offload")
+        return self._move("offload", pinned)
 
     @protect
     def restore(self) -> int:
@@ -95,14 +97,15 @@ class Residency:
         device cannot back them or a copy fails, the error is raised; a Ctrl-C during the
         copies stops them; either way what was mapped is given back and the budget stays
         asleep, its blocks safe in host memory."""
-        return self._move("restore")
+        return self._move("restore", True)
 
-    def _move(self, way: Literal["offload", "restore"]) -> int:
+    def _move(self, way: Literal["offload", "restore"], pinned: bool) -> int:
         tree, mapping = self._growable(f"{way}()")
         lock = tree.lock
         try:  # see ``tree.unlock``
             lock.acquire()
-            moved = _offload(tree, mapping) if way == "offload" else _restore(tree, mapping)
+            moved = (_offload(tree, mapping, pinned) if way == "offload"
+                     else _restore(tree, mapping))
             lock.release()
         except BaseException:
             unlock(lock)
@@ -112,11 +115,12 @@ class Residency:
         return moved
 
 
-def _offload(tree: Tree, mapping: Mapping) -> int:
+def _offload(tree: Tree, mapping: Mapping, pinned: bool) -> int:
     if mapping.asleep is not None:
         return 0
     tree.pending.retire(tree.arena, True, tree.root.stats.errors.append)
-    return mapping.offload((address, record[1]) for address, record in tree.live.items())
+    return mapping.offload(((address, record[1]) for address, record in tree.live.items()),
+                           pinned)
 
 
 def _restore(tree: Tree, mapping: Mapping) -> int:

@@ -25,6 +25,10 @@ from tests.helpers import RecordingBackend, subprocess_env
 
 TOTAL = 8 * GiB
 
+WORKER = f"{os.path.basename(sys.executable)} -m tests.ledger_worker"
+"""How the worker processes look in the ledger: the program without its directory (``python``
+in a virtual environment, ``python3`` elsewhere), then its arguments."""
+
 
 @pytest.fixture(autouse=True)
 def _ledger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -187,7 +191,7 @@ def test_kill_9_of_a_holder_frees_its_entry_for_the_next_process(workers: list[W
     assert holder.ask("enter 6GiB trainer") == f"ok {6 * GiB}"
     refused = late.ask("enter 4GiB server")
     assert refused.startswith("denied budget 'server' cannot claim 4.00 GiB on host memory")
-    assert f"held by pid {holder.pid} (python -m tests.ledger_worker) 'trainer' 6.00 GiB" \
+    assert f"held by pid {holder.pid} ({WORKER}) 'trainer' 6.00 GiB" \
         in refused
     holder.process.kill()  # SIGKILL: no exit handler, no release
     holder.process.wait()
@@ -228,7 +232,7 @@ def test_the_cap_holds_across_processes(workers: list[Worker]) -> None:
     assert denied.startswith("denied budget 'b' cannot claim 3.00 GiB on host memory (a "
                              "simulated GPU of 8.00 GiB): the device cap is 6.00 GiB, "
                              "4.00 GiB of it claimed, 2.00 GiB left; held by pid "
-                             f"{first.pid} (python -m tests.ledger_worker) 'a' 4.00 GiB")
+                             f"{first.pid} ({WORKER}) 'a' 4.00 GiB")
     assert second.ask("enter 2GiB b") == f"ok {2 * GiB}"
     assert second.ask("enter 50% c").startswith("denied")  # nothing left under the cap
     from gpubudget.hostledger import set_device_cap

@@ -36,7 +36,7 @@ class FakeRange:
     def release(self) -> None:
         self.released = True
 
-    def stage(self, nbytes: int) -> HostStaging:
+    def stage(self, nbytes: int, pinned: bool = True) -> HostStaging:
         staging = HostStaging(nbytes)
         self.staged.append(staging)
         return staging

@@ -27,6 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
+WORKER = f"{os.path.basename(sys.executable)} -m tests.ledger_worker"
+"""How the worker processes look in the ledger: the program without its directory (``python``
+in a virtual environment, ``python3`` elsewhere), then its arguments."""
+
 
 @pytest.fixture(autouse=True)
 def _ledger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -77,7 +81,7 @@ def test_every_budget_of_every_process_scraped_over_http(busy: list[Worker]) -> 
     assert samples[("gpubudget_device_memory_bytes", (
         ("device", "host"), ("label", "host memory (a simulated GPU of 8.00 GiB)")))] == 8 * GiB
     assert samples[("gpubudget_process_info", (
-        ("command", "python -m tests.ledger_worker"), ("process", str(first.pid))))] == 1
+        ("command", WORKER), ("process", str(first.pid))))] == 1
     assert not [key for key in samples if key[0] == "gpubudget_device_cap_bytes"]
 
 

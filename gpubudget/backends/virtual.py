@@ -13,8 +13,8 @@ do that has ``reserve_virtual(nbytes, granule)``, which returns a :class:`Virtua
   unmapped by ``madvise(MADV_DONTNEED)`` (its pages are dropped) and ``PROT_NONE`` again, so
   that a block touching an unmapped granule faults, as it would on a device.
 
-Both copy between the range and pinned (page-locked) host memory, for a budget put to sleep
-(``offload``) and woken (``restore``). Every map either completes or raises ``MemoryError``
+Both copy between the range and host memory (page-locked, or plain), for a budget put to
+sleep (``offload``) and woken (``restore``). Every map either completes or raises ``MemoryError``
 having changed nothing.
 """
 
@@ -69,8 +69,9 @@ class VirtualRange(Protocol):
         """Unmap every granule and give the addresses back; a second call does nothing."""
         ...
 
-    def stage(self, nbytes: int) -> Staging:
-        """Pinned host memory of ``nbytes`` bytes; ``MemoryError`` if there is none."""
+    def stage(self, nbytes: int, pinned: bool) -> Staging:
+        """Host memory of ``nbytes`` bytes, page-locked if ``pinned`` (faster copies, slower
+        to get and give back); ``MemoryError`` if there is none."""
         ...
 
     def to_host(self, host: int, device: int, nbytes: int) -> None:
@@ -112,21 +113,24 @@ def _failed(what: str) -> MemoryError:
 
 
 class HostStaging:
-    """Plain host memory standing in for pinned memory."""
+    """Pageable host memory (an anonymous mapping: no page is committed until copied to)."""
 
-    __slots__ = ("_buffer", "address", "nbytes")
+    __slots__ = ("_map", "address", "nbytes")
 
     def __init__(self, nbytes: int) -> None:
         try:
-            self._buffer: ctypes.Array[ctypes.c_char] | None = ctypes.create_string_buffer(
-                max(nbytes, 1))
-        except (MemoryError, OverflowError) as exc:
-            raise MemoryError(f"no host memory for {nbytes} bytes of staging") from exc
-        self.address: Final = ctypes.addressof(self._buffer)
+            self._map: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1))
+        except (OSError, OverflowError, ValueError) as exc:
+            raise MemoryError(f"no host memory for {nbytes} bytes of staging: {exc}") from exc
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.address: Final = ctypes.addressof(anchor)
+        del anchor  # no export left, so that the map can be closed
         self.nbytes: Final = nbytes
 
     def release(self) -> None:
-        self._buffer = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
 
 class HostVirtualRange:
@@ -178,8 +182,8 @@ class HostVirtualRange:
             _c().munmap(self.address, self.nbytes)
             self.mapped = 0
 
-    def stage(self, nbytes: int) -> HostStaging:
-        return HostStaging(nbytes)
+    def stage(self, nbytes: int, pinned: bool = False) -> HostStaging:
+        return HostStaging(nbytes)  # host memory is host memory: nothing to pin
 
     def to_host(self, host: int, device: int, nbytes: int) -> None:
         ctypes.memmove(host, device, nbytes)
@@ -362,8 +366,8 @@ class CudaVirtualRange:
             with self._backend.active():
                 self._driver.cuMemAddressFree(self.address, self.nbytes)
 
-    def stage(self, nbytes: int) -> CudaStaging:
-        return CudaStaging(self._backend, nbytes)
+    def stage(self, nbytes: int, pinned: bool = True) -> CudaStaging | HostStaging:
+        return CudaStaging(self._backend, nbytes) if pinned else HostStaging(nbytes)
 
     def to_host(self, host: int, device: int, nbytes: int) -> None:
         with self._backend.active():

@@ -1,8 +1,8 @@
 """Budgeted Ray actors on the real GPUs, in the host ledger (needs CUDA, PyCUDA and Ray; the
 whole module skips, with the reason, elsewhere).
 
-A local cluster sees every GPU of the machine. Two actors of a quarter GPU each go on every
-GPU, each reserving a budget of 40% of the GPU through PyCUDA: all of them appear in the
+A local cluster sees every GPU of the machine. Two actors of 0.4 GPU each go on every GPU
+(Ray cannot fit a third), each reserving a budget of 40% of the GPU through PyCUDA: all of them appear in the
 ledger under the GPUs' UUIDs (the same ones the driver and NVML name), with their pids, and
 in ``gpubudget top --once``. Then one more actor asks for more than any GPU has left: its
 creation fails with an error naming the processes and budgets that hold the memory. With
@@ -67,7 +67,7 @@ def test_actors_on_every_gpu_are_in_the_ledger_and_a_third_that_does_not_fit_is_
     count = devices()
     total = get_backend("pycuda", device=0).mem_info()[1]  # type: ignore[index]
     limit = int(total * 0.4) // GiB * GiB
-    model = model_class(num_gpus=0.25, limit=str(limit))
+    model = model_class(num_gpus=0.4, limit=str(limit))  # Ray fits two, not three, on a GPU
     actors = [model.remote(GiB) for _ in range(2 * count)]
     described = ray.get([actor.describe.remote() for actor in actors], timeout=300)
     pids = ray.get([actor.pid.remote() for actor in actors])
@@ -103,9 +103,9 @@ def test_actors_on_every_gpu_are_in_the_ledger_and_a_third_that_does_not_fit_is_
         Path(out, "ray-top.txt").write_text(text)
         Path(out, "ray-top.json").write_text(data)
 
-    # the GPUs are full beyond their quarters: one more quarter-GPU actor cannot have this
+    # Ray has a fifth of each GPU left, and the ledger 20% of its memory: 30% cannot be had
     too_big = int(total * 0.3) // GiB * GiB
-    late = model_class(num_gpus=0.25, limit=str(too_big)).remote()
+    late = model_class(num_gpus=0.2, limit=str(too_big)).remote()
     message = creation_error(late)
     assert "BudgetError: Ray actor Model" in message and "cannot claim" in message, message
     assert "held by pid" in message
