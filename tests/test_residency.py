@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -286,3 +287,75 @@ def test_the_host_ledger_counts_what_a_growable_root_maps() -> None:
         lazy.offload()
         assert entry().reserved == 0
         lazy.restore()
+
+
+def test_stream_ordered_frees_wait_on_a_growable_root_and_offload_waits_for_them() -> None:
+    from tests.helpers import StreamBackend
+
+    backend = StreamBackend()
+    with gpu_budget("64MiB", initial=0, backend=backend) as pool:
+        a = pool.allocate("8MiB", stream=7)
+        assert a is not None
+        fill(a, 8 * MiB, 3)
+        assert pool.free(a, stream=7)
+        assert pool.allocate("8MiB", stream=7) == a  # same stream: reused at once
+        assert pool.free(a, stream=7)
+        assert pool.trim() == 0  # the pending block's granules stay mapped
+        b = pool.allocate("4MiB")
+        assert b is not None
+        fill(b, 4 * MiB, 4)
+        pool.offload()  # waits for the stream's work before anything is copied
+        assert backend.waits >= 1 and pool.mapped == 0
+        pool.restore()
+        assert holds(b, 4 * MiB, 4)
+        consistent(pool)
+
+
+def test_a_growable_roots_trace_reads_replays_and_fits(tmp_path: Path) -> None:
+    from gpubudget.replay import fit, replay
+    from gpubudget.tracefile import read_trace
+
+    path = tmp_path / "grow.jsonl"
+    with gpu_budget("64MiB", initial=0, backend="host", name="grow", trace=path) as grow:
+        with gpu_budget("32MiB", name="model") as model:
+            kept = model.allocate("20MiB", tag="weights")
+            scratch = model.allocate("8MiB", tag="scratch")
+            assert kept is not None and scratch is not None
+            model.free(scratch)
+            assert model.allocate("40MiB") is None  # over the child's limit
+        model.free(kept)
+    trace = read_trace(path)
+    (report,) = replay(trace).reports
+    assert (report.name, report.peak, report.denied) == ("grow", 28 * MiB, 0)
+    assert report.children[0].denied == 1  # the recorded refusal, refused again
+    fitted = {found.name: found for found in fit(trace)}
+    assert fitted["grow"].limit >= 28 * MiB and fitted["model"].peak == 28 * MiB
+
+
+def test_tensorrt_and_cupy_allocate_in_a_growable_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from gpubudget import cupy as gbc
+    from tests.fakes import DeviceHostBackend, fake_cupy
+
+    class DeviceGrowable(DeviceHostBackend):
+        pass  # host memory named device 0: adapters route to it; it can grow
+
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    with gpu_budget("64MiB", initial=0, backend=DeviceGrowable(0), name="mixed") as mixed:
+        with gbc.allocations():
+            array = cp.allocate(5 * MiB)
+        assert mixed.mapped == 8 * MiB and mixed.used >= 5 * MiB  # two 4 MiB granules
+        trt = pytest.importorskip("tensorrt_rtx_bindings")
+        from gpubudget import tensorrt as gbt
+        from tests.trampoline import Trampoline
+
+        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        address = cpp.allocate(10 * MiB, 0, 0)
+        assert address is not None and mixed.mapped == 16 * MiB  # [5, 15) MiB: 2 more
+        fill(address, 10 * MiB, 6)
+        assert holds(address, 10 * MiB, 6) and cpp.deallocate(address)
+        del array
+    gbc.release_cached()
+    assert mixed.report().state == "released"
