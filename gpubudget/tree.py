@@ -76,7 +76,7 @@ class Tree:
         capacity = round_up(root.account.limit, root.align)
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
-        self.lock: Final = threading.RLock()  # re-entrant only for ``unlock``
+        self.lock: Final = threading.RLock()  # re-entrant for ``unlock`` and a moving resize
         self.backend: Final = backend
         self.device: Final = device_of(backend)
         self.reservation: Reservation | Mapping | None = reservation
@@ -208,16 +208,20 @@ class Tree:
         else ``None`` with the old block untouched."""
         address = where if type(where) is int else as_int(where) or 0
         lock = self.lock
-        try:  # see ``unlock``
+        try:  # see ``unlock``; held through a move, so that no thread sees it half done
             lock.acquire()
             outcome = self._resize_in_place(node, address, new_size, alignment)
+            moved = self._move(address, outcome) if isinstance(outcome, tuple) else outcome
             lock.release()
         except BaseException:
             unlock(lock)
             raise
-        if not isinstance(outcome, tuple):
-            return outcome
-        owner, size, align, tag, stack, old, nbytes = outcome
+        return moved
+
+    def _move(self, address: int, move: _Move) -> int | None:
+        """Lock held (taken again by ``allocate`` and ``free``): a new block, the bytes
+        copied, the old block freed; ``None`` with the old block kept if any step fails."""
+        owner, size, align, tag, stack, old, nbytes = move
         moved = self.allocate(owner, size, align, tag, None, stack)
         if moved is None:
             return None
@@ -435,8 +439,9 @@ def unlock(lock: threading.RLock) -> None:
     covers it with no handler), nor at a nested ``try:`` (CPython 3.11 leaves its first
     instruction outside every handler): the locked part has no ``return`` and calls helpers
     for the rest. ``tests/test_tree.py`` raises at every instruction in turn. The lock is
-    re-entrant only so that this can tell whether this thread still holds it (nothing takes
-    it twice).
+    re-entrant so that this can tell whether this thread still holds it, and so that a
+    moving ``resize`` can allocate, copy and free while holding it (nothing else takes it
+    twice).
     """
     is_owned: Callable[[], bool] = getattr(lock, "_is_owned")  # CPython's RLock: by me?
     if is_owned():

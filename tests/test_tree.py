@@ -395,3 +395,42 @@ def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None
             break
         index += 1
     assert index > 10, f"{name}: only {index} instructions traced"
+
+
+def test_a_moving_resize_is_whole_for_other_threads() -> None:
+    """Another thread that frees the block being moved waits for the move: its free finds
+    the old block gone (False), never frees it under the copy."""
+    import threading
+
+    from gpubudget import gpu_budget
+    from gpubudget.backends.host import HostBackend
+
+    class SlowCopy(HostBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.copying, self.go = threading.Event(), threading.Event()
+
+        def copy(self, dst: int, src: int, nbytes: int) -> None:
+            self.copying.set()
+            assert self.go.wait(10)
+            super().copy(dst, src, nbytes)
+
+    backend = SlowCopy()
+    with gpu_budget("1MiB", backend=backend) as budget:
+        block = budget.allocate("100KiB")
+        neighbour = budget.allocate("100KiB")  # so that growing must move
+        assert block is not None and neighbour is not None
+        moved: list[int | None] = []
+        mover = threading.Thread(target=lambda: moved.append(budget.resize(block, "300KiB")))
+        mover.start()
+        assert backend.copying.wait(10)
+        freed: list[bool] = []
+        other = threading.Thread(target=lambda: freed.append(budget.free(block)))
+        other.start()
+        other.join(0.5)  # time for a free that did not wait to happen
+        backend.go.set()
+        mover.join(10)
+        other.join(10)
+        assert freed == [False] and moved[0] not in (None, block)
+        assert budget.used == 400 * 1024  # the moved block and the neighbour
+        budget.check()
