@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from collections.abc import Callable
 
 from gpubudget import Budget
 from gpubudget.backends.host import HostBackend, HostReservation
@@ -96,3 +98,29 @@ class StreamBackend(HostBackend):
         for event in self.events:
             if stream is None or event.stream == stream:
                 event.done = True
+
+
+def finishes(work: Callable[[], object], seconds: float = 30.0) -> None:
+    """Run ``work`` in a thread and fail (rather than hang the suite) if it is not done in
+    time: a watchdog, with the stacks of every thread dumped when it fires. An exception of
+    ``work`` is raised here."""
+    import faulthandler
+
+    import pytest
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        faulthandler.dump_traceback(all_threads=True)
+        pytest.fail(f"did not finish in {seconds} s: a deadlock")
+    if errors:
+        raise errors[0]

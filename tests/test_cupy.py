@@ -14,7 +14,7 @@ from gpubudget import AllocationDenied, BudgetError, gpu_budget, label
 from gpubudget import cupy as gbc
 from gpubudget.units import KiB
 from tests.fakes import DeviceHostBackend, fake_cupy
-from tests.helpers import consistent
+from tests.helpers import consistent, finishes
 
 
 @pytest.fixture
@@ -127,29 +127,6 @@ def test_without_cupy_the_error_says_how_to_install_it(monkeypatch: pytest.Monke
                 pass  # pragma: no cover
 
 
-def _finishes(work: Any, seconds: float = 30.0) -> None:
-    """Run ``work`` in a thread and fail (rather than hang the suite) if it is not done in
-    time: a watchdog, with the stacks of every thread dumped when it fires."""
-    import faulthandler
-
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        faulthandler.dump_traceback(all_threads=True)
-        pytest.fail(f"did not finish in {seconds} s: a deadlock")
-    if errors:
-        raise errors[0]
-
-
 def test_a_new_budget_routes_while_a_retired_pool_still_holds_arrays(cp: Any) -> None:
     """Entering allocations() for a new budget while an earlier budget's pool drains used to
     take the module's lock twice in one thread and hang for ever."""
@@ -169,7 +146,7 @@ def test_a_new_budget_routes_while_a_retired_pool_still_holds_arrays(cp: Any) ->
         gbc.release_cached()
         assert first.report().state == second.report().state == "released"
 
-    _finishes(work)
+    finishes(work)
 
 
 def test_many_threads_routing_into_different_budgets_never_hang(cp: Any) -> None:
@@ -193,7 +170,7 @@ def test_many_threads_routing_into_different_budgets_never_hang(cp: Any) -> None
         for thread in threads:
             thread.join()
 
-    _finishes(work, 60.0)
+    finishes(work, 60.0)
     gc.collect()
     gbc.release_cached()
 

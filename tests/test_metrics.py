@@ -19,18 +19,13 @@ from gpubudget.cli import main
 from gpubudget.metrics import start_metrics_server
 from gpubudget.units import GiB, MiB
 from tests.helpers import subprocess_env
-from tests.test_hostledger_claims import Worker
+from tests.test_hostledger_claims import WORKER, Worker
 
 prometheus_client = pytest.importorskip(
     "prometheus_client", reason="prometheus_client is not installed: pip install -e '.[dev]'")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-WORKER = f"{os.path.basename(sys.executable)} -m tests.ledger_worker"
-"""How the worker processes look in the ledger: the program without its directory (``python``
-in a virtual environment, ``python3`` elsewhere), then its arguments."""
-
 
 @pytest.fixture(autouse=True)
 def _ledger(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

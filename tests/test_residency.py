@@ -316,7 +316,7 @@ def test_a_growable_roots_trace_reads_replays_and_fits(tmp_path: Path) -> None:
     from gpubudget.tracefile import read_trace
 
     path = tmp_path / "grow.jsonl"
-    with gpu_budget("64MiB", initial=0, backend="host", name="grow", trace=path) as grow:
+    with gpu_budget("64MiB", initial=0, backend="host", name="grow", trace=path):
         with gpu_budget("32MiB", name="model") as model:
             kept = model.allocate("20MiB", tag="weights")
             scratch = model.allocate("8MiB", tag="scratch")

@@ -45,7 +45,6 @@ import faulthandler
 import gc
 import importlib
 import json
-import os
 import random
 import re
 import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -49,3 +50,16 @@ def devices() -> int:
 
 two_devices = pytest.mark.skipif(
     not cuda_usable() or devices() < 2, reason="needs two CUDA devices (nvidia-h200-x2)")
+
+
+def cupy_or_skip() -> Any:
+    """CuPy, or the test skipped saying it is missing."""
+    return pytest.importorskip("cupy")
+
+
+def torch_or_skip() -> Any:
+    """PyTorch with CUDA, or the test skipped saying which is missing."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    return torch

@@ -13,27 +13,18 @@ from typing import Any
 import pytest
 
 from gpubudget import AllocationDenied, gpu_budget
-from tests.gpu.conftest import two_devices
+from tests.gpu.conftest import cupy_or_skip, torch_or_skip, two_devices
+from tests.helpers import finishes
 
 MiB = 2**20
 
-
-def _cp() -> Any:
-    return pytest.importorskip("cupy")
-
-
-def _torch() -> Any:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch without CUDA")
-    return torch
 
 
 # -- CuPy ---------------------------------------------------------------------------------------
 
 
 def test_cupy_arrays_are_charged_capped_and_compute() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     outside_before = cp.get_default_memory_pool().used_bytes()
@@ -61,7 +52,7 @@ def test_cupy_arrays_are_charged_capped_and_compute() -> None:
 
 
 def test_cupy_arrays_outlive_the_block_and_nest() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     with gpu_budget("256MiB", name="pool") as pool:
@@ -83,7 +74,7 @@ def test_cupy_arrays_outlive_the_block_and_nest() -> None:
 
 
 def test_torch_tensors_are_charged_capped_and_compute() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("1GiB", name="pool") as pool:
@@ -110,7 +101,7 @@ def test_torch_tensors_are_charged_capped_and_compute() -> None:
 
 
 def test_torch_tensors_outlive_the_blocks_then_the_budget_releases() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("512MiB", name="pool") as pool:
@@ -130,7 +121,7 @@ def test_torch_tensors_outlive_the_blocks_then_the_budget_releases() -> None:
 
 
 def test_torch_nested_budgets_charge_the_child_and_its_ancestors() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("512MiB", name="pool") as pool:
@@ -145,8 +136,8 @@ def test_torch_nested_budgets_charge_the_child_and_its_ancestors() -> None:
 
 @two_devices
 def test_torch_and_cupy_on_the_second_device() -> None:
-    torch = _torch()
-    cp = _cp()
+    torch = torch_or_skip()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
     from gpubudget import torch as gbt
 
@@ -169,8 +160,8 @@ def test_torch_and_cupy_on_the_second_device() -> None:
 
 
 def test_interpreter_exit_with_live_tensors_and_arrays_is_silent(tmp_path: Path) -> None:
-    _torch()
-    _cp()
+    torch_or_skip()
+    cupy_or_skip()
     script = tmp_path / "exit.py"
     script.write_text(textwrap.dedent("""
         import cupy as cp, torch
@@ -213,7 +204,7 @@ def _train_steps(torch: Any, steps: int = 2) -> None:
 
 
 def test_torch_a_training_step_is_charged_whole_and_capped() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("4GiB", name="train") as budget:
@@ -240,7 +231,7 @@ def test_torch_a_training_step_is_charged_whole_and_capped() -> None:
 def test_torch_threads_route_into_one_budget_at_once() -> None:
     import threading
 
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     errors: list[BaseException] = []
@@ -268,7 +259,7 @@ def test_torch_threads_route_into_one_budget_at_once() -> None:
 
 
 def test_torch_library_workspaces_never_keep_a_budget() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("1GiB", name="pool") as pool:
@@ -292,30 +283,8 @@ def test_torch_library_workspaces_never_keep_a_budget() -> None:
         assert pool.used == 0
 
 
-def _finishes(work: Any, seconds: float = 120.0) -> None:
-    import faulthandler
-    import threading
-
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        faulthandler.dump_traceback(all_threads=True)
-        pytest.fail(f"did not finish in {seconds} s: a deadlock")
-    if errors:
-        raise errors[0]
-
-
 def test_cupy_a_new_budget_routes_while_a_retired_pool_still_holds_arrays() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     kept: list[Any] = []
@@ -335,13 +304,13 @@ def test_cupy_a_new_budget_routes_while_a_retired_pool_still_holds_arrays() -> N
             gbc.release_cached()
             assert first.report().state == second.report().state == "released"
 
-    _finishes(work)
+    finishes(work, 120.0)
 
 
 def test_cupy_many_threads_routing_into_budgets_never_hang() -> None:
     import threading
 
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     with gpu_budget("1GiB", name="server") as server:
@@ -363,14 +332,14 @@ def test_cupy_many_threads_routing_into_budgets_never_hang() -> None:
             for thread in threads:
                 thread.join()
 
-        _finishes(work)
+        finishes(work, 120.0)
         gc.collect()
         gbc.release_cached()
         server.check()
 
 
 def test_cupy_fft_plans_are_charged_then_dropped_when_the_budget_ends() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     with gpu_budget("256MiB", name="pool") as pool:

@@ -6,34 +6,24 @@ import gc
 import signal
 import threading
 import time
-from typing import Any
 
 import pytest
 
 from gpubudget import gpu_budget
+from tests.gpu.conftest import cupy_or_skip, torch_or_skip
 
 MiB = 2**20
 GiB = 2**30
 
 
-def _cp() -> Any:
-    return pytest.importorskip("cupy")
-
-
-def _torch() -> Any:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch without CUDA")
-    return torch
-
 
 def _free() -> int:
-    free: int = _cp().cuda.runtime.memGetInfo()[0]
+    free: int = cupy_or_skip().cuda.runtime.memGetInfo()[0]
     return free
 
 
 def test_a_growable_root_holds_what_it_maps_and_trim_gives_it_back() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     before = _free()
@@ -60,7 +50,7 @@ def test_a_growable_root_holds_what_it_maps_and_trim_gives_it_back() -> None:
 
 
 def test_a_pytorch_model_computes_the_same_after_sleep_and_wake() -> None:
-    torch = _torch()
+    torch = torch_or_skip()
     from gpubudget import torch as gbt
 
     with gpu_budget("40GiB", initial=0, name="model") as budget:
@@ -91,7 +81,7 @@ def test_a_pytorch_model_computes_the_same_after_sleep_and_wake() -> None:
 
 
 def test_a_growth_the_device_cannot_back_is_denied_device_full() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     hog = []
     try:
         while _free() > 6 * GiB:  # take the device, outside the budget
@@ -111,7 +101,7 @@ def test_a_growth_the_device_cannot_back_is_denied_device_full() -> None:
 
 
 def test_ctrl_c_during_restore_leaves_it_asleep_and_nothing_lost() -> None:
-    cp = _cp()
+    cp = cupy_or_skip()
     from gpubudget import cupy as gbc
 
     with gpu_budget("40GiB", initial=0, name="sleepy") as sleepy:
