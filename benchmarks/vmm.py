@@ -19,6 +19,7 @@ import argparse
 import importlib
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpubudget import gpu_budget
@@ -128,6 +129,7 @@ def sleep_table(repeat: int) -> list[str]:
     size = 10 * GiB
     rows = ["| what | seconds | GB/s |", "| --- | ---: | ---: |"]
     moves: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
+    again: tuple[list[float], list[float]] = ([], [])  # a second sleep, host memory kept
     for _ in range(repeat):
         for pinned, (off, on) in moves.items():
             with gpu_budget("12GiB", name="sleepy", backend="pycuda", initial=0) as budget:
@@ -136,8 +138,14 @@ def sleep_table(repeat: int) -> list[str]:
                 start = time.perf_counter()
                 budget.offload(pinned=pinned)
                 middle = time.perf_counter()
-                budget.restore()
+                budget.restore(keep_host=pinned)
                 end = time.perf_counter()
+                if pinned:
+                    budget.offload()
+                    second = time.perf_counter()
+                    budget.restore()
+                    again[0].append(second - end)
+                    again[1].append(time.perf_counter() - second)
                 for block in blocks:
                     budget.free(block or 0)
             off.append(middle - start)
@@ -159,7 +167,9 @@ def sleep_table(repeat: int) -> list[str]:
     del device, host
     torch.cuda.empty_cache()
     for label, times in (("offload() of 10 GiB in 40 blocks, pinned host memory", moves[True][0]),
-                         ("restore() from pinned host memory", moves[True][1]),
+                         ("restore(keep_host=True) from pinned host memory", moves[True][1]),
+                         ("offload() again, the pinned host memory kept", again[0]),
+                         ("restore() again, the pinned host memory released", again[1]),
                          ("offload(pinned=False): plain host memory", moves[False][0]),
                          ("restore() from plain host memory", moves[False][1]),
                          ("PyTorch: 10 GiB device -> pinned host (cudaMemcpy)", down),
@@ -172,13 +182,20 @@ def sleep_table(repeat: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tables", default="granules,traces,held,sleep",
+                        help="which tables, comma-separated (default: all four)")
     args = parser.parse_args()
-    for title, rows in (("Mapping a granule (one handle each)", granule_table(args.repeat)),
-                        ("Traces through reserved and growable roots", pairs_table(args.repeat)),
-                        ("What a 40 GiB budget holds with a 12-layer model loaded", held_table()),
-                        ("Sleep and wake", sleep_table(args.repeat))):
+    tables: dict[str, tuple[str, Callable[[], list[str]]]] = {
+        "granules": ("Mapping a granule (one handle each)", lambda: granule_table(args.repeat)),
+        "traces": ("Traces through reserved and growable roots",
+                   lambda: pairs_table(args.repeat)),
+        "held": ("What a 40 GiB budget holds with a 12-layer model loaded", held_table),
+        "sleep": ("Sleep and wake", lambda: sleep_table(args.repeat)),
+    }
+    for name in args.tables.split(","):
+        title, table = tables[name.strip()]
         print(f"\n### {title}\n")
-        print("\n".join(rows), flush=True)
+        print("\n".join(table()), flush=True)
 
 
 if __name__ == "__main__":

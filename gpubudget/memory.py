@@ -38,11 +38,12 @@ DEFAULT_GRANULE: Final = 64 * MiB
 class Asleep:
     """A sleeping range: where each live block's bytes wait in host memory."""
 
-    __slots__ = ("staging", "offsets")
+    __slots__ = ("staging", "offsets", "nbytes")
 
-    def __init__(self, staging: Staging, offsets: dict[int, int]) -> None:
+    def __init__(self, staging: Staging, offsets: dict[int, int], nbytes: int) -> None:
         self.staging: Final = staging
         self.offsets: Final = offsets  # block address -> offset of its bytes in ``staging``
+        self.nbytes: Final = nbytes  # bytes copied there
 
 
 class Mapping:
@@ -50,7 +51,7 @@ class Mapping:
     root's reservation (``address``, ``nbytes``, ``release``)."""
 
     __slots__ = ("memory", "address", "nbytes", "granule", "mapped", "count", "high", "asleep",
-                 "errors", "published")
+                 "errors", "published", "kept", "kept_pinned")
 
     def __init__(self, memory: VirtualRange) -> None:
         self.memory: Final = memory
@@ -64,6 +65,8 @@ class Mapping:
         self.errors: list[str] = []  # unmaps that failed (kept for the report)
         # the host ledger's word for this root's reserved bytes (see hostledger), if any
         self.published: memoryview | None = None
+        self.kept: Staging | None = None  # host memory a restore kept for the next offload
+        self.kept_pinned = False
 
     @property
     def mapped_bytes(self) -> int:
@@ -133,7 +136,13 @@ class Mapping:
         changed if it cannot."""
         blocks = sorted(live)
         total = sum(nbytes for _, nbytes in blocks)
-        staging = self.memory.stage(total, pinned)
+        kept, self.kept = self.kept, None
+        if kept is not None and kept.nbytes >= total and self.kept_pinned == pinned:
+            staging = kept  # what the last restore kept: no host memory to get (or lock)
+        else:
+            if kept is not None:
+                kept.release()
+            staging = self.memory.stage(total, pinned)
         offsets: dict[int, int] = {}
         try:
             offset = 0
@@ -144,15 +153,19 @@ class Mapping:
         except BaseException:
             staging.release()
             raise
-        self.asleep = Asleep(staging, offsets)
+        self.asleep = Asleep(staging, offsets, total)
+        self.kept_pinned = pinned
         self._unmap(self._mapped())
         return total
 
-    def restore(self, live: Iterable[tuple[int, int]], interrupted: Callable[[], bool]) -> int:
+    def restore(self, live: Iterable[tuple[int, int]], interrupted: Callable[[], bool],
+                keep: bool = False) -> int:
         """Map the granules the blocks ``live`` touch and copy their bytes back to the same
-        addresses; the bytes copied. If the device cannot back them, a copy fails, or
-        ``interrupted()`` says so between two blocks, what was mapped here is unmapped, the
-        range stays asleep, and the error (or ``KeyboardInterrupt``) is raised."""
+        addresses; the bytes copied. ``keep``: the host memory is kept for the next offload
+        (which then need not get, or lock, any). If the device cannot back them, a copy
+        fails, or ``interrupted()`` says so between two blocks, what was mapped here is
+        unmapped, the range stays asleep, and the error (or ``KeyboardInterrupt``) is
+        raised."""
         asleep = self.asleep
         if asleep is None:
             return 0
@@ -173,14 +186,25 @@ class Mapping:
             self._unmap(done)
             raise
         self.asleep = None
-        asleep.staging.release()
+        if keep:
+            self.kept = asleep.staging
+        else:
+            asleep.staging.release()
         return copied
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of host memory kept for the next offload (``restore(keep_host=True)``)."""
+        return self.kept.nbytes if self.kept is not None else 0
 
     def release(self) -> None:
         """Give everything back: staging, mappings and the addresses."""
         if self.asleep is not None:
             self.asleep.staging.release()
             self.asleep = None
+        if self.kept is not None:
+            self.kept.release()
+            self.kept = None
         self.memory.release()
         self.count = 0
 

@@ -218,6 +218,8 @@ class BudgetReport:
     asleep: int | None = None
     """Growable roots put to sleep (``offload()``): the bytes of live blocks waiting in host
     memory for ``restore()``; ``None`` while awake."""
+    host_kept: int = 0
+    """Growable roots: host memory a ``restore(keep_host=True)`` kept for the next sleep."""
 
     @property
     def leaks(self) -> tuple[LiveBlock, ...]:
@@ -360,6 +362,9 @@ class BudgetReport:
         if self.asleep is not None:
             lines.append(f"{rest}  asleep: {format_size(self.asleep)} of live blocks in host "
                          f"memory until restore()")
+        if self.host_kept:
+            lines.append(f"{rest}  {format_size(self.host_kept)} of host memory kept for the "
+                         f"next offload()")
         if self.trace_error is not None:
             lines.append(f"{rest}  {self.trace_error}")
         for error in self.callback_errors:

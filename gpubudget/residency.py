@@ -91,21 +91,23 @@ class Residency:
         return self._move("offload", pinned)
 
     @protect
-    def restore(self) -> int:
+    def restore(self, *, keep_host: bool = False) -> int:
         """Wake the budget: map device memory for its live blocks and copy their bytes back
-        to the same addresses; the bytes copied (0 if it was awake). All or nothing: if the
-        device cannot back them or a copy fails, the error is raised; a Ctrl-C during the
-        copies stops them; either way what was mapped is given back and the budget stays
-        asleep, its blocks safe in host memory."""
-        return self._move("restore", True)
+        to the same addresses; the bytes copied (0 if it was awake). ``keep_host``: keep the
+        host memory for the next :meth:`offload` (it then gets and locks none: the cost of a
+        sleep that happens again and again), until then held, and given back with the
+        budget. All or nothing: if the device cannot back them or a copy fails, the error is
+        raised; a Ctrl-C during the copies stops them; either way what was mapped is given
+        back and the budget stays asleep, its blocks safe in host memory."""
+        return self._move("restore", keep_host)
 
-    def _move(self, way: Literal["offload", "restore"], pinned: bool) -> int:
+    def _move(self, way: Literal["offload", "restore"], option: bool) -> int:
         tree, mapping = self._growable(f"{way}()")
         lock = tree.lock
         try:  # see ``tree.unlock``
             lock.acquire()
-            moved = (_offload(tree, mapping, pinned) if way == "offload"
-                     else _restore(tree, mapping))
+            moved = (_offload(tree, mapping, option) if way == "offload"
+                     else _restore(tree, mapping, option))
             lock.release()
         except BaseException:
             unlock(lock)
@@ -123,9 +125,9 @@ def _offload(tree: Tree, mapping: Mapping, pinned: bool) -> int:
                            pinned)
 
 
-def _restore(tree: Tree, mapping: Mapping) -> int:
+def _restore(tree: Tree, mapping: Mapping, keep: bool) -> int:
     return mapping.restore(((address, record[1]) for address, record in tree.live.items()),
-                           _interrupted)
+                           _interrupted, keep)
 
 
 def _interrupted() -> bool:

@@ -69,7 +69,8 @@ def snapshot(node: Node) -> BudgetReport:
         mapping = tree.mapping if node.parent is None else None
         residency: dict[str, object] = {} if mapping is None else {
             "mapped": mapping.mapped_bytes, "mapped_peak": mapping.peak_bytes,
-            "asleep": (mapping.asleep.staging.nbytes if mapping.asleep is not None else None),
+            "asleep": mapping.asleep.nbytes if mapping.asleep is not None else None,
+            "host_kept": mapping.kept_bytes,
             "callback_errors": report.callback_errors + tuple(mapping.errors)}
     start = events[0][0] if events else 0.0
     timeline = tuple(

@@ -136,3 +136,20 @@ def test_unmap_errors_are_kept_not_raised() -> None:
     fake.unmap = broken
     assert mapping.trim([]) == 0 and mapping.count == 4
     assert "driver gone" in mapping.errors[-1]
+
+
+def test_host_memory_kept_by_a_restore_serves_the_next_offload() -> None:
+    fake = FakeRange(8)
+    mapping = Mapping(fake)
+    live = [(at(fake, 0), 100)]
+    mapping.admit(*live[0])
+    mapping.offload(live)
+    mapping.restore(live, lambda: False, keep=True)
+    assert len(fake.staged) == 1 and mapping.kept_bytes == 100
+    mapping.offload(live)  # no new host memory
+    assert len(fake.staged) == 1 and mapping.kept_bytes == 0
+    mapping.restore(live, lambda: False, keep=True)
+    assert mapping.admit(at(fake, 2), 200) is None
+    mapping.offload(live + [(at(fake, 2), 200)])  # more than was kept: new host memory
+    assert len(fake.staged) == 2 and fake.staged[0].nbytes == 100
+    assert mapping.asleep is not None and mapping.asleep.nbytes == 300

@@ -359,3 +359,23 @@ def test_tensorrt_and_cupy_allocate_in_a_growable_root(monkeypatch: pytest.Monke
         del array
     gbc.release_cached()
     assert mixed.report().state == "released"
+
+
+def test_a_restore_can_keep_the_host_memory_for_the_next_sleep() -> None:
+    with gpu_budget("64MiB", initial=0, backend="host") as pool:
+        a = pool.allocate("8MiB")
+        assert a is not None
+        fill(a, 8 * MiB, 1)
+        pool.offload()
+        pool.restore(keep_host=True)
+        report = pool.report()
+        assert report.host_kept == 8 * MiB and "8.00 MiB of host memory kept" in str(report)
+        small = pool.allocate("1MiB")
+        assert small is not None
+        fill(small, MiB, 2)
+        pool.free(a)
+        pool.offload()  # 1 MiB now: the kept 8 MiB serve it
+        assert pool.report().asleep == MiB and pool.report().host_kept == 0
+        pool.restore()
+        assert holds(small, MiB, 2) and pool.report().host_kept == 0
+        consistent(pool)
