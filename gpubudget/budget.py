@@ -17,11 +17,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
 
 from . import context, interrupts
-from .backends import Backend, get_backend, validate_spec
+from .arguments import checked
+from .backends import Backend, get_backend
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
-from .hostledger import parse_share
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
 from .node import Node
@@ -30,7 +30,7 @@ from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
 from .tree import Denied
-from .units import DEFAULT_ALIGN, as_int, as_size, check_align, format_size, parse_size
+from .units import DEFAULT_ALIGN, as_size, format_size, parse_size
 from .view import BudgetView
 
 if TYPE_CHECKING:
@@ -142,43 +142,19 @@ class Budget(BudgetView, AdapterHooks, Residency):
         initial: int | str | None = None,
         trim_on_exit: bool = False,
     ) -> None:
-        share = parse_share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
-        nbytes = 0 if share is not None else parse_size(limit, what="limit")
-        alignment = check_align(align, "align")
-        if name is not None and (not isinstance(name, str) or not name.strip()):
-            raise (TypeError if not isinstance(name, str) else ValueError)(
-                f"name must be a non-empty string, got {name!r}")
-        floor = 0 if reserve is None else parse_size(reserve, what="reserve")
-        if floor > nbytes and share is None:
-            raise ValueError(
-                f"reserve {reserve!r} ({format_size(floor)}) exceeds limit {limit!r} "
-                f"({format_size(nbytes)}) of budget {name!r}")
-        validate_spec(backend)
-        if not isinstance(track_stacks, bool):
-            raise TypeError(f"track_stacks must be a bool, got {track_stacks!r}")
-        if trace is not None and trace is not False and not isinstance(trace, (str,
-                                                                             os.PathLike)):
-            raise TypeError(f"trace must be a file path or False, got {trace!r}")
-        if isinstance(trace, str) and not trace:
-            raise ValueError("trace must be a file path, got ''")
+        args = checked(limit, align, name, reserve, backend, track_stacks, trace, device,
+                       initial, trim_on_exit)
         if parent is not None and not isinstance(parent, Budget):
             raise TypeError(f"parent must be a Budget or None, got {parent!r}")
-        ordinal = None if device is None else as_int(device)
-        if device is not None and (ordinal is None or ordinal < 0):
-            raise (TypeError if ordinal is None else ValueError)(
-                f"device must be a CUDA device ordinal (an int >= 0) or None, got {device!r}")
-        mapped = _initial(initial, nbytes, limit)
-        if not isinstance(trim_on_exit, bool):
-            raise TypeError(f"trim_on_exit must be a bool, got {trim_on_exit!r}")
-        self._node = Node(self, name, nbytes, floor, alignment, track_stacks)
+        self._node = Node(self, name, args.limit, args.reserve, args.align, track_stacks)
         self._node.trim_on_exit = trim_on_exit
         self._backend_spec: Final = backend
         self._trace: Final = trace
         self._parent: Final = parent
-        self._device: Final = ordinal
-        self._initial: Final = mapped
+        self._device: Final = args.device
+        self._initial: Final = args.initial
         self._token: Token[tuple[Budget, ...]] | None = None
-        self._share: Final = share
+        self._share: Final = args.share
 
     # -- the with protocol -----------------------------------------------------------------
 
@@ -458,15 +434,3 @@ def misnested(message: str, exc_type: type[BaseException] | None) -> None:
     if exc_type is None:
         raise BudgetNestingError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
-
-
-def _initial(initial: object, limit: int, given: object) -> int | None:
-    """``initial=`` checked: ``None``, or bytes from 0 to the limit."""
-    if initial is None:
-        return None
-    zero = initial in (0, "0") and not isinstance(initial, bool)
-    nbytes = 0 if zero else parse_size(initial, what="initial")  # type: ignore[arg-type]
-    if nbytes > limit:
-        raise ValueError(f"initial {initial!r} ({format_size(nbytes)}) exceeds limit "
-                         f"{given!r} ({format_size(limit)})")
-    return nbytes

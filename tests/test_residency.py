@@ -379,3 +379,11 @@ def test_a_restore_can_keep_the_host_memory_for_the_next_sleep() -> None:
         pool.restore()
         assert holds(small, MiB, 2) and pool.report().host_kept == 0
         consistent(pool)
+
+
+def test_a_share_of_the_device_can_grow_too(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    monkeypatch.setenv("GPUBUDGET_LEDGER_DIR", str(tmp_path / "ledger"))  # no other root
+    monkeypatch.setenv("GPUBUDGET_DEVICE_MEMORY", "1GiB")  # the host as a GPU of 1 GiB
+    with gpu_budget("50%", initial="8MiB", backend="host", name="half") as half:
+        assert half.limit == 512 * MiB and half.mapped == 32 * MiB  # one granule: 1/16 of it
