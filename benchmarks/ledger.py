@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from gpubudget import Budget, gpu_budget
-from gpubudget.ledger import Account, charge
+from gpubudget._core.ledger import Account, charge
 
 from .churn import ALIGN, CAPACITY, BareBestFit, run_trace
 from .traces import churn

@@ -10,14 +10,9 @@ True
 
 from __future__ import annotations
 
-import importlib.machinery
 from typing import Final
 
-from . import core as _core
-
-_core.choose(__name__, __path__[0])  # before any core module is imported: see gpubudget.core
-
-from . import tree as _tree  # noqa: E402 - after the choice of core
+from . import _core
 from .budget import TRACE_ENV, Budget, gpu_budget
 from .errors import (
     AllocationDenied,
@@ -28,7 +23,7 @@ from .errors import (
     InvariantError,
     TraceError,
 )
-from .recorder import EVENT_LOG_LIMIT
+from ._core.recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
 from .scope import bind, current_budget, current_label, label, use
 from .units import format_size, parse_size
@@ -60,5 +55,6 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-compiled: Final = str(_tree.__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
-"""Whether the allocation core runs compiled (mypyc) or as pure Python; see the README."""
+compiled: Final = _core.native is not None
+"""Whether the allocation core's hot path runs as C (the ``_native`` extension) or as pure
+Python; see the README."""

@@ -2,7 +2,7 @@
 
 A budget checks its arguments, runs the ``with`` protocol (the context-variable stack,
 misnesting found and explained) and takes the calls that change memory (``allocate``, ``free``,
-``resize``); the work happens in its tree (:mod:`gpubudget.tree`). What it answers is in
+``resize``); the work happens in its tree (:mod:`gpubudget._core.tree`). What it answers is in
 :mod:`gpubudget.view`, what adapters call in :mod:`gpubudget.hooks` (its two bases). Lifetime: ``new`` -> ``open`` (entered) -> ``exited`` (scope left) ->
 ``released`` (nothing holds it any more: no live block, no pin, no unreleased child; a root
 then returns its reservation).
@@ -24,12 +24,12 @@ from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
-from .node import Node
+from ._core.node import Node
 from .residency import Residency
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
-from .tree import Denied
+from ._core.tree import Denied
 from .units import DEFAULT_ALIGN, as_size, format_size, parse_size
 from .view import BudgetView
 

@@ -4,7 +4,7 @@ blocks copied to pinned host memory, every granule unmapped, the addresses kept)
 (:meth:`Residency.restore`: mapped again, the bytes copied back to the same addresses).
 
 :class:`Residency` is a part of :class:`~gpubudget.budget.Budget` (one of its bases). The
-work is done by the tree's :class:`~gpubudget.memory.Mapping`, with the tree's lock held.
+work is done by the tree's :class:`~gpubudget._core.memory.Mapping`, with the tree's lock held.
 While a budget sleeps, its tree refuses allocations and resizes (``asleep``) and frees
 complete at once (nothing on the device can be using the memory); nothing may read or
 write its blocks (kernels queued before ``offload`` are waited for).
@@ -17,9 +17,9 @@ from typing import Literal
 from . import interrupts
 from .errors import BudgetError
 from .interrupts import STATE, protect
-from .memory import Mapping
-from .node import Node
-from .tree import Tree, unlock
+from ._core.memory import Mapping
+from ._core.node import Node
+from ._core.tree import Tree, unlock
 
 __all__ = ["Residency"]
 

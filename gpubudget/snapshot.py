@@ -13,7 +13,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from .ledger import available
+from ._core.ledger import available
 from .report import (
     FRAMES_SHOWN,
     BudgetReport,
@@ -24,8 +24,8 @@ from .report import (
     Totals,
     Usage,
 )
-from .node import Node, Probe
-from .tree import Tree
+from ._core.node import Node, Probe
+from ._core.tree import Tree
 from .units import format_size
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .backends import Backend
-from .ledger import available
-from .node import Node, State
+from ._core.ledger import available
+from ._core.node import Node, State
 from .report import BudgetReport
 from .snapshot import snapshot
 from .units import format_size

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpubudget.arena import Arena, Block
+from gpubudget._core.arena import Arena, Block
 from gpubudget.errors import InvariantError
 
 BASE = 0x10000

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpubudget.ledger import Account, available, charge, refusal
+from gpubudget._core.ledger import Account, available, charge, refusal
 
 # A tree: account i > 0 has parent parents[i] < i; each has a limit and a reserve <= limit.
 trees = st.integers(min_value=1, max_value=6).flatmap(lambda n: st.tuples(

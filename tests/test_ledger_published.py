@@ -1,5 +1,5 @@
 """A registered root's numbers stored into its host-ledger slot as they change (by
-gpubudget.ledger.charge and the recorder's denials), exactly: reserve floors and their
+gpubudget._core.ledger.charge and the recorder's denials), exactly: reserve floors and their
 release, resizes, reset_peak(); nothing after the root released its slot."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from gpubudget.backends.virtual import HostStaging
 from gpubudget.errors import InvariantError
-from gpubudget.memory import Mapping, granule_for
+from gpubudget._core.memory import Mapping, granule_for
 from gpubudget.units import KiB, MiB
 
 

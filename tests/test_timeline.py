@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import subprocess_env
 
-import gpubudget.recorder as recorder_module
+import gpubudget._core.recorder as recorder_module
 from gpubudget import gpu_budget, label
 
 KiB = 1024

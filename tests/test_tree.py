@@ -268,8 +268,8 @@ LOCK_TAKERS = ("allocate", "free", "resize", "owner", "note_error", "_deny", "ch
 
 
 def _lock_taking_code() -> set[Any]:
-    from gpubudget.node import Node
-    from gpubudget.tree import Tree
+    from gpubudget._core.node import Node
+    from gpubudget._core.tree import Tree
 
     return ({getattr(Tree, name).__code__ for name in LOCK_TAKERS}
             | {Node.open_child.__code__, Node.close.__code__})

@@ -13,7 +13,7 @@
    and the error names who holds the device's memory: all or nothing.
 4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
    ``peak``) and every denial in its tree is stored into the slot's words, with plain
-   stores (:mod:`gpubudget.ledger` and :mod:`gpubudget.recorder` do it).
+   stores (:mod:`gpubudget._core.ledger` and :mod:`gpubudget._core.recorder` do it).
 5. When the root releases its reservation (or the process exits, or dies), the slot goes.
 """
 
@@ -43,7 +43,7 @@ from .procs import myself, process_title
 from .sizing import CAP_ENV, Share, decide, parse_cap
 
 if TYPE_CHECKING:
-    from ..tree import Tree
+    from .._core.tree import Tree
 
 __all__ = ["LEDGER_ENV", "SETTLE_SECONDS", "Claim", "book_for", "device_claims", "holders",
            "ledger_enabled", "open_registered"]

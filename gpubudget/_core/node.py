@@ -17,18 +17,18 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal
 
-from .backends import Backend
-from .errors import BudgetError, BudgetNestingError
+from ..backends import Backend
+from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, passed_up, refusal
 from .recorder import Stats
 from .tree import Tree, unlock
-from .units import format_size, round_up
+from ..units import format_size, round_up
 
 if TYPE_CHECKING:
-    from .budget import (
+    from ..budget import (
         Budget,  # the public face; only named here, never imported at run time
     )
-    from .tracefile import TraceWriter
+    from ..tracefile import TraceWriter
 
 __all__ = ["KEEP_RELEASED_CHILDREN", "Node", "Probe", "State"]
 

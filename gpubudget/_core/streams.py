@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
-from .backends import Event
+from ..backends import Event
 
 __all__ = ["Pending", "PendingFrees"]
 

@@ -40,7 +40,7 @@ from bisect import bisect_left, insort
 from collections.abc import Iterator
 from typing import Final, NamedTuple
 
-from .errors import InvariantError
+from ..errors import InvariantError
 
 __all__ = ["Arena", "Block"]
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Final
 
-from .backends import Backend, Reservation
-from .backends.virtual import Staging, VirtualRange
-from .errors import BudgetError, InvariantError
-from .units import MiB, format_size, round_up
+from ..backends import Backend, Reservation
+from ..backends.virtual import Staging, VirtualRange
+from ..errors import BudgetError, InvariantError
+from ..units import MiB, format_size, round_up
 
 __all__ = ["DEFAULT_GRANULE", "Asleep", "Mapping", "free_memory", "reserve"]
 

@@ -17,11 +17,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
-from . import interrupts
-from .callers import user_stacklevel
+from .. import interrupts
+from ..callers import user_stacklevel
 
 if TYPE_CHECKING:
-    from .tracefile import TraceWriter
+    from ..tracefile import TraceWriter
 
 __all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "Recorder", "Stats"]
 

@@ -37,17 +37,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
-from .backends import Backend, Event, Reservation, device_of
-from .errors import InvariantError
+from ..backends import Backend, Event, Reservation, device_of
+from ..errors import InvariantError
 from .ledger import charge, passed_up, refusal
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
 from .streams import PendingFrees
-from .units import as_int, as_size, is_power_of_two, round_up
+from ..units import as_int, as_size, is_power_of_two, round_up
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
-    from .tracefile import TraceWriter
+    from ..tracefile import TraceWriter
 
 __all__ = ["Denied", "Live", "Tree", "unlock"]
 

@@ -1,3 +1,0 @@
-# Only the names setup.py uses.
-class build_ext:
-    def copy_extensions_to_source(self) -> None: ...
