@@ -24,7 +24,7 @@ from .errors import AllocationDenied, BudgetNestingError
 from .hooks import AdapterHooks
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
-from ._core.node import Node
+from ._core.node import Node, install_fast_path
 from .residency import Residency
 from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
@@ -415,6 +415,9 @@ class Budget(BudgetView, AdapterHooks, Residency):
         with node.lock:
             node.reset_peaks()
 
+
+FAST: Final = install_fast_path(Budget)
+"""Whether ``Budget.allocate`` and ``Budget.free`` run in C for the common case (the C core)."""
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""

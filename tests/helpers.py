@@ -124,3 +124,12 @@ def finishes(work: Callable[[], object], seconds: float = 30.0) -> None:
         pytest.fail(f"did not finish in {seconds} s: a deadlock")
     if errors:
         raise errors[0]
+
+
+def python_paths(budget: Budget) -> None:
+    """Send every allocate and free of ``budget``'s tree through the Python methods: the C
+    fast path has no line at which a trace function or a Ctrl-C can land (its tests are in
+    test_native.py)."""
+    tree = budget._node.tree
+    assert tree is not None
+    tree.fast = False

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpubudget._core.arena import Arena, Block
+from gpubudget._core.arena import Arena, Block, State, check
 from gpubudget.errors import InvariantError
 
 BASE = 0x10000
@@ -128,23 +128,36 @@ def test_constructor_rejects_bad_geometry(base: int, capacity: int, granularity:
         Arena(base, capacity, granularity)
 
 
+class _Corrupted:
+    """An arena's geometry with bookkeeping changed by hand: what ``check`` reads."""
+
+    def __init__(self, arena: Arena, state: State) -> None:
+        self.base, self.capacity, self.granularity = arena.base, arena.capacity, arena.granularity
+        self.blocks, self.free_blocks, self.used_bytes = 0, 0, 0
+        self.state = state
+
+    def _state(self) -> State:
+        return self.state
+
+
 @pytest.mark.parametrize("invariant", ["COALESCED", "TILED", "INDEXED"])
 def test_check_names_the_broken_invariant(invariant: str) -> None:
-    arena = Arena(BASE, CAPACITY, GRAN)
+    arena = Arena(BASE, CAPACITY, GRAN)  # either core's: both are checked by one walker
     a = arena.allocate(GRAN)
     b = arena.allocate(GRAN)
     assert a is not None and b is not None
+    arena.check()
+    keys, free_at, free_end, used_at = arena._state()
     unit_a, unit_b = (a - BASE) // GRAN, (b - BASE) // GRAN  # the arena counts in units
     if invariant == "COALESCED":  # b turns free without merging with the free rest
-        del arena._used_at[unit_b]
-        arena._free_at[unit_b] = 1
-        arena._free_end[unit_b + 1] = unit_b
-        arena._free_keys.append(1 << arena._bits | unit_b)
-        arena._free_keys.sort()
+        del used_at[unit_b]
+        free_at[unit_b] = 1
+        free_end[unit_b + 1] = unit_b
+        keys = sorted([*keys, (1, unit_b)])
     elif invariant == "TILED":  # lose a block
-        del arena._used_at[unit_a]
+        del used_at[unit_a]
     else:
-        arena._free_keys.append(1)
+        keys = [*keys, (0, 1)]
     with pytest.raises(InvariantError) as info:
-        arena.check()
+        check(_Corrupted(arena, (keys, free_at, free_end, used_at)))
     assert info.value.invariant == invariant

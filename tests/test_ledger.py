@@ -32,6 +32,14 @@ def build(limits: list[int], reserves: list[int], parents: tuple[int, ...]) -> l
     return accounts
 
 
+def chain(account: Account) -> list[Account]:
+    """The account and its ancestors, up to the root."""
+    links = [account]
+    while links[-1].parent is not None:
+        links.append(links[-1].parent)
+    return links
+
+
 def expected_used(accounts: list[Account], own: list[int]) -> list[int]:
     """The definition: own bytes plus max(used, reserve) of every child, bottom-up."""
     used = list(own)
@@ -59,11 +67,11 @@ def test_charges_and_refusals_follow_the_definition(tree: tuple[list[int], list[
             trial = list(own)
             trial[index] += nbytes
             would = expected_used(accounts, trial)
-            over = [a for a, u in zip(accounts, would) if u > a.limit and a in account.chain]
+            over = [a for a, u in zip(accounts, would) if u > a.limit and a in chain(account)]
             refused = refusal(account, nbytes)
             assert (refused is None) == (not over)
             if refused is not None:
-                assert refused is next(a for a in account.chain if a in over)
+                assert refused is next(a for a in chain(account) if a in over)
                 continue
             assert available(account) >= nbytes
             charge(account, nbytes)
@@ -71,3 +79,4 @@ def test_charges_and_refusals_follow_the_definition(tree: tuple[list[int], list[
         used = expected_used(accounts, own)
         assert [a.used for a in accounts] == used
         assert all(a.used <= a.limit and a.peak >= a.used for a in accounts)
+        assert all(a.depth == len(chain(a)) - 1 for a in accounts)

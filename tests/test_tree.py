@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 
-import gpubudget
 from gpubudget import BudgetError, BudgetNestingError, InvariantError, current_budget, gpu_budget
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
-from tests.helpers import consistent, fill, holds
+from tests.helpers import consistent, fill, holds, python_paths
 
 
 def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_path: Any) -> None:
@@ -339,6 +338,7 @@ def _scenarios() -> dict[str, Any]:
     def run(body: Any, backend: Any = None) -> Any:
         def scenario(inject: Any) -> Any:
             with gpu_budget("64KiB", name="pool", backend=backend) as pool:
+                python_paths(pool)
                 with gpu_budget("32KiB", name="c") as child:
                     a, b = child.allocate(KiB), child.allocate(KiB)
                     inject(lambda: body(pool, child, a, b))
@@ -373,7 +373,6 @@ def _scenarios() -> dict[str, Any]:
     }
 
 
-@pytest.mark.skipif(gpubudget.compiled, reason="compiled code has no instructions to trace")
 @pytest.mark.parametrize("name", list(_scenarios()))
 def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None:
     scenario, codes = _scenarios()[name], _lock_taking_code()

@@ -38,11 +38,15 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterator
-from typing import Final, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from ..errors import InvariantError
+from . import native
 
-__all__ = ["Arena", "Block"]
+__all__ = ["Arena", "Block", "check", "walk"]
+
+State = tuple[list[tuple[int, int]], dict[int, int], dict[int, int], dict[int, int]]
+"""An arena's bookkeeping as ``Arena._state()`` gives it (see :meth:`Arena._state`)."""
 
 
 
@@ -247,45 +251,33 @@ class Arena:
         keys = self._free_keys
         return (keys[-1] >> self._bits) << self._shift if keys else 0
 
+    @property
+    def blocks(self) -> int:
+        """Allocated blocks."""
+        return len(self._used_at)
+
+    @property
+    def free_blocks(self) -> int:
+        """Free blocks."""
+        return len(self._free_at)
+
+    def _state(self) -> State:
+        """The bookkeeping, in units: free blocks as ``(size, start)`` in their order, free
+        start -> size, free end -> start, taken start -> size."""
+        bits, mask = self._bits, self._mask
+        return ([(key >> bits, key & mask) for key in self._free_keys], dict(self._free_at),
+                dict(self._free_end), dict(self._used_at))
+
     def walk(self) -> Iterator[Block]:
         """Yield every block, free and allocated, in address order."""
-        base, shift = self.base, self._shift
-        blocks = [Block(base + (u << shift), s << shift, True) for u, s in self._free_at.items()]
-        blocks += [Block(base + (u << shift), s << shift, False)
-                   for u, s in self._used_at.items()]
-        blocks.sort()
-        yield from blocks
+        return walk(self)
 
     def check(self) -> None:
         """Raise :class:`InvariantError` naming the first invariant that does not hold."""
-        expected = self.base
-        previous_free = False
-        for block in self.walk():
-            if block.address != expected:
-                raise InvariantError(
-                    "TILED", f"block at {block.address:#x}, previous block ends at {expected:#x}"
-                )
-            if block.address % self.granularity or block.size % self.granularity or block.size <= 0:
-                raise InvariantError("ALIGNED", f"block {block}")
-            if block.free and previous_free:
-                raise InvariantError("COALESCED", f"free block {block} follows a free block")
-            previous_free = block.free
-            expected = block.address + block.size
-        if expected != self.base + self.capacity:
-            raise InvariantError("TILED", f"blocks end at {expected:#x}, not at the range end")
-        keys, bits = self._free_keys, self._bits
-        if keys != sorted(keys) or {k & self._mask: k >> bits for k in keys} != self._free_at:
-            raise InvariantError("INDEXED", "sorted free index disagrees with the free map")
-        if len(keys) != len(self._free_at) or self._free_end != {
-            u + s: u for u, s in self._free_at.items()
-        }:
-            raise InvariantError("INDEXED", "free-end map disagrees with the free map")
+        check(self)
 
     def __repr__(self) -> str:
-        return (
-            f"Arena(base={self.base:#x}, capacity={self.capacity}, used={self.used_bytes}, "
-            f"blocks={len(self._used_at)}, free_blocks={len(self._free_at)})"
-        )
+        return describe(self)
 
     # -- internals (in units) --------------------------------------------------------------
 
@@ -321,3 +313,74 @@ class Arena:
             unit = start
             size += preceding
         self._add_free(unit, size)
+
+
+class _Placing(Protocol):
+    """What :func:`walk` and :func:`check` read of an arena (either core's)."""
+
+    @property
+    def base(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def granularity(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    def _state(self) -> State: ...
+
+
+def walk(arena: _Placing) -> Iterator[Block]:
+    """Every block of ``arena``, free and allocated, in address order."""
+    _, free_at, _, used_at = arena._state()
+    base, shift = arena.base, arena.granularity.bit_length() - 1
+    blocks = [Block(base + (u << shift), s << shift, True) for u, s in free_at.items()]
+    blocks += [Block(base + (u << shift), s << shift, False) for u, s in used_at.items()]
+    blocks.sort()
+    yield from blocks
+
+
+def check(arena: _Placing) -> None:
+    """Raise :class:`InvariantError` naming the first invariant of ``arena`` that does not
+    hold (the module docstring lists them); one walker for both cores."""
+    expected = arena.base
+    previous_free = False
+    for block in walk(arena):
+        if block.address != expected:
+            raise InvariantError(
+                "TILED", f"block at {block.address:#x}, previous block ends at {expected:#x}"
+            )
+        if block.address % arena.granularity or block.size % arena.granularity or block.size <= 0:
+            raise InvariantError("ALIGNED", f"block {block}")
+        if block.free and previous_free:
+            raise InvariantError("COALESCED", f"free block {block} follows a free block")
+        previous_free = block.free
+        expected = block.address + block.size
+    if expected != arena.base + arena.capacity:
+        raise InvariantError("TILED", f"blocks end at {expected:#x}, not at the range end")
+    keys, free_at, free_end, _ = arena._state()
+    if keys != sorted(keys) or {unit: size for size, unit in keys} != free_at:
+        raise InvariantError("INDEXED", "sorted free index disagrees with the free map")
+    if len(keys) != len(free_at) or free_end != {u + s: u for u, s in free_at.items()}:
+        raise InvariantError("INDEXED", "free-end map disagrees with the free map")
+
+
+def describe(arena: _Placing) -> str:
+    return (f"Arena(base={arena.base:#x}, capacity={arena.capacity}, used={arena.used_bytes}, "
+            f"blocks={arena.blocks}, free_blocks={arena.free_blocks})")
+
+
+PythonArena: Final = Arena
+"""The placement in Python, whichever core runs (tests compare it with the C one)."""
+
+if native is not None and not TYPE_CHECKING:
+
+    class Arena(native.Arena):  # the same placement in C (_native.c); walk and check here
+        __doc__ = Arena.__doc__
+        __slots__ = ()
+        walk = walk
+        check = check
+        __repr__ = describe

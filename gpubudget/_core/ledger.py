@@ -21,19 +21,23 @@ of its own live blocks plus, for each unreleased child, ``max(child.used, child.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["Account", "available", "charge", "passed_up", "refusal"]
+from . import native
+
+__all__ = ["Account", "available", "charge", "encloses", "passed_up", "refusal"]
 
 
 class Account:
     """One budget's numbers: its limit, reserve floor, bytes charged now and their peak.
 
-    ``chain`` is this account followed by its ancestors up to the root; ``plain`` says that
-    none of them has a reserve, so that every one of them is charged the same delta.
+    ``parent`` is the parent budget's account (``None`` for a root), ``depth`` the number of
+    ancestors; ``plain`` says that neither this account nor any ancestor has a reserve, so
+    that every one of them is charged the same delta. An account keeps no copy of its chain:
+    a tree ``n`` budgets deep costs ``n`` accounts, not ``n**2`` references.
     """
 
-    __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "chain",
+    __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "depth",
                  "plain", "published")
 
     def __init__(
@@ -46,8 +50,8 @@ class Account:
         self.peak = 0  # highest ``used`` reached by granted charges
         self.refusals = 0  # requests this limit refused (asked here or below), counted by callers
         self.parent: Final = parent
-        self.chain: Final[tuple[Account, ...]] = (self,) if parent is None else (self,) + parent.chain
-        self.plain: Final = not any(account.reserve for account in self.chain)
+        self.depth: Final[int] = 0 if parent is None else parent.depth + 1
+        self.plain: Final[bool] = not reserve and (parent is None or parent.plain)
         # A registered root's words in its host-ledger slot (used, peak, denials), which
         # every change of ``used`` stores into: plain stores, for other processes to read.
         self.published: memoryview | None = None
@@ -58,13 +62,18 @@ def passed_up(account: Account, used: int) -> int:
     return used if used > account.reserve else account.reserve
 
 
+_passed_up: Final = passed_up  # the Python one, for the Python functions below
+
+
 def refusal(account: Account, delta: int) -> Account | None:
     """The first account of ``account``'s chain whose limit ``delta`` more bytes would
     exceed, or ``None`` when all of them can take it. Changes nothing."""
+    link: Account | None = account
     if account.plain:
-        for link in account.chain:
+        while link is not None:
             if link.used + delta > link.limit:
                 return link
+            link = link.parent
         return None
     node: Account | None = account
     while node is not None and delta > 0:
@@ -72,7 +81,7 @@ def refusal(account: Account, delta: int) -> Account | None:
         if used > node.limit:
             return node
         if node.reserve:  # only what rises above the floor reaches the parent
-            delta = passed_up(node, used) - passed_up(node, node.used)
+            delta = _passed_up(node, used) - _passed_up(node, node.used)
         node = node.parent
     return None
 
@@ -81,10 +90,14 @@ def charge(account: Account, delta: int) -> None:
     """Add ``delta`` bytes (negative to give back) to ``account`` and, as reserves pass them
     up, to its ancestors; raise their peaks. Call :func:`refusal` first for ``delta > 0``."""
     if account.plain:
-        for link in account.chain:
+        link = account
+        while True:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+            if link.parent is None:
+                break
+            link = link.parent
         published = link.published  # ``link`` is the root now
         if published is not None:
             published[0] = used
@@ -102,7 +115,7 @@ def charge(account: Account, delta: int) -> None:
             if used == node.peak:
                 node.published[1] = used
         if node.reserve:
-            delta = passed_up(node, used) - passed_up(node, old)
+            delta = _passed_up(node, used) - _passed_up(node, old)
         node = node.parent
 
 
@@ -118,3 +131,24 @@ def available(account: Account) -> int:
         best = min(best, parent.limit - parent.used + slack)
         link = parent
     return max(best, 0)
+
+
+def encloses(account: Account, other: Account) -> bool:
+    """Whether ``account`` is ``other`` or one of its ancestors (a walk up from ``other``)."""
+    link: Account | None = other
+    while link is not None and link.depth >= account.depth:
+        if link is account:
+            return True
+        link = link.parent
+    return False
+
+
+PYTHON: Final = (Account, available, charge, passed_up, refusal)
+"""The ledger in Python, whichever core runs (tests compare it with the C one)."""
+
+if native is not None and not TYPE_CHECKING:  # the same rules in C: _native.c
+    Account = native.Account
+    available = native.available
+    charge = native.charge
+    passed_up = native.passed_up
+    refusal = native.refusal

@@ -13,15 +13,19 @@ parent's.
 from __future__ import annotations
 
 import itertools
-import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import Backend
+from ..context import LABEL
+from ..interrupts import STATE
 from ..errors import BudgetError, BudgetNestingError
-from .ledger import Account, charge, passed_up, refusal
-from .recorder import Stats
-from .tree import Tree, unlock
+from .ledger import Account, charge, encloses, passed_up, refusal
+from . import native
+from .recorder import Recorder, Stats
+from .streams import PendingFrees
+from .tree import Tree, new_lock, unlock
 from ..units import format_size, round_up
 
 if TYPE_CHECKING:
@@ -30,7 +34,7 @@ if TYPE_CHECKING:
     )
     from ..tracefile import TraceWriter
 
-__all__ = ["KEEP_RELEASED_CHILDREN", "Node", "Probe", "State"]
+__all__ = ["KEEP_RELEASED_CHILDREN", "Node", "Probe", "State", "install_fast_path"]
 
 State = Literal["new", "open", "exited", "released"]
 Probe = Callable[[], tuple[int, ...]]
@@ -62,7 +66,7 @@ class Node:
         self.track_stacks = track_stacks  # also true when an ancestor tracks stacks
         self.account = Account(self.name, limit, reserve)  # re-made under the parent at entry
         self.stats: Final = Stats()
-        self.lock = threading.RLock()  # the tree's once entered (see ``tree.unlock``)
+        self.lock = new_lock()  # the tree's once entered (see ``tree.unlock``)
         self.tree: Tree | None = None
         self.parent: Node | None = None
         self.children: list[Node] = []  # unreleased ones and the last released ones
@@ -225,4 +229,15 @@ class Node:
 
     def encloses(self, other: Node) -> bool:
         """Whether ``other`` is this node or one of its descendants."""
-        return self.account in other.account.chain
+        return encloses(self.account, other.account)
+
+
+def install_fast_path(budget: type) -> bool:
+    """Where the C core runs, make ``budget.allocate`` and ``budget.free`` (the ``Budget``
+    class's) C methods that do the common case whole and call the Python methods they
+    replace for everything else; ``False`` where the pure-Python core runs."""
+    if native is None:
+        return False
+    native.install(budget=budget, node=Node, tree=Tree, recorder=Recorder,
+                   pending=PendingFrees, state=STATE, label=LABEL, clock=time.perf_counter)
+    return True

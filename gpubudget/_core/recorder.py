@@ -15,15 +15,17 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from .. import interrupts
 from ..callers import user_stacklevel
+from . import native
 
 if TYPE_CHECKING:
     from ..tracefile import TraceWriter
 
-__all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "Recorder", "Stats"]
+__all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "EventLog", "Recorder", "Stats"]
 
 EVENT_LOG_LIMIT: Final = 50_000
 """Events a budget tree keeps for its timeline; older ones are dropped. An event is a tuple of
@@ -37,13 +39,13 @@ KEEP_ERRORS: Final = 16
 Event = tuple[float, str, int, int, "str | None", int, int]
 
 
-class Stats:
-    """One budget's counters; see ``BudgetReport`` for what each means."""
+class _Counters:
+    """A budget's counters, the storage of :class:`Stats` (in C when the C core runs)."""
 
     __slots__ = ("allocations", "frees", "blocks", "peak_blocks", "invalid_frees", "denied",
                  "largest_denied", "denials", "tags", "errors", "retired")
 
-    def __init__(self) -> None:
+    def __init__(self, errors: deque[str]) -> None:
         self.allocations = 0
         self.frees = 0
         self.blocks = 0  # live blocks now
@@ -53,9 +55,22 @@ class Stats:
         self.largest_denied = 0
         self.denials: dict[tuple[str, str], list[int]] = {}  # (reason, refused by) -> [n, largest]
         self.tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
-        self.errors: deque[str] = deque(maxlen=KEEP_ERRORS)
+        self.errors = errors
         # allocations, frees, denials of released descendants no longer listed as children
         self.retired = [0, 0, 0]
+
+
+if native is not None and not TYPE_CHECKING:
+    _Counters = native.Stats  # noqa: F811 - the same fields in C (_native.c)
+
+
+class Stats(_Counters):
+    """One budget's counters; see ``BudgetReport`` for what each means."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(deque(maxlen=KEEP_ERRORS))
 
     def count_denial(self, nbytes: int, reason: str, refused_by: str) -> None:
         self.denied += 1
@@ -85,19 +100,52 @@ class Stats:
                 entry[1] = live
 
 
+class _EventLog:
+    """A tree's last ``maxlen`` events, oldest first, and how many were ever logged (in C
+    when the C core runs)."""
+
+    __slots__ = ("_events", "logged")
+
+    def __init__(self, maxlen: int) -> None:
+        self._events: deque[Event] = deque(maxlen=maxlen)
+        self.logged = 0  # events ever logged; ``logged - len(self)`` were dropped
+
+    def append(self, event: Event) -> None:
+        self._events.append(event)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self._events)
+
+    @property
+    def maxlen(self) -> int | None:
+        return self._events.maxlen
+
+
+EventLog = _EventLog
+if native is not None and not TYPE_CHECKING:
+    EventLog = native.EventLog
+
+
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "logged", "writer", "trace_error", "clock", "published")
+    __slots__ = ("events", "writer", "trace_error", "clock", "published")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock: Final = clock  # seconds, for the timeline
-        self.events: deque[Event] = deque(maxlen=EVENT_LOG_LIMIT)
-        self.logged = 0  # events ever logged; ``logged - len(events)`` were dropped
+        self.events: _EventLog = EventLog(EVENT_LOG_LIMIT)
         self.writer = writer
         self.trace_error: str | None = None  # why tracing stopped, if it did
         self.published: memoryview | None = None  # the root's words in the host ledger
+
+    @property
+    def logged(self) -> int:
+        """Events ever logged; ``logged - len(events)`` were dropped."""
+        return self.events.logged
 
     # -- one method per event: count, log, trace -----------------------------------------
 
@@ -110,7 +158,6 @@ class Recorder:
         if tag is not None:
             stats.tag_grew(tag, nbytes)
         self.events.append((self.clock(), "alloc", budget, nbytes, tag, used, total))
-        self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
 
@@ -121,7 +168,6 @@ class Recorder:
         if tag is not None:
             stats.tags[tag][0] -= nbytes
         self.events.append((self.clock(), "free", budget, nbytes, tag, used, total))
-        self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.free, budget, address)
 
@@ -131,7 +177,6 @@ class Recorder:
         if self.published is not None:
             self.published[2] += 1  # denials in the tree, for other processes to read
         self.events.append((self.clock(), "deny", budget, nbytes, tag, used, total))
-        self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.deny, budget, size, alignment, tag, nbytes, reason)
 
@@ -142,7 +187,6 @@ class Recorder:
             stats.tag_grew(tag, nbytes)
         kind = "alloc" if nbytes > old else "free"
         self.events.append((self.clock(), kind, budget, abs(nbytes - old), tag, used, total))
-        self.logged += 1
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, cast
 
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
@@ -44,12 +44,13 @@ from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
+from . import native
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from ..tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "unlock"]
+__all__ = ["Denied", "Live", "Tree", "new_lock", "unlock"]
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -69,14 +70,14 @@ class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
     __slots__ = ("root", "lock", "backend", "device", "reservation", "mapping", "arena", "live",
-                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit")
+                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit", "fast")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
                  initial: int | None = None) -> None:
         capacity = round_up(root.account.limit, root.align)
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
-        self.lock: Final = threading.RLock()  # re-entrant for ``unlock`` and a moving resize
+        self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
         self.backend: Final = backend
         self.device: Final = device_of(backend)
         self.reservation: Reservation | Mapping | None = reservation
@@ -92,6 +93,9 @@ class Tree:
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else self.unclaimed()
         self.free_at_exit: int | None = None
+        # Whether Budget.allocate and free may run in C (the C core; see _native.c); False
+        # sends every call through the methods below (tests compare the two).
+        self.fast = native is not None
         _unreleased.add(self)
 
     # -- the three operations --------------------------------------------------------------
@@ -416,6 +420,13 @@ class Tree:
                 raise InvariantError("LEDGER", f"budget {node.name!r} used "
                                      f"{node.account.used}, its blocks and children make "
                                      f"{expected}, limit {node.account.limit}")
+
+
+def new_lock() -> threading.RLock:
+    """A re-entrant lock: the C core's (which its fast path takes without calling Python), or
+    ``threading.RLock``; the same methods (``acquire``, ``release``, ``_is_owned``,
+    ``_at_fork_reinit``, ``with``)."""
+    return cast(threading.RLock, native.Lock()) if native is not None else threading.RLock()
 
 
 def unlock(lock: threading.RLock) -> None:

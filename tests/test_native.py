@@ -1,0 +1,434 @@
+"""The two cores side by side: every answer and every number of the C core (``_native.c``)
+must be the Python core's.
+
+- The arena: ``native.Arena`` against the Python ``Arena`` on the same random and
+  adversarial operations (same addresses, same bookkeeping, ``check()`` after each step).
+- The ledger: C accounts and functions against the Python ones on random trees with reserves.
+- Whole trees: two roots fed the same operations, one taking the C fast path of
+  ``Budget.allocate``/``free`` where it can, the other every call through the Python methods;
+  their answers, numbers, statistics, tags, registry, arena and timelines must agree.
+
+CI runs this file with the C core built; in the pure-Python run it is skipped (nothing to
+compare)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import random
+import sys
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import gpubudget
+from gpubudget import Budget, gpu_budget, label
+from gpubudget._core import arena as arena_module
+from gpubudget._core import ledger, native
+from gpubudget.backends.host import HostBackend
+from gpubudget.units import KiB
+from tests.helpers import StreamBackend, python_paths
+
+pytestmark = pytest.mark.skipif(native is None, reason="the C core is not built here")
+
+GRAN = 256
+POWERS = st.sampled_from([0, 0, 0, 1, 256, 512, 1024, 4096, 3, 96])
+
+
+# -- the arena -----------------------------------------------------------------------------
+
+
+def _arena_pair(capacity: int, granularity: int) -> tuple[Any, Any]:
+    assert native is not None
+    base = 1 << 20
+    return arena_module.Arena(base, capacity, granularity), arena_module.PythonArena(
+        base, capacity, granularity)
+
+
+class Arenas(RuleBasedStateMachine):
+    """The C arena and the Python one, step by step."""
+
+    blocks = Bundle("blocks")
+
+    @initialize(units=st.integers(1, 4096), shift=st.integers(0, 12))
+    def start(self, units: int, shift: int) -> None:
+        self.granularity = 1 << shift
+        self.c, self.py = _arena_pair(units << shift, self.granularity)
+
+    @rule(target=blocks, units=st.integers(1, 600), alignment=POWERS)
+    def allocate(self, units: int, alignment: int) -> int | None:
+        size = units * self.granularity
+        if alignment and alignment & (alignment - 1):
+            alignment = 0  # the arena's callers check alignments; the tree tests bad ones
+        got: int | None = self.c.allocate(size, alignment)
+        assert got == self.py.allocate(size, alignment)
+        return got
+
+    @rule(block=consumes(blocks))
+    def free(self, block: int | None) -> None:
+        if block is not None:
+            assert self.c.free(block) == self.py.free(block)
+
+    @rule(block=blocks, units=st.integers(1, 600))
+    def resize(self, block: int | None, units: int) -> None:
+        if block is not None:
+            size = units * self.granularity
+            assert self.c.resize(block, size) == self.py.resize(block, size)
+
+    @rule(address=st.integers(-(1 << 70), 1 << 70))
+    def free_anything(self, address: int) -> None:
+        assert self.c.free(address) == self.py.free(address) == 0 or address >= 1 << 20
+
+    @invariant()
+    def agree(self) -> None:
+        assert self.c._state() == self.py._state()
+        assert list(self.c.walk()) == list(self.py.walk())
+        for name in ("free_bytes", "used_bytes", "largest_free", "blocks", "free_blocks"):
+            assert getattr(self.c, name) == getattr(self.py, name), name
+        self.c.check()
+
+
+TestArenas = Arenas.TestCase
+TestArenas.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_arenas_agree_on_a_long_churn_with_alignments() -> None:
+    """An adversarial sequence: thousands of blocks of every size class, aligned requests,
+    frees in random order; the same addresses from both, and the same bookkeeping."""
+    c, py = _arena_pair(1 << 30, GRAN)
+    rng = random.Random(11)
+    live: list[int] = []
+    for step in range(20_000):
+        if live and (rng.random() < 0.45 or len(live) > 3000):
+            block = live.pop(rng.randrange(len(live)))
+            assert c.free(block) == py.free(block)
+        else:
+            size = int(2 ** rng.uniform(8, 22)) // GRAN * GRAN + GRAN
+            alignment = rng.choice([0, 0, 0, 4096, 1 << 16])
+            got = c.allocate(size, alignment)
+            assert got == py.allocate(size, alignment)
+            if got is not None:
+                live.append(got)
+        if step % 2000 == 0:
+            assert c._state() == py._state()
+    assert c._state() == py._state()
+    c.check()
+
+
+@pytest.mark.parametrize("arguments", [(0, 1024, 3), (100, 1024, 256), (0, 1000, 256),
+                                       (0, 0, 256), (-256, 1024, 256)])
+def test_both_arenas_refuse_the_same_geometry(arguments: tuple[int, int, int]) -> None:
+    assert native is not None
+    for kind in (native.Arena, arena_module.PythonArena):
+        with pytest.raises(ValueError):
+            kind(*arguments)
+
+
+# -- the ledger ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ledgers_agree(seed: int) -> None:
+    assert native is not None
+    rng = random.Random(seed)
+    for _ in range(300):
+        pairs: list[tuple[Any, Any]] = []
+        for i in range(rng.randint(1, 7)):
+            parent = pairs[rng.randrange(i)] if i else (None, None)
+            limit, reserve = rng.randint(0, 2000), rng.choice([0, 0, rng.randint(0, 500)])
+            if parent[0] is None:
+                reserve = 0
+            pairs.append((native.Account(f"a{i}", limit, reserve, parent[0]),
+                          ledger.PYTHON[0](f"a{i}", limit, reserve, parent[1])))
+        _, py_available, py_charge, py_passed_up, py_refusal = ledger.PYTHON
+        for _ in range(40):
+            c, py = pairs[rng.randrange(len(pairs))]
+            delta = rng.choice([rng.randint(-300, 600), 2**70, -(2**70), 0])
+            refused_c, refused_py = native.refusal(c, delta), py_refusal(py, delta)
+            assert (refused_c is None) == (refused_py is None)
+            if refused_c is not None and refused_py is not None:
+                assert refused_c.name == refused_py.name
+            elif abs(delta) < 2**62 and (delta > 0 or -delta <= py.used):
+                native.charge(c, delta)
+                py_charge(py, delta)
+            assert native.available(c) == py_available(py)
+            assert native.passed_up(c, c.used) == py_passed_up(py, py.used)
+            for a, b in pairs:
+                assert (a.used, a.peak, a.depth, a.plain) == (b.used, b.peak, b.depth, b.plain)
+
+
+def test_published_words_follow_the_root() -> None:
+    assert native is not None
+    words = memoryview(bytearray(24)).cast("Q")
+    root = native.Account("root", 1000)
+    child = native.Account("child", 500, 0, root)
+    root.published = words
+    native.charge(child, 300)
+    assert list(words) == [300, 300, 0]
+    native.charge(child, -100)
+    assert list(words) == [200, 300, 0]
+    root.published = None
+    native.charge(child, 50)
+    assert list(words) == [200, 300, 0]
+    with pytest.raises(ValueError):
+        root.published = memoryview(bytearray(24))  # bytes, not 64-bit words
+
+
+# -- whole trees: the fast path against the Python methods --------------------------------
+
+
+SIZES = st.one_of(st.integers(1, 40 * KiB), st.sampled_from([0, -5, 2**70, 10**30]),
+                  st.sampled_from(["1KiB", "3 KiB", "lots", 1.5, True]))
+TAGS = st.sampled_from([None, None, "weights", "cache", "über", 7])
+LABELS = st.sampled_from([None, None, "phase-a", "phase-b"])
+
+
+class Trees(RuleBasedStateMachine):
+    """Two roots fed the same operations; one may take the fast path, the other may not."""
+
+    blocks = Bundle("blocks")
+
+    @initialize(limit=st.integers(32, 512), align=st.sampled_from([1, 64, 256, 1024]),
+                streams=st.booleans())
+    def start(self, limit: int, align: int, streams: bool) -> None:
+        def backend() -> HostBackend:
+            return StreamBackend() if streams else HostBackend()
+
+        # each root in a context of its own: entered side by side, neither is the other's child
+        self.contexts = (contextvars.Context(), contextvars.Context())
+        self.fast = gpu_budget(limit * KiB, align=align, name="root", backend=backend())
+        self.slow = gpu_budget(limit * KiB, align=align, name="root", backend=backend())
+        self.contexts[0].run(self.fast.__enter__)
+        self.contexts[1].run(self.slow.__enter__)
+        python_paths(self.slow)
+        assert self.fast._node.tree is not None and self.fast._node.tree.fast
+        self.open: list[tuple[Budget, Budget]] = [(self.fast, self.slow)]  # innermost last
+        self.known: list[tuple[Budget, Budget]] = [(self.fast, self.slow)]
+
+    def _base(self, budget: Budget) -> int:
+        tree = budget._node.tree
+        assert tree is not None
+        return tree.arena.base
+
+    def _offset(self, budget: Budget, address: int | None) -> int | None:
+        return None if address is None else address - self._base(budget)
+
+    @rule(limit=st.integers(1, 300), reserve=st.sampled_from([None, 0, 1, 5, 64]),
+          align=st.sampled_from([1, 256, 512, 4096]))
+    def enter(self, limit: int, reserve: int | None, align: int) -> None:
+        outcomes = []
+        pair = []
+        for context, parent in zip(self.contexts, self.open[-1]):
+            try:
+                child = gpu_budget(limit * KiB, name=f"c{len(self.known)}", parent=parent,
+                                   align=align, reserve=None if reserve is None else reserve * KiB)
+                context.run(child.__enter__)
+                outcomes.append("entered")
+                pair.append(child)
+            except Exception as exc:  # noqa: BLE001 - both must fail alike
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        assert outcomes[0] == outcomes[1]
+        if outcomes[0] == "entered":
+            self.open.append((pair[0], pair[1]))
+            self.known.append((pair[0], pair[1]))
+
+    @precondition(lambda self: len(self.open) > 1)
+    @rule()
+    def leave(self) -> None:
+        for context, budget in zip(self.contexts, self.open.pop()):
+            context.run(budget.__exit__, None, None, None)
+
+    @rule(target=blocks, which=st.integers(0, 50), size=SIZES, alignment=POWERS, tag=TAGS,
+          current=LABELS, stream=st.sampled_from([None, None, 1, 2]))
+    def allocate(self, which: int, size: Any, alignment: int, tag: Any, current: str | None,
+                 stream: int | None) -> tuple[int, int | None]:
+        index = which % len(self.known)
+        fast, slow = self.known[index]
+        def allocate(budget: Budget) -> int | None:
+            with label(current) if current is not None else contextlib.nullcontext():
+                return budget.allocate(size, alignment, tag=tag, stream=stream)
+
+        got = [context.run(allocate, budget) for context, budget in zip(self.contexts, (fast, slow))]
+        assert self._offset(fast, got[0]) == self._offset(slow, got[1])
+        return (index, self._offset(fast, got[0]))
+
+    @rule(block=consumes(blocks), by=st.integers(0, 50), stream=st.sampled_from([None, None, 1]))
+    def free(self, block: tuple[int, int | None], by: int, stream: int | None) -> None:
+        index, offset = block
+        if offset is None:
+            return
+        fast, slow = self.known[by % len(self.known)] if by % 3 == 0 else self.known[index]
+        done = [budget.free(self._base(budget) + offset, stream=stream)
+                for budget in (fast, slow)]
+        assert done[0] == done[1]
+
+    @rule(block=blocks, size=st.integers(1, 40 * KiB))
+    def resize(self, block: tuple[int, int | None], size: int) -> None:
+        index, offset = block
+        if offset is None:
+            return
+        fast, slow = self.known[index]
+        got = [budget.resize(self._base(budget) + offset, size) for budget in (fast, slow)]
+        assert self._offset(fast, got[0]) == self._offset(slow, got[1])
+
+    @rule(address=st.one_of(st.integers(-5, 1 << 70), st.sampled_from(["x", 1.0])))
+    def free_anything(self, address: Any) -> None:
+        fast, slow = self.open[-1]
+        assert fast.free(address) == slow.free(address)
+
+    @rule()
+    def finish_streams(self) -> None:
+        for budget in (self.fast, self.slow):
+            backend = budget._node.tree.backend  # type: ignore[union-attr]
+            if isinstance(backend, StreamBackend):
+                backend.finish()
+
+    @rule()
+    def reset_peak(self) -> None:
+        self.fast.reset_peak()
+        self.slow.reset_peak()
+
+    @invariant()
+    def agree(self) -> None:
+        if not hasattr(self, "fast"):
+            return
+        ids: list[dict[int, int]] = [{}, {}]
+        for position, pair in enumerate(self.known):
+            for side, budget in enumerate(pair):
+                ids[side][budget._node.id] = position
+        seen = []
+        for side, root in enumerate((self.fast, self.slow)):
+            tree = root._node.tree
+            assert tree is not None
+            root.check()
+            base = tree.arena.base
+            numbers = []
+            for pair in self.known:
+                node = pair[side]._node
+                stats = node.stats
+                numbers.append((node.state, node.account.used, node.account.peak,
+                                node.account.refusals, stats.allocations, stats.frees,
+                                stats.blocks, stats.peak_blocks, stats.invalid_frees,
+                                stats.denied, stats.largest_denied, dict(stats.denials),
+                                {tag: list(entry) for tag, entry in stats.tags.items()}))
+            live = {address - base: (ids[side][owner.id], nbytes, tag)
+                    for address, (owner, nbytes, tag, _) in tree.live.items()}
+            blocks = [(block.address - base, block.size, block.free)
+                      for block in tree.arena.walk()]
+            events = [(kind, ids[side].get(budget, -1), nbytes, tag, used, total)
+                      for _, kind, budget, nbytes, tag, used, total in tree.recorder.events]
+            seen.append((numbers, live, blocks, events, tree.recorder.logged))
+        assert seen[0] == seen[1]
+
+    def teardown(self) -> None:
+        if not hasattr(self, "fast"):
+            return
+        for pair in reversed(self.open):
+            for context, budget in zip(self.contexts, pair):
+                context.run(budget.__exit__, None, None, None)
+        for root in (self.fast, self.slow):
+            tree = root._node.tree
+            if tree is not None:
+                for address in list(tree.live):
+                    root.free(address)
+                if isinstance(tree.backend, StreamBackend):
+                    tree.backend.finish()
+
+
+TestTrees = Trees.TestCase
+TestTrees.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- the fast path on its own --------------------------------------------------------------
+
+
+def _python_calls(work: Any) -> list[str]:
+    """The functions of gpubudget written in Python that ``work()`` calls."""
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "gpubudget" in frame.f_code.co_filename:
+            called.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def test_fast_path_runs_whole_in_c_and_leaves_the_rest_to_python() -> None:
+    assert gpubudget.compiled
+    assert type(Budget.__dict__["allocate"]).__name__ == "method_descriptor"
+    assert "Return the address of a block" in (Budget.allocate.__doc__ or "")
+    with gpu_budget("1MiB", backend="host") as pool:
+        blocks: list[int | None] = []
+        assert _python_calls(lambda: blocks.append(pool.allocate(KiB, tag="t"))) == []
+        assert _python_calls(lambda: blocks.append(pool.free(blocks[0]))) == []  # type: ignore[arg-type]
+        assert blocks[0] is not None and blocks[1] is True
+        assert "allocate" in _python_calls(lambda: pool.allocate(2 * KiB * KiB))  # denied
+        assert "allocate" in _python_calls(lambda: pool.allocate("1KiB"))  # a string
+        assert "free" in _python_calls(lambda: pool.free(12345))  # not a block
+        with gpu_budget("1KiB", track_stacks=True) as child:
+            assert "allocate" in _python_calls(lambda: child.allocate(KiB))  # stacks: Python
+        assert pool.used == 2 * KiB  # "1KiB", and the child's block
+        for report in pool.report().walk():
+            for live in report.live_blocks:
+                assert pool.free(live.address)
+        assert pool.used == 0
+
+
+def test_threads_sharing_a_tree_keep_it_whole() -> None:
+    """Eight threads allocate and free through the fast path while two others take the
+    Python path (a report and a moving resize, which hold the lock): nothing is lost."""
+    with gpu_budget("64MiB", backend="host", name="pool") as pool:
+        errors: list[BaseException] = []
+
+        def churn(seed: int) -> None:
+            rng = random.Random(seed)
+            mine: list[int] = []
+            try:
+                for _ in range(3000):
+                    if mine and rng.random() < 0.5:
+                        assert pool.free(mine.pop(rng.randrange(len(mine))))
+                    else:
+                        block = pool.allocate(rng.randint(1, 64 * KiB), tag=f"t{seed % 3}")
+                        if block is not None:
+                            mine.append(block)
+                    if rng.random() < 0.01 and mine:
+                        moved = pool.resize(mine[-1], 256 * KiB)
+                        if moved is not None:
+                            mine[-1] = moved
+                for block in mine:
+                    assert pool.free(block)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        def watch() -> None:
+            for _ in range(50):
+                pool.report()
+                pool.check()
+
+        threads = [threading.Thread(target=churn, args=(i,)) for i in range(8)]
+        threads.append(threading.Thread(target=watch))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        pool.check()
+        assert pool.used == 0 and pool.report().allocations == pool.report().frees
