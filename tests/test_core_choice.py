@@ -1,0 +1,91 @@
+"""Which core runs (``gpubudget._core``): the C extension where it was built, the pure-Python
+core where it was not, where ``GPUBUDGET_PURE`` asks for it, or where a development
+install's ``_native.c`` is newer than its build (then with one warning)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpubudget
+from gpubudget._core import native
+from tests.helpers import subprocess_env
+
+REPO = Path(__file__).resolve().parent.parent
+ASK = "import gpubudget, sys; print(gpubudget.compiled, gpubudget.Budget.allocate.__qualname__)"
+
+
+def _run(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-W", "always", "-c", ASK], cwd=cwd, text=True,
+                          capture_output=True, timeout=60, env=env or subprocess_env())
+
+
+def _copy(tmp_path: Path, *, checkout: bool) -> Path:
+    """The package in ``tmp_path/src`` with this run's extension (if any) beside its source,
+    as a source checkout (``setup.py`` beside it) or as an installed package."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "gpubudget", src / "gpubudget",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if checkout:
+        (src / "setup.py").write_text("# a source checkout\n")
+    return src
+
+
+def _env(src: Path, **extra: str) -> dict[str, str]:
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *[p for p in sys.path if "site-packages" in p]])
+    env.pop("GPUBUDGET_PURE", None)
+    env.update(extra)
+    return env
+
+
+def test_compiled_says_which_core_runs() -> None:
+    assert gpubudget.compiled == (native is not None)
+    kind = type(gpubudget.Budget.__dict__["allocate"]).__name__
+    assert kind == ("method_descriptor" if native is not None else "function")
+
+
+@pytest.mark.skipif(native is None, reason="the C core is not built here")
+def test_pure_asked_at_run_time_runs_python(tmp_path: Path) -> None:
+    src = _copy(tmp_path, checkout=False)
+    done = _run(tmp_path, _env(src, GPUBUDGET_PURE="1"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "Budget.allocate"]
+    done = _run(tmp_path, _env(src, GPUBUDGET_PURE="0"))
+    assert done.stdout.split()[0] == "True", done.stderr
+
+
+@pytest.mark.skipif(native is None, reason="the C core is not built here")
+def test_a_checkout_edited_since_its_build_runs_python_and_says_so(tmp_path: Path) -> None:
+    src = _copy(tmp_path, checkout=True)
+    source = src / "gpubudget" / "_core" / "_native.c"
+    built = next(p for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                 for p in [src / "gpubudget" / "_core" / ("_native" + suffix)] if p.exists())
+    os.utime(built, (1_000_000, 1_000_000))  # built long before the source was edited
+    done = _run(tmp_path, _env(src))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "False"
+    assert done.stderr.count("RuntimeWarning") == 1 and "_native.c is newer" in done.stderr
+    assert "pip install -e ." in done.stderr
+    installed = _copy(tmp_path / "wheel", checkout=False)  # the same, installed: it runs
+    os.utime(installed / "gpubudget" / "_core" / built.name, (1_000_000, 1_000_000))
+    assert source.exists()
+    done = _run(tmp_path, _env(installed))
+    assert done.stdout.split()[0] == "True" and "RuntimeWarning" not in done.stderr
+
+
+def test_without_the_extension_the_python_core_runs_silently(tmp_path: Path) -> None:
+    src = _copy(tmp_path, checkout=True)
+    for built in (src / "gpubudget" / "_core").glob("_native.*"):
+        if built.suffix != ".c":
+            built.unlink()
+    done = _run(tmp_path, _env(src))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "Budget.allocate"]
+    assert "Warning" not in done.stderr
