@@ -1,10 +1,14 @@
-"""Churn benchmark on the host backend: ``Budget.allocate``/``free`` against a bare
-pure-Python bisect best-fit written here, on the same trace, side by side in one run.
+"""Churn benchmark on the host backend: ``Budget.allocate``/``free`` against the team's
+baseline, ``bare_bestfit.BestFit`` (see ``benchmarks/baseline.py``), on its churn trace, side
+by side in one run.
 
-    python -m benchmarks.churn [--steps N] [--repeat R]
+    python -m benchmarks.churn [--steps N] [--repeat R] [--baseline PATH]
 
-Prints microseconds per free+allocate pair (median of R runs) and the ratios; the aggregate
-throughput of 1 and 8 threads sharing one tree; and the bookkeeping bytes per live block.
+Prints microseconds per free+allocate pair (median of R interleaved runs) and the ratios to
+the baseline: a budget through the C core's fast path and through the Python methods (the
+same tree, ``fast`` off), a child budget, and TensorRT-RTX's trampoline into a budget and into
+a no-op allocator (the floor of any Python allocator inside TensorRT); then the aggregate
+throughput of 1 and 8 threads sharing one tree, and the bookkeeping bytes per live block.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from collections.abc import Callable
 from typing import Any
 
 from gpubudget import EVENT_LOG_LIMIT, gpu_budget
+from gpubudget.backends.host import HostBackend
 
+from . import baseline
 from .traces import Trace, churn
 
 ALIGN = 256
@@ -292,48 +298,112 @@ def memory_table(blocks: int = 200_000) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20_000)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--baseline", help="path of bare_bestfit.py")
     args = parser.parse_args(argv)
     import gpubudget
 
-    print(f"core: {'compiled (mypyc)' if gpubudget.compiled else 'pure Python'}")
-    for row in table(args.steps, args.repeat) + threads_table(args.steps) + memory_table():
+    bare = baseline.load(args.baseline)
+    print(f"core: {'C (_native)' if gpubudget.compiled else 'pure Python'}")
+    for row in (table(bare, args.steps, args.repeat) + threads_table(args.steps)
+                + memory_table()):
         print(row)
 
 
-def table(steps: int = 20_000, repeat: int = 3) -> list[str]:
-    """Run every allocator ``repeat`` times, interleaved; return the printed table."""
-    warmup, timed = churn(steps=steps)
-    runs: dict[str, Callable[[Trace, Trace], float]] = {
-        "textbook bisect best-fit": time_textbook,
-        "packed bisect best-fit": time_bare,
-        "Budget (root)": time_budget,
-        "Budget (child of root)": time_child_budget,
-        "TensorRT trampoline -> Budget": time_tensorrt_trampoline,
-        "TensorRT trampoline -> no-op": time_tensorrt_floor,
-    }
+def _budget_runs(bare: Any) -> dict[str, Callable[[Any], float]]:
+    """Each row's run: microseconds per pair on ``trace`` through ``bare.run``."""
+    def baseline_run(trace: Any) -> float:
+        allocator = bare.BestFit(64 << 30)
+        return float(bare.run(allocator.alloc, allocator.free, trace))
+
+    def budget_run(fast: bool) -> Callable[[Any], float]:
+        def run(trace: Any) -> float:
+            with gpu_budget(64 << 30, name="churn",
+                            backend=HostBackend(noreserve=True)) as budget:
+                tree = budget._node.tree
+                assert tree is not None
+                tree.fast = fast and tree.fast
+                return float(bare.run(budget.allocate, budget.free, trace))
+        return run
+
+    def child_run(trace: Any) -> float:
+        with gpu_budget(64 << 30, name="pool", backend=HostBackend(noreserve=True)):
+            with gpu_budget(32 << 30, name="model") as child:
+                return float(bare.run(child.allocate, child.free, trace))
+
+    def trampoline_run(trace: Any) -> float:
+        from gpubudget import tensorrt as gbt
+        from tests.trampoline import Trampoline
+
+        module = gbt.load_module("tensorrt_rtx_bindings")
+        with gpu_budget(64 << 30, name="trt", backend=HostBackend(noreserve=True)):
+            cpp = Trampoline(gbt.allocator(trt_module=module))
+            return float(bare.run(lambda n: cpp.allocate_async(n, 0, 0, 0),
+                                  lambda p: cpp.deallocate_async(p, 0), trace))
+
+    def floor_run(trace: Any) -> float:
+        cpp = _trivial_trampoline()
+        return float(bare.run(lambda n: cpp.allocate_async(n, 0, 0, 0),
+                              lambda p: cpp.deallocate_async(p, 0), trace))
+
+    return {"bare_bestfit.BestFit (baseline)": baseline_run,
+            "Budget (root), C fast path": budget_run(True),
+            "Budget (root), Python methods": budget_run(False),
+            "Budget (child of root)": child_run,
+            "TensorRT trampoline -> Budget": trampoline_run,
+            "TensorRT trampoline -> no-op": floor_run}
+
+
+def _trivial_trampoline() -> Any:
+    """TensorRT-RTX's trampoline into an allocator whose methods do nothing."""
+    from gpubudget import tensorrt as gbt
+    from tests.trampoline import Trampoline
+
+    base = gbt.load_module("tensorrt_rtx_bindings").IGpuAsyncAllocator
+
+    class Trivial(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            base.__init__(self)
+            self.next = 256
+
+        def allocate_async(self, size: int, alignment: int, flags: int, stream: int) -> int:
+            self.next += 256
+            return self.next
+
+        def deallocate_async(self, memory: int, stream: int) -> bool:
+            return True
+
+    return Trampoline(Trivial())
+
+
+def table(bare: Any, steps: int = 20_000, repeat: int = 5) -> list[str]:
+    """Every row ``repeat`` times, interleaved; the printed table."""
+    trace = bare.churn_trace(steps=steps)
+    runs = _budget_runs(bare)
     try:
-        time_tensorrt_floor([], [])
+        _trivial_trampoline()
     except ImportError:  # no TensorRT-RTX here
         del runs["TensorRT trampoline -> Budget"], runs["TensorRT trampoline -> no-op"]
     times: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(repeat):  # interleaved, so drift hits every row alike
         for label, run in runs.items():
-            times[label].append(run(warmup, timed))
-    us = {label: statistics.median(t) / len(timed) * 1e6 for label, t in times.items()}
-    textbook, packed = us["textbook bisect best-fit"], us["packed bisect best-fit"]
+            times[label].append(run(trace))
+    us = {label: statistics.median(t) for label, t in times.items()}
+    base = us["bare_bestfit.BestFit (baseline)"]
     rows = [
-        f"churn trace: 1000 live blocks, log-uniform 256 B-16 MiB, {len(timed)} steps, "
-        f"median of {repeat} runs, microseconds per free+allocate pair",
+        f"bare_bestfit's churn trace: {len(trace[0]) - len(trace[1])} live blocks, "
+        f"log-uniform 256 B-16 MiB, {len(trace[1])} steps; median of {repeat} interleaved "
+        f"runs, microseconds per free+allocate pair",
         "",
-        f"| {'allocator':<30} | {'us/pair':>8} | {'vs textbook':>11} | {'vs packed':>9} |",
-        f"| {'-' * 30} | {'-' * 8}:| {'-' * 10}:| {'-' * 8}:|",
+        f"| {'allocator':<34} | {'us/pair':>8} | {'vs baseline':>11} |",
+        f"| {'-' * 34} | {'-' * 8}:| {'-' * 10}:|",
     ]
     for label, value in us.items():
-        rows.append(
-            f"| {label:<30} | {value:>8.2f} | {value / textbook:>10.2f}x | "
-            f"{value / packed:>8.2f}x |"
-        )
+        rows.append(f"| {label:<34} | {value:>8.2f} | {value / base:>10.2f}x |")
+    if "TensorRT trampoline -> no-op" in us:
+        extra = us["TensorRT trampoline -> Budget"] - us["TensorRT trampoline -> no-op"]
+        rows += ["", f"TensorRT-facing pair over the trampoline's floor: {extra:.2f} us = "
+                     f"{extra / base:.2f} baseline pairs"]
     return rows
 
 

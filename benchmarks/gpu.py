@@ -118,7 +118,7 @@ def tables(steps: int, repeat: int) -> list[str]:
     import gpubudget
 
     usable: dict[str, Callable[[], Opened]] = {}
-    core = "compiled (mypyc)" if gpubudget.compiled else "pure Python"
+    core = "C (_native)" if gpubudget.compiled else "pure Python"
     rows = [f"Python {platform.python_version()}, gpubudget core {core}; median of {repeat} "
             "interleaved runs", ""]
     for label, opener in ALLOCATORS.items():

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     import gpubudget
 
     os.environ.setdefault("GPUBUDGET_LEDGER_DIR", tempfile.mkdtemp(prefix="gpubudget-bench-"))
-    print(f"core: {'compiled (mypyc)' if gpubudget.compiled else 'pure Python'}")
+    print(f"core: {'C (_native)' if gpubudget.compiled else 'pure Python'}")
     for row in table(args.repeat):
         print(row)
 

@@ -4,20 +4,18 @@
 # fitted, and the GPU benchmarks. Output goes to ${OUT:-gpu-out}/ as well as to the terminal.
 #   mkdir -p .whl && cp ../shared/wheels/device-cp312/*.whl .whl/
 #   pip download --no-deps -d .whl contextvars-extras==0.7.0 "sentinel-value<2"
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl mypy librt ast-serialize pathspec mypy_extensions
 #   bash scripts/gpu-check.sh        (GPUBUDGET_PURE=1 to run the pure-Python core)
-# With mypy's wheels there, the core is compiled in place with mypyc first, as pip would.
+# The core's C extension is built in place first (gcc and Python's headers), as pip would.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ -z "${GPUBUDGET_PURE:-}" ] && python3 -c 'import mypyc' 2>/dev/null; then
+if [ -z "${GPUBUDGET_PURE:-}" ]; then
   python3 setup.py -q build_ext --inplace > "$out/build.txt" 2>&1 || tail -n 20 "$out/build.txt"
 fi
-python3 -c 'import gpubudget; print("gpubudget core:", "compiled (mypyc)" if gpubudget.compiled else "pure Python")' | tee "$out/core.txt"
+python3 -c 'import gpubudget; print("gpubudget core:", "C (_native)" if gpubudget.compiled else "pure Python")' | tee "$out/core.txt"
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; python3 --version;
   python3 -c 'import pycuda, cupy, torch; print("pycuda", pycuda.VERSION_TEXT, "cupy", cupy.__version__, "torch", torch.__version__)'; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.txt"

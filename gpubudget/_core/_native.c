@@ -1330,7 +1330,7 @@ static PyTypeObject EventLogType = {
 typedef struct {
     Py_ssize_t budget_node;
     Py_ssize_t node_tree, node_account, node_stats, node_granularity, node_track_stacks,
-        node_refusal, node_id, node_state;
+        node_refusal, node_id, node_state, node_pins, node_unreleased;
     Py_ssize_t tree_lock, tree_arena, tree_live, tree_pending, tree_mapping, tree_recorder,
         tree_root, tree_ordered, tree_fast;
     Py_ssize_t recorder_events, recorder_writer, recorder_clock;
@@ -1560,11 +1560,18 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *owner = PyTuple_GET_ITEM(record, 0), *tag = PyTuple_GET_ITEM(record, 2);
     PyObject *owner_account = SLOT(owner, at.node_account), *node_account = SLOT(node, at.node_account);
     PyObject *owner_stats = SLOT(owner, at.node_stats), *state = SLOT(owner, at.node_state);
-    i64 nbytes, id;
+    i64 nbytes, id, pins, unreleased;
     if (owner_account == NULL || Py_TYPE(owner_account) != &AccountType || node_account == NULL ||
         owner_stats == NULL || !PyObject_TypeCheck(owner_stats, &StatsType) || state == NULL ||
-        !PyUnicode_Check(state) || PyUnicode_Compare(state, s_exited) == 0 ||
-        !i64_slot(owner, at.node_id, &id) || !PyLong_CheckExact(PyTuple_GET_ITEM(record, 1)))
+        !PyUnicode_Check(state) || !i64_slot(owner, at.node_id, &id) ||
+        !PyLong_CheckExact(PyTuple_GET_ITEM(record, 1)))
+        goto slow;
+    /* A budget whose scope has ended is released by the free of its last block when nothing
+     * else holds it (Python's release_if_unused): that free is Python's. An ended budget
+     * still held (pinned by a TensorRT runtime, or with children) frees here. */
+    if (PyUnicode_Compare(state, s_exited) == 0 &&
+        (!i64_slot(owner, at.node_pins, &pins) || !i64_slot(owner, at.node_unreleased, &unreleased) ||
+         (((StatsObject *)owner_stats)->blocks <= 1 && !pins && !unreleased)))
         goto slow;
     nbytes = as_i64(PyTuple_GET_ITEM(record, 1), &ok);
     if (!ok) goto slow;
@@ -1688,7 +1695,9 @@ static PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
         slot_offset(node, "granularity", &o.node_granularity) < 0 ||
         slot_offset(node, "track_stacks", &o.node_track_stacks) < 0 ||
         slot_offset(node, "refusal", &o.node_refusal) < 0 || slot_offset(node, "id", &o.node_id) < 0 ||
-        slot_offset(node, "state", &o.node_state) < 0 || slot_offset(tree, "lock", &o.tree_lock) < 0 ||
+        slot_offset(node, "state", &o.node_state) < 0 || slot_offset(node, "pins", &o.node_pins) < 0 ||
+        slot_offset(node, "unreleased", &o.node_unreleased) < 0 ||
+        slot_offset(tree, "lock", &o.tree_lock) < 0 ||
         slot_offset(tree, "arena", &o.tree_arena) < 0 || slot_offset(tree, "live", &o.tree_live) < 0 ||
         slot_offset(tree, "pending", &o.tree_pending) < 0 ||
         slot_offset(tree, "mapping", &o.tree_mapping) < 0 ||
