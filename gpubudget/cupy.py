@@ -49,6 +49,7 @@ import weakref
 from typing import Any, ClassVar, Final
 
 from . import interrupts
+from .adapter import by_device
 from .budget import Budget
 from .errors import AllocationDenied
 from .interrupts import STATE
@@ -206,22 +207,6 @@ def _inside(address: int, chunks: list[tuple[int, int]]) -> bool:
     return index >= 0 and address < chunks[index][0] + chunks[index][1]
 
 
-class _Router:
-    """The allocator function CuPy calls under one :class:`allocations` block."""
-
-    __slots__ = ("device", "pool", "previous")
-
-    def __init__(self, pool: _Pool, previous: Any) -> None:
-        self.device = pool.device
-        self.pool = pool.pool.malloc
-        self.previous = previous  # CuPy's allocator for other devices
-
-    def __call__(self, size: int) -> Any:
-        if _current_device() != self.device:
-            return self.previous(size)
-        return self.pool(size)
-
-
 class _Route:
     """CuPy's ``using_allocator`` with the budget's router; on the way out, the thread's
     FFT plan cache is remembered by the pool."""
@@ -230,7 +215,10 @@ class _Route:
 
     def __init__(self, cp: Any, pool: _Pool) -> None:
         self.pool = pool
-        self.using = cp.cuda.using_allocator(_Router(pool, cp.cuda.get_allocator()))
+        # CuPy calls this for every array the thread makes: the device checked and the
+        # budget's pool called in C where the C core runs
+        self.using = cp.cuda.using_allocator(by_device(
+            cp.cuda.runtime.getDevice, pool.device, pool.pool.malloc, cp.cuda.get_allocator()))
 
     def __enter__(self) -> None:
         self.using.__enter__()
