@@ -27,4 +27,7 @@ python3 -m gpubudget fit "$out/demo-trace.jsonl" 2>&1 | tee -a "$out/demo.txt"
 python3 -m benchmarks.gpu --repeat 3 2>&1 | tee "$out/gpu-bench.md"
 python3 -m benchmarks.model_load --repeat 3 2>&1 | tee "$out/model-load.md"
 python3 -m benchmarks.fragmentation --seeds 3 2>&1 | tee "$out/fragmentation.md"
+if [ -f .scratch/bare_bestfit.py ]; then  # the team's CPU baseline, if it was carried along
+  python3 -m benchmarks.churn --baseline .scratch/bare_bestfit.py 2>&1 | tee "$out/churn-cpu.md"
+fi
 exit "$tests"
