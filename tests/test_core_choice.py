@@ -39,7 +39,8 @@ def _copy(tmp_path: Path, *, checkout: bool) -> Path:
 
 def _env(src: Path, **extra: str) -> dict[str, str]:
     env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(src), *[p for p in sys.path if "site-packages" in p]])
+    elsewhere = [path for path in sys.path if path and Path(path).resolve() != REPO]
+    env["PYTHONPATH"] = os.pathsep.join([str(src), *elsewhere])  # the copy first
     env.pop("GPUBUDGET_PURE", None)
     env.update(extra)
     return env

@@ -131,9 +131,12 @@ def test_arenas_agree_on_a_long_churn_with_alignments() -> None:
                                        (0, 0, 256), (-256, 1024, 256)])
 def test_both_arenas_refuse_the_same_geometry(arguments: tuple[int, int, int]) -> None:
     assert native is not None
+    messages = []
     for kind in (native.Arena, arena_module.PythonArena):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as info:
             kind(*arguments)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
 
 
 # -- the ledger ------------------------------------------------------------------------------

@@ -25,6 +25,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -429,8 +430,11 @@ static int Arena_init(ArenaObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (base < 0 || base % granularity) {
-        PyErr_Format(PyExc_ValueError, "base %#llx is not a multiple of granularity %lld",
-                     base, granularity);
+        char hex[40]; /* PyErr_Format has no %#llx */
+        snprintf(hex, sizeof hex, base < 0 ? "-%#llx" : "%#llx",
+                 (unsigned long long)(base < 0 ? -base : base));
+        PyErr_Format(PyExc_ValueError, "base %s is not a multiple of granularity %lld", hex,
+                     granularity);
         return -1;
     }
     if (capacity <= 0 || capacity % granularity || base > INT64_MAX - capacity) {
