@@ -435,3 +435,38 @@ def test_threads_sharing_a_tree_keep_it_whole() -> None:
         assert errors == []
         pool.check()
         assert pool.used == 0 and pool.report().allocations == pool.report().frees
+
+
+def test_the_registry_answers_as_the_dict_it_stands_for() -> None:
+    """Random sets, gets, pops and deletes: the C registry and a dict say the same."""
+    assert native is not None
+    registry, reference = native.Registry(), {}
+    rng = random.Random(3)
+    owners = [object(), object()]
+    for _ in range(5000):
+        key = rng.randrange(0, 300) * 256
+        action = rng.random()
+        if action < 0.4:
+            value = (rng.choice(owners), rng.randrange(1, 1 << 40), rng.choice([None, "a"]),
+                     rng.choice([None, ("f:1",)]))
+            registry[key] = value
+            reference[key] = value
+        elif action < 0.6:
+            assert registry.get(key) == reference.get(key)
+            assert (key in registry) == (key in reference)
+        elif action < 0.8:
+            assert registry.pop(key, None) == reference.pop(key, None)
+        elif key in reference:
+            del registry[key]
+            del reference[key]
+        else:
+            with pytest.raises(KeyError):
+                del registry[key]
+    assert len(registry) == len(reference)
+    assert sorted(registry.items()) == sorted(reference.items())
+    assert sorted(registry) == sorted(reference)
+    assert registry.get("x") is None and registry.get(-1, 7) == 7 and 2**70 not in registry
+    with pytest.raises(TypeError):
+        registry["x"] = (owners[0], 1, None, None)
+    with pytest.raises(TypeError):
+        registry[256] = "not an entry"

@@ -1329,6 +1329,318 @@ static PyTypeObject EventLogType = {
 };
 
 
+
+/* ---------------------------------------------------------------------------------------
+ * Registry: the live blocks of a tree, address -> (owner, aligned bytes, tag, stack), with
+ * the interface of the dict the Python core uses (tuples made when asked for).
+ */
+typedef struct {
+    PyObject *owner, *tag, *stack; /* owner a new reference; tag and stack NULL for None */
+    i64 nbytes;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    i64 *keys; /* address + 1; 0: empty */
+    Entry *entries;
+    Py_ssize_t cap, len;
+} RegistryObject;
+
+static PyTypeObject RegistryType;
+
+static inline Py_ssize_t reg_slot(const RegistryObject *r, i64 key) {
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL;
+    return (Py_ssize_t)(h >> (64 - __builtin_ctzll((uint64_t)r->cap)));
+}
+
+/* The entry of `address`, or NULL. */
+static inline Entry *reg_find(const RegistryObject *r, i64 address) {
+    if (!r->cap || address == INT64_MAX) return NULL;
+    Py_ssize_t j = reg_slot(r, address);
+    while (r->keys[j]) {
+        if (r->keys[j] == address + 1) return &r->entries[j];
+        j = (j + 1) & (r->cap - 1);
+    }
+    return NULL;
+}
+
+static int reg_reserve(RegistryObject *r, Py_ssize_t more) {
+    Py_ssize_t need = r->len + more;
+    if (r->cap && need * 4 < r->cap * 3) return 0;
+    Py_ssize_t cap = r->cap ? r->cap : 64;
+    while (need * 4 >= cap * 3) cap *= 2;
+    i64 *keys = PyMem_Calloc((size_t)cap, sizeof(i64));
+    Entry *entries = PyMem_Malloc((size_t)cap * sizeof(Entry));
+    if (keys == NULL || entries == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(entries);
+        PyErr_NoMemory();
+        return -1;
+    }
+    i64 *old_keys = r->keys;
+    Entry *old_entries = r->entries;
+    Py_ssize_t old_cap = r->cap;
+    r->keys = keys;
+    r->entries = entries;
+    r->cap = cap;
+    for (Py_ssize_t i = 0; i < old_cap; i++) {
+        if (!old_keys[i]) continue;
+        Py_ssize_t j = reg_slot(r, old_keys[i] - 1);
+        while (keys[j]) j = (j + 1) & (cap - 1);
+        keys[j] = old_keys[i];
+        entries[j] = old_entries[i];
+    }
+    PyMem_Free(old_keys);
+    PyMem_Free(old_entries);
+    return 0;
+}
+
+/* Put an entry (reg_reserve first); takes new references; the replaced one's are returned
+ * in *old (to be released by the caller), else old->owner is NULL. */
+static void reg_put(RegistryObject *r, i64 address, PyObject *owner, i64 nbytes, PyObject *tag,
+                    PyObject *stack, Entry *old) {
+    Py_ssize_t j = reg_slot(r, address);
+    old->owner = NULL;
+    while (r->keys[j]) {
+        if (r->keys[j] == address + 1) {
+            *old = r->entries[j];
+            break;
+        }
+        j = (j + 1) & (r->cap - 1);
+    }
+    if (!r->keys[j]) r->len++;
+    Py_INCREF(owner);
+    Py_XINCREF(tag);
+    Py_XINCREF(stack);
+    r->keys[j] = address + 1;
+    r->entries[j] = (Entry){owner, tag, stack, nbytes};
+}
+
+/* Remove `address`; its entry (references now the caller's) in *out; 0 when absent. */
+static int reg_pop(RegistryObject *r, i64 address, Entry *out) {
+    if (!r->cap || address == INT64_MAX) return 0;
+    Py_ssize_t mask = r->cap - 1, j = reg_slot(r, address);
+    while (r->keys[j] != address + 1) {
+        if (!r->keys[j]) return 0;
+        j = (j + 1) & mask;
+    }
+    *out = r->entries[j];
+    Py_ssize_t hole = j;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!r->keys[j]) break;
+        Py_ssize_t home = reg_slot(r, r->keys[j] - 1);
+        if ((j > hole && (home <= hole || home > j)) || (j < hole && (home <= hole && home > j))) {
+            r->keys[hole] = r->keys[j];
+            r->entries[hole] = r->entries[j];
+            hole = j;
+        }
+    }
+    r->keys[hole] = 0;
+    r->len--;
+    return 1;
+}
+
+static void entry_release(Entry *e) {
+    Py_XDECREF(e->owner);
+    Py_XDECREF(e->tag);
+    Py_XDECREF(e->stack);
+}
+
+static PyObject *entry_tuple(const Entry *e) {
+    return Py_BuildValue("(OLOO)", e->owner, e->nbytes, e->tag ? e->tag : Py_None,
+                         e->stack ? e->stack : Py_None);
+}
+
+/* A key as an address; 0 (no error) when it cannot be one. */
+static int reg_key(PyObject *key, i64 *address) {
+    if (!PyLong_Check(key)) return 0;
+    int ok;
+    *address = as_i64(key, &ok);
+    return ok && *address >= 0 && *address != INT64_MAX;
+}
+
+static int Registry_traverse(RegistryObject *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        if (!self->keys[i]) continue;
+        Py_VISIT(self->entries[i].owner);
+        Py_VISIT(self->entries[i].tag);
+        Py_VISIT(self->entries[i].stack);
+    }
+    return 0;
+}
+
+static int Registry_clear(RegistryObject *self) {
+    Py_ssize_t cap = self->cap;
+    i64 *keys = self->keys;
+    Entry *entries = self->entries;
+    self->keys = NULL;
+    self->entries = NULL;
+    self->cap = self->len = 0;
+    for (Py_ssize_t i = 0; i < cap; i++)
+        if (keys[i]) entry_release(&entries[i]);
+    PyMem_Free(keys);
+    PyMem_Free(entries);
+    return 0;
+}
+
+static void Registry_dealloc(RegistryObject *self) {
+    PyObject_GC_UnTrack(self);
+    Registry_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t Registry_len(RegistryObject *self) { return self->len; }
+
+static PyObject *Registry_getitem(RegistryObject *self, PyObject *key) {
+    i64 address;
+    Entry *e = reg_key(key, &address) ? reg_find(self, address) : NULL;
+    if (e == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return entry_tuple(e);
+}
+
+static int Registry_setitem(RegistryObject *self, PyObject *key, PyObject *value) {
+    i64 address;
+    if (!reg_key(key, &address)) {
+        if (value == NULL) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        PyErr_Format(PyExc_TypeError, "a registry's keys are addresses, got %R", key);
+        return -1;
+    }
+    Entry old;
+    if (value == NULL) {
+        if (!reg_pop(self, address, &old)) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        entry_release(&old);
+        return 0;
+    }
+    PyObject *owner, *nbytes, *tag, *stack;
+    if (!PyTuple_Check(value) || !PyArg_ParseTuple(value, "OO!OO", &owner, &PyLong_Type, &nbytes,
+                                                   &tag, &stack)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "a registry's values are (owner, bytes, tag, stack), got %R",
+                     value);
+        return -1;
+    }
+    int ok;
+    i64 n = as_i64(nbytes, &ok);
+    if (!ok) {
+        PyErr_Format(PyExc_OverflowError, "%R bytes do not fit a registry entry", nbytes);
+        return -1;
+    }
+    if (reg_reserve(self, 1) < 0) return -1;
+    reg_put(self, address, owner, n, tag == Py_None ? NULL : tag, stack == Py_None ? NULL : stack,
+            &old);
+    if (old.owner != NULL) entry_release(&old);
+    return 0;
+}
+
+static int Registry_contains(RegistryObject *self, PyObject *key) {
+    i64 address;
+    return reg_key(key, &address) && reg_find(self, address) != NULL;
+}
+
+static PyObject *Registry_get(RegistryObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "get(key, default=None)");
+    i64 address;
+    Entry *e = reg_key(args[0], &address) ? reg_find(self, address) : NULL;
+    if (e != NULL) return entry_tuple(e);
+    PyObject *fallback = nargs == 2 ? args[1] : Py_None;
+    Py_INCREF(fallback);
+    return fallback;
+}
+
+static PyObject *Registry_pop(RegistryObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) return PyErr_Format(PyExc_TypeError, "pop(key[, default])");
+    i64 address;
+    Entry e;
+    if (reg_key(args[0], &address) && reg_pop(self, address, &e)) {
+        PyObject *result = entry_tuple(&e);
+        entry_release(&e);
+        return result;
+    }
+    if (nargs == 2) {
+        Py_INCREF(args[1]);
+        return args[1];
+    }
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+/* kind 0: keys, 1: values, 2: items; a list (a snapshot). */
+static PyObject *reg_list(RegistryObject *self, int kind) {
+    PyObject *list = PyList_New(self->len);
+    if (list == NULL) return NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        if (!self->keys[i]) continue;
+        PyObject *item;
+        if (kind == 0) item = PyLong_FromLongLong(self->keys[i] - 1);
+        else if (kind == 1) item = entry_tuple(&self->entries[i]);
+        else {
+            PyObject *value = entry_tuple(&self->entries[i]);
+            item = value ? Py_BuildValue("(LN)", self->keys[i] - 1, value) : NULL;
+        }
+        if (item == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, n++, item);
+    }
+    return list;
+}
+
+static PyObject *Registry_keys(RegistryObject *self, PyObject *unused) { return reg_list(self, 0); }
+static PyObject *Registry_values(RegistryObject *self, PyObject *unused) { return reg_list(self, 1); }
+static PyObject *Registry_items(RegistryObject *self, PyObject *unused) { return reg_list(self, 2); }
+
+static PyObject *Registry_iter(RegistryObject *self) {
+    PyObject *keys = reg_list(self, 0);
+    if (keys == NULL) return NULL;
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyMethodDef Registry_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))Registry_get, METH_FASTCALL, "get(address, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))Registry_pop, METH_FASTCALL, "pop(address[, default])"},
+    {"keys", (PyCFunction)Registry_keys, METH_NOARGS, "The addresses (a list)."},
+    {"values", (PyCFunction)Registry_values, METH_NOARGS, "The entries (a list)."},
+    {"items", (PyCFunction)Registry_items, METH_NOARGS, "(address, entry) pairs (a list)."},
+    {NULL}};
+
+static PyMappingMethods Registry_mapping = {
+    .mp_length = (lenfunc)Registry_len,
+    .mp_subscript = (binaryfunc)Registry_getitem,
+    .mp_ass_subscript = (objobjargproc)Registry_setitem,
+};
+
+static PySequenceMethods Registry_sequence = {.sq_contains = (objobjproc)Registry_contains};
+
+static PyTypeObject RegistryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpubudget._core._native.Registry",
+    .tp_basicsize = sizeof(RegistryObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A tree's live blocks: address -> (owner, aligned bytes, tag, stack); a dict's "
+              "interface.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)Registry_dealloc,
+    .tp_traverse = (traverseproc)Registry_traverse,
+    .tp_clear = (inquiry)Registry_clear,
+    .tp_methods = Registry_methods,
+    .tp_as_mapping = &Registry_mapping,
+    .tp_as_sequence = &Registry_sequence,
+    .tp_iter = (getiterfunc)Registry_iter,
+};
+
 /* ---------------------------------------------------------------------------------------
  * Router: a callable that calls `here` with its arguments when `current()` == `device`, else
  * `elsewhere`: a framework's per-thread allocator function that serves one device from a
@@ -1496,7 +1808,8 @@ static int stamp(PyObject *node, double *time) {
 
 /* The parts of a tree the fast path uses, when it may take it: 1 yes, 0 leave it to Python. */
 typedef struct {
-    PyObject *tree, *live;
+    PyObject *tree;
+    RegistryObject *live;
     ArenaObject *arena;
     LockObject *lock;
     EventLogObject *events;
@@ -1510,7 +1823,7 @@ static int tree_parts(PyObject *node, Parts *p) {
              *lock = SLOT(tree, at.tree_lock), *recorder = SLOT(tree, at.tree_recorder),
              *root = SLOT(tree, at.tree_root);
     if (arena == NULL || !PyObject_TypeCheck(arena, &ArenaType) || live == NULL ||
-        !PyDict_CheckExact(live) || lock == NULL || Py_TYPE(lock) != &LockType ||
+        Py_TYPE(live) != &RegistryType || lock == NULL || Py_TYPE(lock) != &LockType ||
         recorder == NULL || root == NULL)
         return 0;
     PyObject *events = SLOT(recorder, at.recorder_events), *writer = SLOT(recorder, at.recorder_writer),
@@ -1518,7 +1831,7 @@ static int tree_parts(PyObject *node, Parts *p) {
     if (events == NULL || Py_TYPE(events) != &EventLogType || writer != Py_None ||
         account == NULL || Py_TYPE(account) != &AccountType)
         return 0;
-    *p = (Parts){tree, live, (ArenaObject *)arena, (LockObject *)lock, (EventLogObject *)events,
+    *p = (Parts){tree, (RegistryObject *)live, (ArenaObject *)arena, (LockObject *)lock, (EventLogObject *)events,
                  (AccountObject *)account};
     return 1;
 }
@@ -1588,35 +1901,30 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
     StatsObject *st = (StatsObject *)stats;
     i64 address;
     if (ledger_refusal(acct, nbytes) != NULL || arena_reserve(p.arena) < 0 ||
-        log_reserve(p.events) < 0 || (address = arena_alloc(p.arena, nbytes, granularity)) < 0) {
+        log_reserve(p.events) < 0 || reg_reserve(p.live, 1) < 0 ||
+        (address = arena_alloc(p.arena, nbytes, granularity)) < 0) {
         PyErr_Clear();
         lock_leave(p.lock);
         Py_XDECREF(label);
         goto slow;
     }
-    PyObject *where = PyLong_FromLongLong(address), *charged = PyLong_FromLongLong(nbytes);
-    PyObject *record = where && charged ? PyTuple_Pack(4, node, charged, label ? label : Py_None, Py_None) : NULL;
-    Py_XDECREF(charged);
-    if (record == NULL || PyDict_SetItem(p.live, where, record) < 0) {
-        arena_free(p.arena, address);
+    PyObject *where = PyLong_FromLongLong(address);
+    if (where == NULL || (label != NULL && tag_add(st, label, nbytes) < 0)) {
+        arena_free(p.arena, address); /* undone: the block is as it was */
         goto failed;
     }
-    if (label != NULL && tag_add(st, label, nbytes) < 0) {
-        PyDict_DelItem(p.live, where);
-        arena_free(p.arena, address);
-        goto failed;
-    }
-    Py_DECREF(record);
-    ledger_charge(acct, nbytes); /* nothing below can fail */
+    Entry replaced; /* the commit; nothing below can fail */
+    reg_put(p.live, address, node, nbytes, label, NULL, &replaced);
+    ledger_charge(acct, nbytes);
     st->allocations++;
     if (++st->blocks > st->peak_blocks) st->peak_blocks = st->blocks;
     log_append(p.events, time, KIND_ALLOC, id, nbytes, label, acct->used, p.root->used);
     lock_leave(p.lock);
+    if (replaced.owner != NULL) entry_release(&replaced); /* never: addresses are unique */
     Py_XDECREF(label);
     return where;
 failed:
     lock_leave(p.lock);
-    Py_XDECREF(record);
     Py_XDECREF(where);
     Py_XDECREF(label);
     return NULL;
@@ -1645,19 +1953,16 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (stream != NULL && stream != Py_None &&
         (!PyLong_CheckExact(stream) || SLOT(p.tree, at.tree_ordered) != Py_False))
         goto slow; /* a free on a stream of a device waits for its work: Python's */
-    PyObject *record = PyDict_GetItemWithError(p.live, where);
-    if (record == NULL || !PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 4) {
-        PyErr_Clear();
-        goto slow; /* not a live block: Python counts the invalid free */
-    }
-    PyObject *owner = PyTuple_GET_ITEM(record, 0), *tag = PyTuple_GET_ITEM(record, 2);
+    Entry *entry = reg_find(p.live, address);
+    if (entry == NULL) goto slow; /* not a live block: Python counts the invalid free */
+    PyObject *owner = entry->owner, *tag = entry->tag ? entry->tag : Py_None;
+    i64 nbytes = entry->nbytes;
     PyObject *owner_account = SLOT(owner, at.node_account), *node_account = SLOT(node, at.node_account);
     PyObject *owner_stats = SLOT(owner, at.node_stats), *state = SLOT(owner, at.node_state);
-    i64 nbytes, id, pins, unreleased;
+    i64 id, pins, unreleased;
     if (owner_account == NULL || Py_TYPE(owner_account) != &AccountType || node_account == NULL ||
         owner_stats == NULL || !PyObject_TypeCheck(owner_stats, &StatsType) || state == NULL ||
-        !PyUnicode_Check(state) || !i64_slot(owner, at.node_id, &id) ||
-        !PyLong_CheckExact(PyTuple_GET_ITEM(record, 1)))
+        !PyUnicode_Check(state) || !i64_slot(owner, at.node_id, &id))
         goto slow;
     /* A budget whose scope has ended is released by the free of its last block when nothing
      * else holds it (Python's release_if_unused): that free is Python's. An ended budget
@@ -1666,8 +1971,6 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
         (!i64_slot(owner, at.node_pins, &pins) || !i64_slot(owner, at.node_unreleased, &unreleased) ||
          (((StatsObject *)owner_stats)->blocks <= 1 && !pins && !unreleased)))
         goto slow;
-    nbytes = as_i64(PyTuple_GET_ITEM(record, 1), &ok);
-    if (!ok) goto slow;
     if (owner != node) { /* a descendant's block: node's account is up its chain */
         AccountObject *link = ((AccountObject *)owner_account)->parent;
         while (link != NULL && (PyObject *)link != node_account) link = link->parent;
@@ -1681,13 +1984,13 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
         goto slow;
     }
     StatsObject *st = (StatsObject *)owner_stats;
-    PyObject *entry = NULL, *live_after = NULL; /* the tag's [live, peak], its live bytes after */
+    PyObject *tag_entry = NULL, *live_after = NULL; /* the tag's [live, peak], live bytes after */
     if (tag != Py_None) {
-        entry = PyDict_GetItemWithError(st->tags, tag);
+        tag_entry = PyDict_GetItemWithError(st->tags, tag);
         i64 live;
-        if (entry == NULL || !PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 2 ||
-            !PyLong_CheckExact(PyList_GET_ITEM(entry, 0)) ||
-            (live = as_i64(PyList_GET_ITEM(entry, 0), &ok), !ok) ||
+        if (tag_entry == NULL || !PyList_CheckExact(tag_entry) || PyList_GET_SIZE(tag_entry) != 2 ||
+            !PyLong_CheckExact(PyList_GET_ITEM(tag_entry, 0)) ||
+            (live = as_i64(PyList_GET_ITEM(tag_entry, 0), &ok), !ok) ||
             (live_after = PyLong_FromLongLong(live - nbytes)) == NULL) {
             PyErr_Clear();
             lock_leave(p.lock);
@@ -1700,10 +2003,9 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
         lock_leave(p.lock);
         goto slow;
     }
-    Py_INCREF(record); /* the commit; nothing below can fail */
-    Py_INCREF(tag);
-    if (PyDict_DelItem(p.live, where) < 0) PyErr_Clear();
-    if (entry != NULL) PyList_SetItem(entry, 0, live_after);
+    Entry gone; /* the commit; nothing below can fail */
+    reg_pop(p.live, address, &gone); /* its references released once the lock is left */
+    if (tag_entry != NULL) PyList_SetItem(tag_entry, 0, live_after);
     AccountObject *acct = (AccountObject *)owner_account;
     ledger_charge(acct, -nbytes);
     st->frees++;
@@ -1711,8 +2013,7 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     log_append(p.events, time, KIND_FREE, id, nbytes, tag == Py_None ? NULL : tag, acct->used,
                p.root->used);
     lock_leave(p.lock);
-    Py_DECREF(tag);
-    Py_DECREF(record);
+    entry_release(&gone);
     Py_RETURN_TRUE;
 slow:
     return slow(slow_free, self, args, nargs, kwnames);
@@ -1858,13 +2159,14 @@ PyMODINIT_FUNC PyInit__native(void) {
         (s_exited = PyUnicode_InternFromString("exited")) == NULL)
         return NULL;
     PyTypeObject *types[] = {&ArenaType, &LockType, &AccountType, &StatsType, &EventLogType,
-                             &RouterType};
-    const char *type_names[] = {"Arena", "Lock", "Account", "Stats", "EventLog", "Router"};
-    for (int i = 0; i < 6; i++)
+                             &RouterType, &RegistryType};
+    const char *type_names[] = {"Arena", "Lock", "Account", "Stats", "EventLog", "Router",
+                                "Registry"};
+    for (int i = 0; i < 7; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < 7; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(module, type_names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING, Final, Literal, cast
 
 from .arena import Arena
@@ -84,7 +84,9 @@ class Tree:
         # a growable root's memory: granules mapped as blocks need them (see memory.py)
         self.mapping: Final = reservation if isinstance(reservation, Mapping) else None
         self.arena: Final = Arena(base, capacity, root.align)
-        self.live: Final[dict[int, Live]] = {}
+        # the live-block registry: a dict, or the C core's with a dict's interface
+        self.live: Final[MutableMapping[int, Live]] = (
+            native.Registry() if native is not None else {})
         self.pending: Final = PendingFrees()
         # A backend whose work is always complete (host memory) needs no stream events.
         self.ordered: Final = not getattr(backend, "synchronous", False)
