@@ -36,8 +36,11 @@ typedef long long i64;
  * shift. Keys are stored + 1 so that 0 marks an empty slot.
  */
 typedef struct {
-    i64 *keys;
-    i64 *values;
+    i64 key, value; /* side by side: one probe, one cache line */
+} Slot;
+
+typedef struct {
+    Slot *slots;
     Py_ssize_t cap; /* a power of two, or 0 */
     Py_ssize_t len;
 } Map;
@@ -48,47 +51,41 @@ static inline Py_ssize_t map_slot(const Map *m, i64 key) {
 }
 
 static int map_resize(Map *m, Py_ssize_t cap) {
-    i64 *keys = PyMem_Calloc((size_t)cap, sizeof(i64));
-    i64 *values = PyMem_Malloc((size_t)cap * sizeof(i64));
-    if (keys == NULL || values == NULL) {
-        PyMem_Free(keys);
-        PyMem_Free(values);
+    Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot));
+    if (slots == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     Map old = *m;
-    m->keys = keys;
-    m->values = values;
+    m->slots = slots;
     m->cap = cap;
     for (Py_ssize_t i = 0; i < old.cap; i++) {
-        if (old.keys[i]) {
-            Py_ssize_t j = map_slot(m, old.keys[i] - 1);
-            while (m->keys[j]) j = (j + 1) & (cap - 1);
-            m->keys[j] = old.keys[i];
-            m->values[j] = old.values[i];
+        if (old.slots[i].key) {
+            Py_ssize_t j = map_slot(m, old.slots[i].key - 1);
+            while (slots[j].key) j = (j + 1) & (cap - 1);
+            slots[j] = old.slots[i];
         }
     }
-    PyMem_Free(old.keys);
-    PyMem_Free(old.values);
+    PyMem_Free(old.slots);
     return 0;
 }
 
-/* Room for `more` insertions without growing: called before a change begins, so that an
- * operation cannot fail half done. */
+/* Room for `more` insertions without growing (load at most 1/2): called before a change
+ * begins, so that an operation cannot fail half done. */
 static int map_reserve(Map *m, Py_ssize_t more) {
     Py_ssize_t need = m->len + more;
-    if (m->cap && need * 4 < m->cap * 3) return 0;
+    if (m->cap && need * 2 <= m->cap) return 0;
     Py_ssize_t cap = m->cap ? m->cap : 16;
-    while (need * 4 >= cap * 3) cap *= 2;
+    while (need * 2 > cap) cap *= 2;
     return map_resize(m, cap);
 }
 
 static inline int map_get(const Map *m, i64 key, i64 *value) {
     if (!m->cap) return 0;
     Py_ssize_t j = map_slot(m, key);
-    while (m->keys[j]) {
-        if (m->keys[j] == key + 1) {
-            *value = m->values[j];
+    while (m->slots[j].key) {
+        if (m->slots[j].key == key + 1) {
+            *value = m->slots[j].value;
             return 1;
         }
         j = (j + 1) & (m->cap - 1);
@@ -99,15 +96,14 @@ static inline int map_get(const Map *m, i64 key, i64 *value) {
 /* Insert or replace; map_reserve first. */
 static inline void map_put(Map *m, i64 key, i64 value) {
     Py_ssize_t j = map_slot(m, key);
-    while (m->keys[j]) {
-        if (m->keys[j] == key + 1) {
-            m->values[j] = value;
+    while (m->slots[j].key) {
+        if (m->slots[j].key == key + 1) {
+            m->slots[j].value = value;
             return;
         }
         j = (j + 1) & (m->cap - 1);
     }
-    m->keys[j] = key + 1;
-    m->values[j] = value;
+    m->slots[j] = (Slot){key + 1, value};
     m->len++;
 }
 
@@ -115,33 +111,31 @@ static inline void map_put(Map *m, i64 key, i64 value) {
 static inline int map_pop(Map *m, i64 key, i64 *value) {
     if (!m->cap) return 0;
     Py_ssize_t mask = m->cap - 1, j = map_slot(m, key);
-    while (m->keys[j] != key + 1) {
-        if (!m->keys[j]) return 0;
+    while (m->slots[j].key != key + 1) {
+        if (!m->slots[j].key) return 0;
         j = (j + 1) & mask;
     }
-    *value = m->values[j];
+    *value = m->slots[j].value;
     /* backward shift: move later entries of the run into the hole where they belong */
     Py_ssize_t hole = j;
     for (;;) {
         j = (j + 1) & mask;
-        if (!m->keys[j]) break;
-        Py_ssize_t home = map_slot(m, m->keys[j] - 1);
+        if (!m->slots[j].key) break;
+        Py_ssize_t home = map_slot(m, m->slots[j].key - 1);
         /* the entry at j may move to hole if home is not cyclically in (hole, j] */
         if ((j > hole && (home <= hole || home > j)) || (j < hole && (home <= hole && home > j))) {
-            m->keys[hole] = m->keys[j];
-            m->values[hole] = m->values[j];
+            m->slots[hole] = m->slots[j];
             hole = j;
         }
     }
-    m->keys[hole] = 0;
+    m->slots[hole].key = 0;
     m->len--;
     return 1;
 }
 
 static void map_free(Map *m) {
-    PyMem_Free(m->keys);
-    PyMem_Free(m->values);
-    m->keys = m->values = NULL;
+    PyMem_Free(m->slots);
+    m->slots = NULL;
     m->cap = m->len = 0;
 }
 
@@ -149,8 +143,8 @@ static PyObject *map_to_dict(const Map *m) {
     PyObject *d = PyDict_New();
     if (d == NULL) return NULL;
     for (Py_ssize_t i = 0; i < m->cap; i++) {
-        if (!m->keys[i]) continue;
-        PyObject *k = PyLong_FromLongLong(m->keys[i] - 1), *v = PyLong_FromLongLong(m->values[i]);
+        if (!m->slots[i].key) continue;
+        PyObject *k = PyLong_FromLongLong(m->slots[i].key - 1), *v = PyLong_FromLongLong(m->slots[i].value);
         if (k == NULL || v == NULL || PyDict_SetItem(d, k, v) < 0) {
             Py_XDECREF(k);
             Py_XDECREF(v);
