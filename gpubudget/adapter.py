@@ -1,24 +1,93 @@
-"""What adapters (``tensorrt/``, ``cupy.py``, ``torch.py``, ``ray/``) and tools (``replay/``,
-``cli/``) use of gpubudget besides its public API: one small interface, so that the core
-(``gpubudget._core``) and the other internal modules stay free to change.
+"""What adapters (``tensorrt/``, ``cupy.py``, ``torch.py``, ``routing.py``, ``ray/``) and tools
+(``replay/``, ``cli/``, ``metrics.py``) use of gpubudget besides its public API (``Budget``
+and the names of ``gpubudget``, ``gpubudget.backends``, ``gpubudget.tracefile``,
+``gpubudget.hostledger``): one small interface, so that the core (``gpubudget._core``) and the
+plumbing around it stay free to change. ``tests/test_layers.py`` checks that adapters and
+tools import nothing else.
 
+Callbacks, which a framework calls from C or C++ and which must never raise:
+
+- :func:`callback` marks one (a Ctrl-C that lands inside is deferred);
+- :func:`callback_failed` records what went wrong inside one, on its budget's report (a
+  Ctrl-C is passed on to be raised once control is back in Python), and never raises;
+- :func:`pass_on_interrupt` ends one: a Ctrl-C deferred inside is delivered where it is safe.
+
+Public methods of adapters (a ``with`` block's ``__enter__``/``__exit__``):
+
+- :func:`protect` marks one; :func:`interrupt_due` says, on its way out, whether a Ctrl-C
+  arrived meanwhile and must be raised now (``__enter__`` first undoes what it did).
+
+Devices, threads, contexts:
+
+- :func:`current_device`: the CUDA device current in the calling thread (else 0);
 - :func:`by_device`: a framework's allocator function that serves one device from a budget
-  and passes the others on (in C where the C core runs: CuPy calls it for every array).
+  and passes the others on (in C where the C core runs: CuPy calls it for every array);
+- :func:`separate_roots`: in the current context, root budgets are separate on purpose (a
+  replay's), so entering one in a thread while another is open is not warned about.
 
-``tests/test_layers.py`` checks that adapters and tools import nothing else of the package
-but its public names and this module.
+Usage probes (what an adapter holds of a budget, for its report) are methods of ``Budget``
+itself: ``add_probe``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+from . import interrupts
 from ._core import native
+from .backends import current_device
+from .context import SEPARATE_ROOTS
 
-__all__ = ["by_device"]
+if TYPE_CHECKING:
+    from .budget import Budget
+
+__all__ = ["by_device", "callback", "callback_failed", "current_device", "interrupt_due",
+           "pass_on_interrupt", "protect", "separate_roots"]
 
 R = TypeVar("R")
+
+callback: Final = interrupts.callback
+protect: Final = interrupts.protect
+
+
+def callback_failed(budget: Budget, where: str, exc: BaseException, *,
+                    other_threads: bool = False) -> None:
+    """Inside a callback that caught ``exc``: keep it for ``budget``'s report (a Ctrl-C as
+    a denial with reason ``interrupted``, anything else as an error naming ``where``). A
+    Ctrl-C is raised again once control is back in Python: in this thread at the next
+    public call, or (``other_threads``: a framework's own threads may call) in the main
+    thread. Never raises."""
+    try:
+        if isinstance(exc, KeyboardInterrupt):
+            if other_threads:
+                interrupts.take()
+                interrupts.redeliver()
+            else:
+                interrupts.defer()
+            budget.record_denial(0, "interrupted")
+        else:
+            budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
+    except BaseException:  # noqa: BLE001 - nothing may leave a callback
+        pass
+
+
+def pass_on_interrupt() -> None:
+    """At the end of a callback: a Ctrl-C deferred inside it is delivered where it is safe."""
+    if interrupts.STATE.pending:
+        interrupts.pass_on()
+
+
+def interrupt_due() -> bool:
+    """On the way out of a protected public method: whether a Ctrl-C arrived inside and is
+    to be raised now (the caller undoes what it must, then raises ``KeyboardInterrupt``)."""
+    return interrupts.STATE.pending and interrupts.raise_here()
+
+
+def separate_roots() -> None:
+    """In the current context, root budgets are separate on purpose (a replay's): entering
+    one in a thread while another root is open gives no warning."""
+    SEPARATE_ROOTS.set(True)
 
 
 class _ByDevice:

@@ -48,11 +48,9 @@ import threading
 import weakref
 from typing import Any, ClassVar, Final
 
-from . import interrupts
-from .adapter import by_device
+from .adapter import by_device, callback, callback_failed, pass_on_interrupt
 from .budget import Budget
 from .errors import AllocationDenied
-from .interrupts import STATE
 from .routing import RoutedPool, Routing, target_budget
 from .scope import current_label
 
@@ -87,7 +85,7 @@ class _Block:
         self.nbytes = nbytes
         self.stream = stream
 
-    @interrupts.callback
+    @callback
     def __del__(self) -> None:  # runs inside CuPy's deallocation: never raises
         try:
             if self.pool is not None:
@@ -95,10 +93,8 @@ class _Block:
             if self.budget.free(self.address, stream=self.stream) and self.pool is not None:
                 self.pool.forget(self.address)
         except BaseException as exc:  # noqa: BLE001
-            if isinstance(exc, KeyboardInterrupt):
-                interrupts.defer()
-        if STATE.pending:
-            interrupts.pass_on()
+            callback_failed(self.budget, "cupy free", exc)
+        pass_on_interrupt()
 
 
 class _Pool(RoutedPool):

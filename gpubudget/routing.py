@@ -22,10 +22,9 @@ from abc import ABC, abstractmethod
 from types import TracebackType
 from typing import Any, ClassVar, Generic, TypeVar
 
-from . import interrupts
 from .budget import Budget
 from .errors import BudgetError
-from .interrupts import STATE
+from .adapter import interrupt_due, protect
 from .scope import current_budget
 
 __all__ = ["RoutedPool", "Routing", "target_budget"]
@@ -119,7 +118,7 @@ class Routing(ABC, Generic[P]):
         self._budget = budget
         self._entered: dict[int, list[tuple[P, Any]]] = {}
 
-    @interrupts.protect
+    @protect
     def __enter__(self) -> Budget:
         module = self.framework_module()
         budget = target_budget(self._budget, f"gpubudget.{self.framework}.allocations()")
@@ -133,16 +132,16 @@ class Routing(ABC, Generic[P]):
             raise
         entered = self._entered.setdefault(threading.get_ident(), [])
         entered.append((pool, manager))
-        if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
+        if interrupt_due():  # all or nothing: undo, then raise
             self._leave(None, None, None)
             raise KeyboardInterrupt
         return budget
 
-    @interrupts.protect
+    @protect
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._leave(exc_type, exc, tb)
-        if STATE.pending and interrupts.raise_here():
+        if interrupt_due():
             raise KeyboardInterrupt
 
     def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,

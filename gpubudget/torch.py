@@ -57,7 +57,7 @@ import threading
 import weakref
 from typing import Any, ClassVar, Final
 
-from . import interrupts
+from .adapter import callback, callback_failed, pass_on_interrupt
 from .budget import Budget
 from .errors import AllocationDenied
 from .routing import RoutedPool, Routing
@@ -138,7 +138,7 @@ class _Pool(RoutedPool):
             if not self.retired:
                 self.idle.append(mempool)
 
-    @interrupts.callback
+    @callback
     def _allocate(self, size: int, device: int, stream: int) -> int | None:
         if self.closed:
             return None
@@ -159,10 +159,10 @@ class _Pool(RoutedPool):
             if address is not None and address not in self.segments:
                 self.budget.free(address)  # all or nothing: PyTorch gets no pointer
             address = None
-        interrupts.pass_on()
+        pass_on_interrupt()
         return address
 
-    @interrupts.callback
+    @callback
     def _release(self, address: int, size: int, device: int, stream: int) -> None:
         if self.closed:
             return
@@ -175,17 +175,10 @@ class _Pool(RoutedPool):
                 _forget(self)
         except BaseException as exc:  # noqa: BLE001
             self._failed("free", exc)
-        interrupts.pass_on()
+        pass_on_interrupt()
 
     def _failed(self, where: str, exc: BaseException) -> None:
-        try:
-            if isinstance(exc, KeyboardInterrupt):
-                interrupts.defer()
-                self.budget.record_denial(0, "interrupted")
-            else:
-                self.budget.record_error(f"torch {where}: {type(exc).__name__}: {exc}")
-        except BaseException:  # noqa: BLE001
-            pass
+        callback_failed(self.budget, f"torch {where}", exc)
 
     def usage(self) -> tuple[int, int, int, int]:
         """(bytes charged for segments, bytes of them in live tensors, 0, bytes of library

@@ -75,3 +75,51 @@ def test_no_module_imports_one_below_it() -> None:
             if target != unit and target in rank and rank[target] > rank[unit]:
                 wrong.append(f"{path.relative_to(ROOT)} imports {target}")
     assert wrong == []
+
+
+# Adapters and tools use the package's public names and ``adapter.py``, nothing of its
+# plumbing: not at import, not inside a function, not by ``import gpubudget.x``.
+ADAPTERS_AND_TOOLS = {"tensorrt", "cupy", "torch", "routing", "ray", "replay", "cli", "metrics"}
+PLUMBING = {"_core", "interrupts", "context", "callers", "snapshot", "view", "hooks",
+            "residency", "roots", "arguments"}
+# Who may use the private core: the layer right above it.
+CORE_USERS = {"_core", "budget", "view", "hooks", "snapshot", "residency", "adapter", "hostledger"}
+
+
+def imports_anywhere(path: Path) -> set[str]:
+    """Units of gpubudget that ``path`` imports anywhere: at import, under
+    ``TYPE_CHECKING``, inside functions, by ``from`` or by plain ``import``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found |= _targets(path, node)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "gpubudget" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def test_adapters_and_tools_use_the_interface_not_the_plumbing() -> None:
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        unit = unit_of(path)
+        if unit not in ADAPTERS_AND_TOOLS:
+            continue
+        for target in imports_anywhere(path) & PLUMBING:
+            wrong.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert sorted(wrong) == []
+
+
+def test_only_the_layer_above_the_core_imports_it() -> None:
+    wrong = [f"{path.relative_to(ROOT)}" for path in PACKAGE.rglob("*.py")
+             if unit_of(path) not in CORE_USERS | {"__init__"} and "_core" in imports_anywhere(path)]
+    assert wrong == []
+
+
+def test_the_checker_sees_plain_imports_and_function_bodies(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import gpubudget._core.tree\n"
+                     "def f():\n    from gpubudget.interrupts import STATE\n")
+    assert imports_anywhere(probe) == {"_core", "interrupts"}
