@@ -31,10 +31,9 @@ Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Final, Literal, cast
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
@@ -45,12 +44,13 @@ from .recorder import Recorder
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
+from .locks import new_lock, unlock
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from ..tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "new_lock", "unlock"]
+__all__ = ["Denied", "Live", "Tree", "new_lock", "unlock"]  # the last two from locks.py
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -70,7 +70,8 @@ class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
     __slots__ = ("root", "lock", "backend", "device", "reservation", "mapping", "arena", "live",
-                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit", "fast")
+                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit", "fast",
+                 "closed")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
                  initial: int | None = None) -> None:
@@ -98,6 +99,7 @@ class Tree:
         # Whether Budget.allocate and free may run in C (the C core; see _native.c); False
         # sends every call through the methods below (tests compare the two).
         self.fast = native is not None
+        self.closed: str | None = None  # why no block of it may change any more (close_to)
         _unreleased.add(self)
 
     # -- the three operations --------------------------------------------------------------
@@ -179,7 +181,7 @@ class Tree:
             lock.acquire()
             done = False
             record = self.live.get(address)
-            if stream is None and on_stream is not None:
+            if (stream is None and on_stream is not None) or self.closed is not None:
                 record = None
             if record is None or not (record[0] is node or node.encloses(record[0])):
                 node.stats.invalid_frees += 1
@@ -246,6 +248,9 @@ class Tree:
         """Lock held: the address once resized in place; ``None`` for a request refused
         (recorded); else what moving the block needs."""
         record = self.live.get(address)
+        if self.closed is not None:
+            self._deny_locked(node, 0, 0, None, 0, self.closed, node.name)
+            return None
         if record is None or not (record[0] is node or node.encloses(record[0])):
             self._deny_locked(node, 0, 0, None, 0, "invalid_address", node.name)
             return None
@@ -282,6 +287,13 @@ class Tree:
             return False
         self.arena.resize(address, old)
         return True
+
+    def close_to(self, reason: str) -> None:
+        """From now on no block of this tree changes: frees are refused (counted as invalid),
+        resizes denied with ``reason``; allocations are its nodes' to refuse (their
+        ``refusal``). What a forked child does with the trees it inherited (``forks.py``)."""
+        self.closed = reason
+        self.fast = False  # every call through the methods here, which check ``closed``
 
     def trim(self) -> int:
         """Lock held: unmap the granules of a growable root that no block touches (pending
@@ -422,42 +434,3 @@ class Tree:
                 raise InvariantError("LEDGER", f"budget {node.name!r} used "
                                      f"{node.account.used}, its blocks and children make "
                                      f"{expected}, limit {node.account.limit}")
-
-
-def new_lock() -> threading.RLock:
-    """A re-entrant lock: the C core's (which its fast path takes without calling Python), or
-    ``threading.RLock``; the same methods (``acquire``, ``release``, ``_is_owned``,
-    ``_at_fork_reinit``, ``with``)."""
-    return cast(threading.RLock, native.Lock()) if native is not None else threading.RLock()
-
-
-def unlock(lock: threading.RLock) -> None:
-    """Release ``lock`` if this thread holds it: what an operation's ``except`` does.
-
-    Every method that takes a tree's lock has the same shape::
-
-        try:
-            lock.acquire()
-            ...  # no return, no nested try
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
-
-    An asynchronous exception (a signal handler's, ``PyThreadState_SetAsyncExc``, a trace
-    function's) may land before any instruction. Before ``acquire`` returns, the lock is not
-    held; from then until ``release`` has returned, the ``except`` releases it. No
-    instruction is outside ``try``, as the one between ``lock.acquire()`` and ``try:`` was;
-    nor after the body, as the call of ``__exit__`` after a ``with`` block is (CPython
-    covers it with no handler), nor at a nested ``try:`` (CPython 3.11 leaves its first
-    instruction outside every handler): the locked part has no ``return`` and calls helpers
-    for the rest. ``tests/test_tree.py`` raises at every instruction in turn. The lock is
-    re-entrant so that this can tell whether this thread still holds it, and so that a
-    moving ``resize`` can allocate, copy and free while holding it (nothing else takes it
-    twice).
-    """
-    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")  # CPython's RLock: by me?
-    if is_owned():
-        lock.release()
-
-
