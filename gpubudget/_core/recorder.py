@@ -41,7 +41,8 @@ class Stats:
     """One budget's counters; see ``BudgetReport`` for what each means."""
 
     __slots__ = ("allocations", "frees", "blocks", "peak_blocks", "invalid_frees", "denied",
-                 "largest_denied", "denials", "tags", "errors", "retired")
+                 "largest_denied", "denials", "tags", "errors", "retired", "bytes_allocated",
+                 "bytes_freed")
 
     def __init__(self) -> None:
         self.allocations = 0
@@ -54,8 +55,11 @@ class Stats:
         self.denials: dict[tuple[str, str], list[int]] = {}  # (reason, refused by) -> [n, largest]
         self.tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
         self.errors: deque[str] = deque(maxlen=KEEP_ERRORS)
-        # allocations, frees, denials of released descendants no longer listed as children
-        self.retired = [0, 0, 0]
+        self.bytes_allocated = 0  # aligned bytes ever granted (a resize's growth included)
+        self.bytes_freed = 0  # aligned bytes ever freed (a resize's shrink included)
+        # allocations, frees, denials, bytes allocated and freed of released descendants no
+        # longer listed as children
+        self.retired = [0, 0, 0, 0, 0]
 
     def count_denial(self, nbytes: int, reason: str, refused_by: str) -> None:
         self.denied += 1
@@ -104,6 +108,7 @@ class Recorder:
     def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
                 address: int, nbytes: int, used: int, total: int) -> None:
         stats.allocations += 1
+        stats.bytes_allocated += nbytes
         blocks = stats.blocks = stats.blocks + 1
         if blocks > stats.peak_blocks:
             stats.peak_blocks = blocks
@@ -117,6 +122,7 @@ class Recorder:
     def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
               used: int, total: int) -> None:
         stats.frees += 1
+        stats.bytes_freed += nbytes
         stats.blocks -= 1
         if tag is not None:
             stats.tags[tag][0] -= nbytes
@@ -141,6 +147,10 @@ class Recorder:
             stats.tags[tag][0] -= old
             stats.tag_grew(tag, nbytes)
         kind = "alloc" if nbytes > old else "free"
+        if nbytes > old:
+            stats.bytes_allocated += nbytes - old
+        else:
+            stats.bytes_freed += old - nbytes
         self.events.append((self.clock(), kind, budget, abs(nbytes - old), tag, used, total))
         self.logged += 1
         if self.writer is not None:
