@@ -1,5 +1,5 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
-``ray``, ``top``, ``metrics``.
+``view``, ``export``, ``ray``, ``top``, ``metrics``.
 
 Exit status: 0 done; 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
@@ -99,6 +99,28 @@ def _parser() -> argparse.ArgumentParser:
                             "standard input")
     fit_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
                             metavar="SIZE", help=size_help)
+    view_parser = commands.add_parser(
+        "view", help="an interactive viewer of a trace: one HTML file",
+        description="Write one self-contained HTML page (no network needed to open it): a "
+        "lane per budget with its used bytes, limit and denials, zoom and pan, the blocks "
+        "live at a moment, a block's life, search by tag, and the tree of budgets.")
+    view_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+    view_parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                             help="where to write the page (.html)")
+    view_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                             metavar="SIZE", help=size_help)
+    export_parser = commands.add_parser(
+        "export", help="a trace in another format: --perfetto",
+        description="Convert a trace: --perfetto writes the Trace Event Format (JSON) that "
+        "ui.perfetto.dev and chrome://tracing open: a process per root budget, a thread and "
+        "a counter track per budget, a slice for its life, an instant for each denial.")
+    export_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+    export_parser.add_argument("--perfetto", action="store_true", required=True,
+                               help="write the Trace Event Format (the only format so far)")
+    export_parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                               help="where to write it (.json)")
+    export_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                               metavar="SIZE", help=size_help)
     ray_parser = commands.add_parser(
         "ray", help="the GPU budgets of every budgeted actor of a Ray cluster",
         description="Print the cluster report: node, GPU, actor and budget of every actor "
@@ -172,6 +194,16 @@ def _run(argv: Sequence[str] | None) -> int:
             return 0
         if args.command == "report":
             report_command(args.trace, args.plot, args.json, args.root, args.max_size)
+            return 0
+        if args.command == "view":
+            from .visual import view_command
+
+            view_command(args.trace, args.output, args.max_size)
+            return 0
+        if args.command == "export":
+            from .visual import export_command
+
+            export_command(args.trace, args.output, args.max_size)
             return 0
         if args.command == "ray":
             from ..ray import ray_command
