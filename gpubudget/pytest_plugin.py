@@ -72,7 +72,7 @@ def _options(marker: pytest.Mark, name: str) -> tuple[tuple[Any, ...], dict[str,
                                                        dict[str, Any]]:
     """``gpu_budget``'s arguments, and this plugin's own options, from the marker."""
     kwargs = dict(marker.kwargs)
-    own = {key: kwargs.pop(key) for key in _OWN_OPTIONS if key in kwargs}
+    own: dict[str, Any] = {key: kwargs.pop(key) for key in _OWN_OPTIONS if key in kwargs}
     if own.get("peak") is not None:
         own["peak"] = parse_size(own["peak"], what="gpu_budget marker's peak")
     kwargs.setdefault("name", name)
