@@ -1,7 +1,7 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
 ``view``, ``export``, ``ray``, ``top``, ``metrics``.
 
-Exit status: 0 done; 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow; 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
@@ -99,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                             "standard input")
     fit_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
                             metavar="SIZE", help=size_help)
+    fit_parser.add_argument("--check", metavar="LIMITS",
+                            help="a CI gate: exit 1, with a table, when the traces need more "
+                            "than LIMITS allow (the 'with gpu_budget(...)' code fit prints, "
+                            "or a .toml file), 0 when they fit")
     view_parser = commands.add_parser(
         "view", help="an interactive viewer of a trace: one HTML file",
         description="Write one self-contained HTML page (no network needed to open it): a "
@@ -220,6 +224,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from ..metrics import metrics_command
 
             return metrics_command(args.port, args.address, args.ledger_dir)
+        if args.check is not None:
+            from .gate import check_command
+
+            return check_command(args.check, args.traces, args.max_size)
         return fit_command(args.traces, args.max_size)
     except BrokenPipeError:
         raise
