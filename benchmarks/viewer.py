@@ -39,7 +39,7 @@ def record(path: str, events: int, seed: int = 1) -> None:
         return int(math.exp(rng.uniform(math.log(256), math.log(4 * MiB))))
 
     with gpu_budget("64GiB", name="server", backend=backend, trace=path) as root:
-        children = [gpu_budget("16GiB", name=f"model-{k}") for k in range(3)]
+        children = [gpu_budget("16GiB", name=f"model-{k}", parent=root) for k in range(3)]
         for child in children:
             child.__enter__()
         live: list[tuple[Any, int]] = []
@@ -51,10 +51,10 @@ def record(path: str, events: int, seed: int = 1) -> None:
                 owner.free(block)
                 written += 1
             wanted = size() if rng.random() > 1e-4 else 32 * 1024 * MiB  # now and then too much
-            block = child.allocate(wanted, tag=f"layer{rng.randrange(7)}")
+            granted = child.allocate(wanted, tag=f"layer{rng.randrange(7)}")
             written += 1
-            if block is not None:
-                live.append((child, block))
+            if granted is not None:
+                live.append((child, granted))
         for owner, block in live:
             owner.free(block)
         for child in reversed(children):

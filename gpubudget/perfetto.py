@@ -35,15 +35,21 @@ def _roots(model: ViewModel) -> list[int]:
     return roots
 
 
-def perfetto_events(model: ViewModel) -> Iterator[dict[str, Any]]:
-    """The Trace Event Format events of ``model``: metadata, slices, counters, instants."""
-    roots = _roots(model)
+def _names(model: ViewModel, roots: list[int]) -> list[str]:
+    """Each budget's thread and counter name: its name, ``#2``... for a second of the same
+    name under one root."""
     names: list[str] = []
     seen: dict[tuple[int, str], int] = {}
     for index, budget in enumerate(model.budgets):
         key = (roots[index], budget.name)
         seen[key] = seen.get(key, 0) + 1
         names.append(budget.name if seen[key] == 1 else f"{budget.name} #{seen[key]}")
+    return names
+
+
+def _budget_events(model: ViewModel, roots: list[int],
+                   names: list[str]) -> Iterator[dict[str, Any]]:
+    """Metadata and a slice per budget."""
     for index, budget in enumerate(model.budgets):
         pid, tid = roots[index] + 1, index + 1
         if budget.parent is None:
@@ -60,10 +66,9 @@ def perfetto_events(model: ViewModel) -> Iterator[dict[str, Any]]:
                         "reserve": budget.reserve, "peak": budget.peak,
                         "allocations": budget.allocations, "frees": budget.frees,
                         "denied": budget.denied}}
-    for t, member, used, own in zip(model.point_t, model.point_budget, model.point_used,
-                                    model.point_own):
-        yield {"ph": "C", "name": names[member], "pid": roots[member] + 1, "ts": t * _US,
-               "args": {"used": int(used), "own": int(own)}}
+
+
+def _denial_events(model: ViewModel, roots: list[int]) -> Iterator[dict[str, Any]]:
     for t, member, nbytes, reason, tag in model.denials:
         yield {"ph": "i", "s": "t", "name": f"denied {format_size(nbytes)}", "cat": "denial",
                "pid": roots[member] + 1, "tid": member + 1, "ts": t * _US,
@@ -71,15 +76,43 @@ def perfetto_events(model: ViewModel) -> Iterator[dict[str, Any]]:
                         "tag": model.tags[tag] if tag >= 0 else None}}
 
 
+def perfetto_events(model: ViewModel) -> Iterator[dict[str, Any]]:
+    """The Trace Event Format events of ``model``: metadata, slices, counters, instants
+    (what the files written hold, as dicts)."""
+    roots = _roots(model)
+    names = _names(model, roots)
+    yield from _budget_events(model, roots, names)
+    for t, member, used, own in zip(model.point_t, model.point_budget, model.point_used,
+                                    model.point_own):
+        yield {"ph": "C", "name": names[member], "pid": roots[member] + 1, "ts": t * _US,
+               "args": {"used": int(used), "own": int(own)}}
+    yield from _denial_events(model, roots)
+
+
 def _write(model: ViewModel, path: str | os.PathLike[str]) -> None:
+    roots = _roots(model)
+    names = _names(model, roots)
+    # Counters are most of the file: written from a template, each name quoted once.
+    heads = [f'{{"ph":"C","name":{json.dumps(name)},"pid":{roots[index] + 1},"ts":'
+             for index, name in enumerate(names)]
     with open(path, "w", encoding="utf-8") as out:
         out.write('{"displayTimeUnit": "ms", "otherData": ')
         out.write(json.dumps({"generator": "gpubudget", "source": model.title}))
         out.write(', "traceEvents": [\n')
-        first = True
-        for event in perfetto_events(model):
-            out.write(("" if first else ",\n") + json.dumps(event, separators=(",", ":")))
-            first = False
+        out.write(",\n".join(json.dumps(event, separators=(",", ":"))
+                             for event in _budget_events(model, roots, names)))
+        chunk: list[str] = []
+        for t, member, used, own in zip(model.point_t, model.point_budget, model.point_used,
+                                        model.point_own):
+            chunk.append(f'{heads[member]}{t * _US!r},"args":{{"used":{int(used)},'
+                         f'"own":{int(own)}}}}}')
+            if len(chunk) >= 65536:
+                out.write(",\n" + ",\n".join(chunk))
+                chunk.clear()
+        if chunk:
+            out.write(",\n" + ",\n".join(chunk))
+        for event in _denial_events(model, roots):
+            out.write(",\n" + json.dumps(event, separators=(",", ":")))
         out.write("\n]}\n")
 
 
