@@ -170,3 +170,34 @@ def test_zoom_is_exact_when_close(browser: Any, tmp_path: Path) -> None:
     level = base - used0 / scale * height
     assert pixel(browser, x, level + 2)[2] > 150  # blue just under the level
     assert pixel(browser, x, level - 3)[:3] in ([255, 255, 255], [0, 0, 0])  # blank above
+
+
+def test_a_reports_page_lists_its_live_blocks_with_their_stacks(browser: Any,
+                                                                tmp_path: Path) -> None:
+    from gpubudget import gpu_budget
+
+    def load_weights(budget: Any) -> int:
+        return int(budget.allocate(3 * 2**20, tag="weights"))
+
+    with gpu_budget("64MiB", name="server", backend="host", track_stacks=True) as server:
+        with gpu_budget("16MiB", name="model") as model:
+            weights = load_weights(model)
+            assert model.allocate(32 * 2**20, tag="activations") is None
+            scratch = model.allocate(2**20, tag="scratch")
+            assert scratch is not None and model.free(scratch)
+        page = tmp_path / "report.html"
+        server.report().to_html(page)
+        assert model.free(weights)
+    load(browser, page)
+    assert console_problems(browser) == []
+    viewer = "window.gpubudgetViewer"
+    assert browser.execute_script(f"return {viewer}.drawn") == {"lanes": 2, "denials": 1}
+    assert "from a report" in browser.find_element(By.ID, "note").text
+    browser.find_element(By.CSS_SELECTOR, "#tree [data-budget='1']").click()
+    rows = browser.find_elements(By.CSS_SELECTOR, "#blocks tbody tr")
+    assert len(rows) == 1 and "weights" in rows[0].text and "load_weights" in rows[0].text
+    rows[0].click()
+    life = browser.find_element(By.ID, "life").text
+    assert "allocation time not kept" in life and "still live at the end" in life
+    assert "in load_weights" in life and "test_viewer_browser.py" in life
+    browser.save_screenshot(str(tmp_path / "report-page.png"))

@@ -221,7 +221,7 @@
       life.replaceChildren(
         el("div", {}, formatSize(blocks.size[k]) + " at 0x" + blocks.addr[k].toString(16) + " in " + budgets[blocks.b[k]].name +
           (blocks.tag[k] >= 0 ? ", tag " + raw.tags[blocks.tag[k]] : ", no tag")),
-        el("div", {}, "allocated " + (Number.isNaN(t0) ? "before the report's timeline" : "at " + formatTime(t0, end)) +
+        el("div", {}, (Number.isNaN(t0) ? "allocation time not kept (a report's block)" : "allocated at " + formatTime(t0, end)) +
           ", " + (Number.isNaN(t1) ? "still live at the end" : "freed at " + formatTime(t1, end) +
           (Number.isNaN(t0) ? "" : " (lived " + formatTime(t1 - t0) + ")"))),
         el("pre", {}, st.length ? st.join("\n") : "no stack (track_stacks=True keeps them)"));
