@@ -8,7 +8,8 @@ log-uniform sizes, each step frees a random block and allocates another, a denia
 then) until ``--events`` events are written (default 1,000,000), then times
 ``model_from_trace``, the page, the Perfetto export, and, where Chromium, chromedriver and
 Selenium are at hand, the page in the browser: load (until drawn), a redraw of the whole
-run, a redraw zoomed in 1000 times, and the list of live blocks at a moment. Timings vary
+run, a redraw zoomed in 1000 times, and the list of live blocks at a moment; and
+``report().to_json()`` with and without its timeline after 100,000 allocations. Timings vary
 from machine to machine; compare rows of one run.
 """
 
@@ -67,6 +68,22 @@ def _timed(work: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     result = work()
     return result, time.perf_counter() - start
+
+
+def json_rows(allocations: int = 100_000) -> list[tuple[str, str]]:
+    """``report().to_json()`` with and without the timeline, after ``allocations``
+    allocations and frees (the timeline keeps the last ``EVENT_LOG_LIMIT`` events)."""
+    with gpu_budget("1GiB", name="pool", backend=HostBackend(noreserve=True)) as pool:
+        for _ in range(allocations):
+            block = pool.allocate(4096, tag="t")
+            assert block is not None and pool.free(block)
+        report = pool.report()
+    rows = []
+    for timeline in (False, True):
+        text, seconds = _timed(lambda: report.to_json(timeline=timeline))
+        rows.append((f"to_json(timeline={timeline}) after {allocations:,} allocations",
+                     f"{seconds * 1000:.0f} ms, {format_size(len(text))}"))
+    return rows
 
 
 def browser_rows(page: str) -> list[tuple[str, str]]:
@@ -136,6 +153,7 @@ def main() -> None:
          f"{perfettoed:.1f} s, {format_size(os.path.getsize(exported))}"),
     ]
     rows += browser_rows(page)
+    rows += json_rows()
     width = max(len(name) for name, _ in rows)
     print(f"{'measure':<{width}}  value")
     for name, value in rows:
