@@ -53,6 +53,7 @@ def test_python_limits_that_are_too_small_fail_with_a_table(
     assert lines[2].split() == ["-", "pool/model", "8.00", "MiB", "9.00", "MiB", "+1.00", "MiB",
                                 "over"]
     assert lines[3].split()[:2] == ["pool", "16.00"] and lines[3].endswith("ok")
+    assert lines[4:6] == ["to fit, change:", '  pool/model: "8MiB" -> "9MiB"']
 
 
 def test_the_same_run_passes_when_the_limit_is_raised(

@@ -10,16 +10,17 @@ import re
 import zlib
 from array import array
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.html import model_from_report, model_from_trace, page_html
+from gpubudget.html import ViewModel, model_from_report, model_from_trace, page_html
+from gpubudget.html.model import _TraceState
 from gpubudget.perfetto import perfetto_events, write_perfetto
 from gpubudget.replay import replay
-from gpubudget.tracefile import writer_for
+from gpubudget.tracefile import Alloc, Enter, writer_for
 
 KiB, MiB = 2**10, 2**20
 
@@ -185,3 +186,31 @@ def test_the_perfetto_export_loads_in_the_trace_processor(tmp_path: Path) -> Non
         tp.close()
     assert {"model used", "pool used"} <= counters
     assert {"pool", "reserved", "model", "denied 4.00 MiB"} <= slices
+
+
+class _AllocWithStack(NamedTuple):
+    """An alloc event as a reader that carries stacks yields it (``stack`` last)."""
+
+    t: float
+    budget: int
+    size: int
+    align: int
+    tag: str | None
+    ptr: int | None
+    nbytes: int
+    reason: str | None
+    stack: tuple[str, ...] | None
+
+
+def test_stacks_on_alloc_events_are_interned_frame_by_frame() -> None:
+    model = ViewModel("t", "trace")
+    state = _TraceState(model)
+    state.enter(Enter(0.0, 1, "pool", None, MiB, 256, 0, "host"))
+    outer, inner, other = "app.py:3 in main", "model.py:9 in load", "model.py:12 in warm"
+    for index, stack in enumerate([(outer, inner), (outer, inner), (outer, other), None]):
+        state.alloc(_AllocWithStack(0.1 * index, 1, KiB, 0, None, 4096 * (index + 1), KiB,
+                                    None, stack))  # type: ignore[arg-type]
+    state.alloc(Alloc(0.5, 1, KiB, 0, None, 4096 * 9, KiB, None))  # a reader without stacks
+    assert model.frames == [outer, inner, other]
+    assert model.stacks == [[0, 1], [0, 2]]
+    assert list(model.block_stack) == [0, 0, 1, -1, -1]

@@ -176,6 +176,14 @@ def _needs(paths: Sequence[str], max_bytes: int) -> dict[Path, int]:
     return needs
 
 
+def _literal(nbytes: int) -> str:
+    """``nbytes`` as a limit is written: ``"9MiB"`` when a unit divides it, else bytes."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % factor == 0:
+            return f'"{nbytes // factor}{unit}"'
+    return str(nbytes)
+
+
 def check_command(limits_path: str, traces: Sequence[str], max_bytes: int) -> int:
     """Compare what ``traces`` need with the limits in ``limits_path``; print the table."""
     limits = read_limits(limits_path)
@@ -199,6 +207,11 @@ def check_command(limits_path: str, traces: Sequence[str], max_bytes: int) -> in
         lines.append(f"{'-' if path in over else ' '} {name:<{width}}  "
                      f"{format_size(limits[path]):>10}  {format_size(needs[path]):>10}  "
                      f"{verdict}")
+    if over:
+        lines.append("to fit, change:")
+        for path in sorted(over):
+            lines.append(f"  {printable('/'.join(path))}: {_literal(limits[path])} -> "
+                         f"{_literal(needs[path])}")
     unchecked = [printable("/".join(p)) for p in needs if p not in limits]
     missing = [printable("/".join(p)) for p in limits if p not in needs]
     if over:
