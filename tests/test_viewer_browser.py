@@ -201,3 +201,36 @@ def test_a_reports_page_lists_its_live_blocks_with_their_stacks(browser: Any,
     assert "allocation time not kept" in life and "still live at the end" in life
     assert "in load_weights" in life and "test_viewer_browser.py" in life
     browser.save_screenshot(str(tmp_path / "report-page.png"))
+
+
+def test_many_budgets_a_tree_pick_brings_its_lane_and_zooms_to_its_life(
+        browser: Any, tmp_path: Path) -> None:
+    from gpubudget import gpu_budget
+    from gpubudget.tracefile import writer_for
+
+    trace = tmp_path / "requests.jsonl"
+    for index in range(150):  # 300 budgets: more than the lanes drawn at once
+        with gpu_budget("1MiB", name=f"request-{index}", trace=str(trace)):
+            with gpu_budget("64KiB", name="model") as model:
+                block = model.allocate(1000 * (index + 1) % 60000 + 1, tag="t")
+                assert block is not None and model.free(block)
+    writer_for(trace).flush()
+    model_ = model_from_trace(trace)
+    page = tmp_path / "requests.html"
+    write_page(model_, page)
+    load(browser, page)
+    viewer = "window.gpubudgetViewer"
+    assert browser.execute_script(f"return {viewer}.drawn.lanes") == 200
+    last = len(model_.budgets) - 2  # the last root
+    assert model_.budgets[last].name == "request-149"
+    assert browser.execute_script(f"return {viewer}.laneRow.get({last})") is None
+    row = browser.find_element(By.CSS_SELECTOR, f"#tree [data-budget='{last}']")
+    browser.execute_script("arguments[0].scrollIntoView()", row)
+    row.click()
+    assert browser.execute_script(f"return {viewer}.drawnLanes[0]") == last
+    ActionChains(browser).double_click(row).perform()
+    v0, v1 = browser.execute_script(f"return [{viewer}.state.v0, {viewer}.state.v1]")
+    entered, exited = model_.budgets[last].entered, model_.budgets[last].exited
+    assert exited is not None and v0 <= entered < exited <= v1
+    assert v1 - v0 < (exited - entered) * 1.2 + 2e-6  # its life fills the view
+    assert console_problems(browser) == []

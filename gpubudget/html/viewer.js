@@ -72,8 +72,21 @@
     while (stack.length) { const i = stack.pop(); order.push(i); stack.push(...budgets[i].children.slice().reverse()); }
     const depth = budgets.map(() => 0);
     for (const i of order) if (budgets[i].parent !== null) depth[i] = depth[budgets[i].parent] + 1;
+    // The lanes drawn: the first MAX_LANES budgets; a budget picked in the tree beyond them
+    // brings its part of the order (from its root on) into view.
     const drawnLanes = order.slice(0, MAX_LANES);
     const laneRow = new Map(drawnLanes.map((b, row) => [b, row]));
+    function showLane(i) {
+      if (!laneRow.has(i)) {
+        let root = i; while (budgets[root].parent !== null) root = budgets[root].parent;
+        const from = order.indexOf(root);
+        drawnLanes.splice(0, drawnLanes.length, ...order.slice(from, from + MAX_LANES));
+        if (!drawnLanes.includes(i)) drawnLanes.splice(0, drawnLanes.length, ...order.slice(order.indexOf(i), order.indexOf(i) + MAX_LANES));
+        laneRow.clear(); drawnLanes.forEach((b, row) => laneRow.set(b, row));
+        draw();
+      }
+      document.getElementById("lanes-box").scrollTop = laneRow.get(i) * LANE;
+    }
 
     const state = { v0: 0, v1: end, moment: null, lane: null, block: null, query: "" };
     const canvas = document.getElementById("lanes");
@@ -87,7 +100,7 @@
       ? "from a report: blocks as they were when it was taken; "
       : "") + budgets.length + " budgets, " + points.n.toLocaleString() + " changes, " +
       blocks.n.toLocaleString() + " blocks, " + raw.denials.length + " denials" +
-      (order.length > MAX_LANES ? "; the first " + MAX_LANES + " budgets drawn" : "");
+      (order.length > MAX_LANES ? "; " + MAX_LANES + " budgets drawn at once (pick one in the tree)" : "");
 
     function drawAxis(width) {
       const span = state.v1 - state.v0, [unit, len] = timeUnit(span);
@@ -239,7 +252,11 @@
         row.addEventListener("click", () => {
           state.lane = i; document.querySelectorAll("#tree .selected").forEach(n => n.classList.remove("selected"));
           row.classList.add("selected"); listBlocks();
-          const r = laneRow.get(i); if (r !== undefined) document.getElementById("lanes-box").scrollTop = r * LANE;
+          showLane(i);
+        });
+        row.addEventListener("dblclick", () => {  // zoom to its life
+          const until = b.exited === null ? end : b.exited, margin = Math.max((until - b.entered) * 0.05, 1e-6);
+          state.v0 = Math.max(b.entered - margin, 0); state.v1 = Math.min(until + margin, end * 1.01); draw();
         });
         li.appendChild(row); li.appendChild(el("ul"));
         (b.parent === null ? root : nodes.get(b.parent).lastChild).appendChild(li);
@@ -279,7 +296,7 @@
     });
     window.addEventListener("resize", draw);
 
-    Object.assign(viewer, { budgets, end, state, GUTTER, AXIS, LANE, laneRow, xOf, tOf, draw, zoom, listBlocks, showLife,
+    Object.assign(viewer, { budgets, end, state, GUTTER, AXIS, LANE, laneRow, drawnLanes, xOf, tOf, draw, zoom, listBlocks, showLife, showLane,
       select(t, lane) { state.moment = t; state.lane = lane; draw(); listBlocks(); } });
     buildTree(); draw();
     viewer.ready = true; document.body.dataset.ready = "1";
