@@ -111,15 +111,17 @@ def test_the_demo_trace_loads_draws_and_answers_clicks(browser: Any, tmp_path: P
     assert red > 180 and green < 90 and blue < 90
     browser.save_screenshot(str(tmp_path / "viewer-loaded.png"))
 
-    # A click on the detector's lane at the end: its live blocks then, largest first.
+    # A click on the detector's lane near the end: its live blocks then, largest first.
     detector = [b.name for b in model.budgets].index("detector")
-    moment = model.end * 0.97
+    row_top = browser.execute_script(f"return {viewer}.AXIS + {viewer}.laneRow.get(1) * {viewer}.LANE")
+    click_canvas(browser, browser.execute_script(f"return {viewer}.xOf(arguments[0])",
+                                                 model.end * 0.97), row_top + 30)
+    moment = browser.execute_script(f"return {viewer}.state.moment")  # where the click landed
+    assert abs(moment - model.end * 0.97) < model.end * 0.01
+    assert browser.execute_script(f"return {viewer}.state.lane") == detector
     expected = sorted((int(model.block_size[k]) for k in range(len(model.block_size))
                        if model.block_budget[k] == detector and model.block_start[k] <= moment
                        and not model.block_end[k] <= moment), reverse=True)
-    row_top = browser.execute_script(f"return {viewer}.AXIS + {viewer}.laneRow.get(1) * {viewer}.LANE")
-    click_canvas(browser, browser.execute_script(f"return {viewer}.xOf(arguments[0])", moment),
-                 row_top + 30)
     listed = browser.execute_script(f"return {viewer}.listed")
     assert [int(model.block_size[k]) for k in listed] == expected and expected
     assert all(model.block_budget[k] == detector for k in listed)
