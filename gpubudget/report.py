@@ -7,10 +7,11 @@ a loop over an explicit stack, never a recursion.
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .jsontext import dumps
 from .units import format_size
 
 __all__ = [
@@ -129,6 +130,7 @@ _REASONS = {
     "device_full": "the device had no memory to map for the growth of",
     "internal_error": "internal error in",
 }
+_EVENT_FIELDS: Final = tuple(field.name for field in dataclasses.fields(TimelineEvent))
 _SHOW_BLOCKS: Final = 20
 """Live blocks the text report lists per budget; the rest are counted."""
 TAGS_SHOWN: Final = 20
@@ -250,27 +252,62 @@ class BudgetReport:
             stack.extend(reversed(report.children))
         return tuple(found)
 
-    def as_dict(self) -> dict[str, Any]:
-        """The report as plain dicts, lists, strings and ints (children nested)."""
+    def as_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """The report as plain dicts, lists, strings and ints (children nested); the event
+        log (``"timeline"``: up to ``EVENT_LOG_LIMIT`` events, megabytes) only with
+        ``timeline=True``."""
         made: dict[int, dict[str, Any]] = {}
         for report in reversed(self.walk()):  # children before their parents
             fields: dict[str, Any] = {}
             for field in dataclasses.fields(report):
                 value = getattr(report, field.name)
+                if field.name == "timeline" and not timeline:
+                    continue
                 if field.name == "children":
                     value = [made.pop(id(child)) for child in report.children]
                 elif isinstance(value, Totals):
                     value = dataclasses.asdict(value)
+                elif field.name == "timeline":
+                    value = [{name: getattr(event, name) for name in _EVENT_FIELDS}
+                             for event in value]
                 elif isinstance(value, tuple):
                     value = [_plain(item) for item in value]
                 fields[field.name] = value
             made[id(report)] = fields
         return made[id(self)]
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report as JSON text (what ``json.dumps(report.as_dict(), indent=indent)``
-        gives, for trees of any depth)."""
-        return _dumps(self.as_dict(), indent)
+    def to_json(self, indent: int | None = 2, *, timeline: bool = False) -> str:
+        """The report as JSON text: what ``json.dumps(report.as_dict(timeline=timeline),
+        indent=indent)`` gives, for trees of any depth.
+
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        ...     _ = pool.allocate(4096)
+        >>> "timeline" in pool.report().to_json(), '"kind": "alloc"' in pool.report(
+        ...     ).to_json(timeline=True)
+        (False, True)
+        """
+        return dumps(self.as_dict(timeline=timeline), indent)
+
+    def to_html(self, path: str | os.PathLike[str], *, title: str | None = None) -> None:
+        """Write the interactive viewer of this report (``gpubudget view`` draws the same
+        page from a trace) into ``path``: one self-contained HTML file, no network needed to
+        open it. It draws the timeline this report kept (``EVENT_LOG_LIMIT`` events at most;
+        a trace keeps them all).
+
+        >>> import os, tempfile
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        ...     _ = pool.allocate(4096, tag="weights")
+        >>> path = os.path.join(tempfile.mkdtemp(), "view.html")
+        >>> pool.report().to_html(path)
+        >>> open(path, encoding="utf-8").read(15)
+        '<!DOCTYPE html>'
+        """
+        from .html.model import model_from_report
+        from .html.page import write_page
+
+        write_page(model_from_report(self), path, title=title or self.name)
 
     def __str__(self) -> str:
         lines: list[str] = []
@@ -375,41 +412,3 @@ def _plain(item: Any) -> Any:
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         return dataclasses.asdict(item)
     return item
-
-
-def _dumps(value: Any, indent: int | None) -> str:
-    """``json.dumps(value, indent=indent)`` for plain data, with a loop instead of recursion."""
-    parts: list[str] = []
-    item_separator = "," if indent is not None else ", "
-    frames: list[list[Any]] = []  # [iterator of (key or None, item), closer, level, first]
-
-    def newline(level: int) -> str:
-        return "" if indent is None else "\n" + " " * (indent * level)
-
-    def emit(item: Any, level: int) -> None:
-        if isinstance(item, dict) and item:
-            parts.append("{")
-            frames.append([iter(item.items()), "}", level + 1, True])
-        elif isinstance(item, (list, tuple)) and item:
-            parts.append("[")
-            frames.append([((None, x) for x in item), "]", level + 1, True])
-        else:
-            parts.append(json.dumps(item))
-
-    emit(value, 0)
-    while frames:
-        frame = frames[-1]
-        step = next(frame[0], None)
-        if step is None:
-            frames.pop()
-            parts.append(newline(frame[2] - 1) + frame[1])
-            continue
-        key, item = step
-        if not frame[3]:
-            parts.append(item_separator)
-        frame[3] = False
-        parts.append(newline(frame[2]))
-        if key is not None:
-            parts.append(json.dumps(key) + ": ")
-        emit(item, frame[2])
-    return "".join(parts)

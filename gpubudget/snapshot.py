@@ -83,7 +83,7 @@ def snapshot(node: Node) -> BudgetReport:
 
 
 def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
-    allocations, frees, denied = node.own_counts()
+    allocations, frees, denied, _, _ = node.own_counts()
     return Totals(
         allocations + sum(child.totals.allocations for child in children),
         frees + sum(child.totals.frees for child in children),

@@ -14,6 +14,7 @@ from ._core.ledger import available
 from ._core.node import Node, State
 from .report import BudgetReport
 from .snapshot import snapshot
+from .stats import memory_stats, memory_summary, reset_accumulated_stats
 from .units import format_size
 
 if TYPE_CHECKING:
@@ -162,6 +163,74 @@ class BudgetView:
         ...
         """
         return snapshot(self._node)
+
+    def memory_stats(self) -> dict[str, int]:
+        """This budget's counters, with those of the budgets inside it, as a flat dict in
+        the key style of ``torch.cuda.memory_stats()``.
+
+        ``allocated_bytes.all.current`` and ``.peak`` are :attr:`used` and :attr:`peak`
+        (aligned bytes charged, a child's ``reserve`` included); ``.allocated`` and
+        ``.freed`` the aligned bytes ever allocated and freed (a resize counts its growth
+        or shrink). ``allocation.all.current`` counts live blocks, ``.allocated`` and
+        ``.freed`` allocations and frees. ``num_ooms`` counts denied requests: the
+        allocations PyTorch would have answered with an out-of-memory error. The last four
+        accumulate until :meth:`reset_accumulated_stats`.
+
+        Absent, because nothing here answers them: ``num_alloc_retries`` (a denial is
+        final, there is no cache to flush and retry), ``reserved_bytes.*`` and
+        ``segment.*`` (a root reserves its limit once: :attr:`limit`), ``active_*``,
+        ``inactive_split*``, ``oversize_*`` and ``max_split_size`` (no caching, splitting
+        or streams' pending frees counted apart), ``requested_bytes.*`` (sizes are kept
+        aligned), ``allocation.all.peak`` (the most blocks held at once is kept per budget,
+        not per subtree: ``report().peak_blocks``), and the ``large_pool``/``small_pool``
+        splits (one pool: only ``all``).
+
+        Examples
+        --------
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", backend="host") as pool:
+        ...     block = pool.allocate(1000)
+        ...     _ = pool.free(block)
+        ...     _ = pool.allocate(2**21)
+        ...     stats = pool.memory_stats()
+        >>> stats["allocated_bytes.all.allocated"], stats["allocation.all.freed"]
+        (1024, 1)
+        >>> stats["allocated_bytes.all.current"], stats["num_ooms"]
+        (0, 1)
+        """
+        return memory_stats(self)
+
+    def reset_accumulated_stats(self) -> None:
+        """Start the accumulated counters of :meth:`memory_stats` (bytes allocated and
+        freed, allocations, frees, ``num_ooms``) again from zero, for this budget object
+        (the report keeps counting from entry). :meth:`reset_peak` restarts the peaks.
+
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", backend="host") as pool:
+        ...     block = pool.allocate(1000)
+        ...     pool.reset_accumulated_stats()
+        ...     _ = pool.allocate(4096)
+        ...     stats = pool.memory_stats()
+        >>> stats["allocation.all.allocated"], stats["allocation.all.current"]
+        (1, 2)
+        """
+        reset_accumulated_stats(self)
+
+    def memory_summary(self) -> str:
+        """A table of this budget and every budget inside it, one row each (state, used,
+        peak, limit, allocations, frees, denials, live blocks), parents before children;
+        :meth:`report` gives the details.
+
+        >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        ...     with gpu_budget("64KiB", name="model") as model:
+        ...         _ = model.allocate(4096)
+        ...     print(pool.memory_summary())  # doctest: +NORMALIZE_WHITESPACE
+        budget     state          used       peak      limit   allocs    frees  denied   live
+        pool       open       4.00 KiB   4.00 KiB   1.00 MiB        0        0       0      0
+        └─ model   exited     4.00 KiB   4.00 KiB  64.00 KiB        1        0       0      1
+        """
+        return memory_summary(self.report())
 
     def check(self) -> None:
         """Verify the tree's bookkeeping: the arena's invariants, that its taken blocks are

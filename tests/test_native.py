@@ -325,6 +325,7 @@ class Trees(RuleBasedStateMachine):
                                 node.account.refusals, stats.allocations, stats.frees,
                                 stats.blocks, stats.peak_blocks, stats.invalid_frees,
                                 stats.denied, stats.largest_denied, dict(stats.denials),
+                                stats.bytes_allocated, stats.bytes_freed, list(stats.retired),
                                 {tag: list(entry) for tag, entry in stats.tags.items()}))
             live = {address - base: (ids[side][owner.id], nbytes, tag)
                     for address, (owner, nbytes, tag, _) in tree.live.items()}

@@ -72,3 +72,31 @@ def test_a_report_without_events(tmp_path: Path) -> None:
     path = tmp_path / "idle.png"
     root.report().plot(str(path))
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_time_axis_is_in_a_readable_unit_without_an_offset(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "short.svg"
+    report = report_of("root", "child")  # a run of some microseconds
+    assert report.timeline[-1].time < 0.02
+    plot_report(report, path)
+    text = path.read_text()
+    name = "microseconds" if report.timeline[-1].time < 2e-3 else "milliseconds"
+    assert name in text
+    assert ">seconds<" not in text
+    assert "1e" not in text.replace("1e3", "") and "×10" not in text  # no offset, no exponent
+
+
+def test_the_legend_says_the_peak_the_line_draws_after_reset_peak(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with gpu_budget("64KiB", name="phases") as pool:
+        block = pool.allocate(8 * KiB)
+        assert block is not None and pool.free(block)
+        pool.reset_peak()
+        assert pool.allocate(4 * KiB) is not None
+    path = tmp_path / "phases.svg"
+    plot_report(pool.report(), path)
+    text = path.read_text()
+    assert "highest drawn 8.00 KiB; peak since reset_peak() 4.00 KiB" in text
+    plot_report(report_of("root", "child"), path)  # without a reset: the peak alone
+    assert "highest drawn" not in path.read_text() and "(peak 4.00 KiB)" in path.read_text()

@@ -67,7 +67,8 @@ def test_replay_reproduces_the_run(tmp_path: Path) -> None:
     assert result.denials == {next(b for b, r in result.budgets.items() if r.name == "model"): 1}
     tags = {u.tag: u.peak for u in report.children[0].by_tag}
     assert tags == {"a": MiB, "b": MiB, "c": 2 * MiB}
-    assert replay(read_trace(path)).reports[0].as_dict() == report.as_dict()
+    assert replay(read_trace(path)).reports[0].as_dict(timeline=True) == report.as_dict(
+        timeline=True)
 
 
 def test_replay_keeps_the_recorded_times(tmp_path: Path) -> None:

@@ -1038,7 +1038,8 @@ static PyTypeObject AccountType = {
  */
 typedef struct {
     PyObject_HEAD
-    i64 allocations, frees, blocks, peak_blocks, invalid_frees, denied;
+    i64 allocations, frees, blocks, peak_blocks, invalid_frees, denied, bytes_allocated,
+        bytes_freed;
     PyObject *largest_denied; /* an int: a request may be larger than 64 bits */
     PyObject *denials, *tags, *errors, *retired;
 } StatsObject;
@@ -1049,7 +1050,7 @@ static int Stats_init(StatsObject *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"errors", NULL};
     PyObject *errors;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Stats", names, &errors)) return -1;
-    PyObject *denials = PyDict_New(), *tags = PyDict_New(), *retired = Py_BuildValue("[iii]", 0, 0, 0);
+    PyObject *denials = PyDict_New(), *tags = PyDict_New(), *retired = Py_BuildValue("[iiiii]", 0, 0, 0, 0, 0);
     PyObject *largest = PyLong_FromLong(0);
     if (denials == NULL || tags == NULL || retired == NULL || largest == NULL) {
         Py_XDECREF(largest);
@@ -1097,6 +1098,8 @@ static PyMemberDef Stats_members[] = {
     {"peak_blocks", T_LONGLONG, offsetof(StatsObject, peak_blocks), 0, NULL},
     {"invalid_frees", T_LONGLONG, offsetof(StatsObject, invalid_frees), 0, NULL},
     {"denied", T_LONGLONG, offsetof(StatsObject, denied), 0, NULL},
+    {"bytes_allocated", T_LONGLONG, offsetof(StatsObject, bytes_allocated), 0, NULL},
+    {"bytes_freed", T_LONGLONG, offsetof(StatsObject, bytes_freed), 0, NULL},
     {"largest_denied", T_OBJECT_EX, offsetof(StatsObject, largest_denied), 0, NULL},
     {"denials", T_OBJECT_EX, offsetof(StatsObject, denials), 0, NULL},
     {"tags", T_OBJECT_EX, offsetof(StatsObject, tags), 0, NULL},
@@ -1911,6 +1914,7 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
     reg_put(p.live, address, node, nbytes, label, NULL, &replaced);
     ledger_charge(acct, nbytes);
     st->allocations++;
+    st->bytes_allocated += nbytes;
     if (++st->blocks > st->peak_blocks) st->peak_blocks = st->blocks;
     log_append(p.events, time, KIND_ALLOC, id, nbytes, label, acct->used, p.root->used);
     lock_leave(p.lock);
@@ -2003,6 +2007,7 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     AccountObject *acct = (AccountObject *)owner_account;
     ledger_charge(acct, -nbytes);
     st->frees++;
+    st->bytes_freed += nbytes;
     st->blocks--;
     log_append(p.events, time, KIND_FREE, id, nbytes, tag == Py_None ? NULL : tag, acct->used,
                p.root->used);

@@ -202,12 +202,13 @@ class Node:
         return (self.state == "exited" and not self.stats.blocks and not self.pins
                 and not self.unreleased)
 
-    def own_counts(self) -> tuple[int, int, int]:
-        """Allocations, frees and denials of this budget, with those of descendants it no
-        longer lists."""
-        stats = self.stats
-        return (stats.allocations + stats.retired[0], stats.frees + stats.retired[1],
-                stats.denied + stats.retired[2])
+    def own_counts(self) -> tuple[int, int, int, int, int]:
+        """Allocations, frees, denials, bytes allocated and bytes freed of this budget, with
+        those of descendants it no longer lists."""
+        stats, retired = self.stats, self.stats.retired
+        return (stats.allocations + retired[0], stats.frees + retired[1],
+                stats.denied + retired[2], stats.bytes_allocated + retired[3],
+                stats.bytes_freed + retired[4])
 
     def reset_peaks(self) -> None:
         """Lock held: peaks of this budget and its descendants start again from now."""

@@ -43,7 +43,8 @@ class _Counters:
     """A budget's counters, the storage of :class:`Stats` (in C when the C core runs)."""
 
     __slots__ = ("allocations", "frees", "blocks", "peak_blocks", "invalid_frees", "denied",
-                 "largest_denied", "denials", "tags", "errors", "retired")
+                 "largest_denied", "denials", "tags", "errors", "retired", "bytes_allocated",
+                 "bytes_freed")
 
     def __init__(self, errors: deque[str]) -> None:
         self.allocations = 0
@@ -56,8 +57,11 @@ class _Counters:
         self.denials: dict[tuple[str, str], list[int]] = {}  # (reason, refused by) -> [n, largest]
         self.tags: dict[str, list[int]] = {}  # tag -> [live bytes, peak bytes], own blocks
         self.errors = errors
-        # allocations, frees, denials of released descendants no longer listed as children
-        self.retired = [0, 0, 0]
+        self.bytes_allocated = 0  # aligned bytes ever granted (a resize's growth included)
+        self.bytes_freed = 0  # aligned bytes ever freed (a resize's shrink included)
+        # allocations, frees, denials, bytes allocated and freed of released descendants no
+        # longer listed as children
+        self.retired = [0, 0, 0, 0, 0]
 
 
 if native is not None and not TYPE_CHECKING:
@@ -152,6 +156,7 @@ class Recorder:
     def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
                 address: int, nbytes: int, used: int, total: int) -> None:
         stats.allocations += 1
+        stats.bytes_allocated += nbytes
         blocks = stats.blocks = stats.blocks + 1
         if blocks > stats.peak_blocks:
             stats.peak_blocks = blocks
@@ -164,6 +169,7 @@ class Recorder:
     def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
               used: int, total: int) -> None:
         stats.frees += 1
+        stats.bytes_freed += nbytes
         stats.blocks -= 1
         if tag is not None:
             stats.tags[tag][0] -= nbytes
@@ -186,6 +192,10 @@ class Recorder:
             stats.tags[tag][0] -= old
             stats.tag_grew(tag, nbytes)
         kind = "alloc" if nbytes > old else "free"
+        if nbytes > old:
+            stats.bytes_allocated += nbytes - old
+        else:
+            stats.bytes_freed += old - nbytes
         self.events.append((self.clock(), kind, budget, abs(nbytes - old), tag, used, total))
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)

@@ -1,7 +1,7 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
-``ray``, ``top``, ``metrics``.
+``view``, ``export``, ``ray``, ``top``, ``metrics``.
 
-Exit status: 0 done; 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow; 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
@@ -99,6 +99,32 @@ def _parser() -> argparse.ArgumentParser:
                             "standard input")
     fit_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
                             metavar="SIZE", help=size_help)
+    fit_parser.add_argument("--check", metavar="LIMITS",
+                            help="a CI gate: exit 1, with a table, when the traces need more "
+                            "than LIMITS allow (the 'with gpu_budget(...)' code fit prints, "
+                            "or a .toml file), 0 when they fit")
+    view_parser = commands.add_parser(
+        "view", help="an interactive viewer of a trace: one HTML file",
+        description="Write one self-contained HTML page (no network needed to open it): a "
+        "lane per budget with its used bytes, limit and denials, zoom and pan, the blocks "
+        "live at a moment, a block's life, search by tag, and the tree of budgets.")
+    view_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+    view_parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                             help="where to write the page (.html)")
+    view_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                             metavar="SIZE", help=size_help)
+    export_parser = commands.add_parser(
+        "export", help="a trace in another format: --perfetto",
+        description="Convert a trace: --perfetto writes the Trace Event Format (JSON) that "
+        "ui.perfetto.dev and chrome://tracing open: a process per root budget, a thread and "
+        "a counter track per budget, a slice for its life, an instant for each denial.")
+    export_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+    export_parser.add_argument("--perfetto", action="store_true", required=True,
+                               help="write the Trace Event Format (the only format so far)")
+    export_parser.add_argument("-o", "--output", required=True, metavar="FILE",
+                               help="where to write it (.json)")
+    export_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
+                               metavar="SIZE", help=size_help)
     ray_parser = commands.add_parser(
         "ray", help="the GPU budgets of every budgeted actor of a Ray cluster",
         description="Print the cluster report: node, GPU, actor and budget of every actor "
@@ -173,6 +199,16 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "report":
             report_command(args.trace, args.plot, args.json, args.root, args.max_size)
             return 0
+        if args.command == "view":
+            from .visual import view_command
+
+            view_command(args.trace, args.output, args.max_size)
+            return 0
+        if args.command == "export":
+            from .visual import export_command
+
+            export_command(args.trace, args.output, args.max_size)
+            return 0
         if args.command == "ray":
             from ..ray import ray_command
 
@@ -188,6 +224,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from ..metrics import metrics_command
 
             return metrics_command(args.port, args.address, args.ledger_dir)
+        if args.check is not None:
+            from .gate import check_command
+
+            return check_command(args.check, args.traces, args.max_size)
         return fit_command(args.traces, args.max_size)
     except BrokenPipeError:
         raise

@@ -1,0 +1,166 @@
+"""The viewer and the Perfetto export on a large trace: time, file sizes, and the page's
+load, redraw and click times in headless Chromium.
+
+    python -m benchmarks.viewer [--events N] [--keep DIR]
+
+Records a churn trace through real budgets (one root, three children, 1,000 live blocks of
+log-uniform sizes, each step frees a random block and allocates another, a denial now and
+then) until ``--events`` events are written (default 1,000,000), then times
+``model_from_trace``, the page, the Perfetto export, and, where Chromium, chromedriver and
+Selenium are at hand, the page in the browser: load (until drawn), a redraw of the whole
+run, a redraw zoomed in 1000 times, and the list of live blocks at a moment; and
+``report().to_json()`` with and without its timeline after 100,000 allocations. Timings vary
+from machine to machine; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from gpubudget import gpu_budget
+from gpubudget.backends.host import HostBackend
+from gpubudget.html import model_from_trace, write_page
+from gpubudget.perfetto import write_perfetto
+from gpubudget.tracefile import writer_for
+from gpubudget.units import MiB, format_size
+
+
+def record(path: str, events: int, seed: int = 1) -> None:
+    rng = random.Random(seed)
+    backend = HostBackend(noreserve=True)
+
+    def size() -> int:
+        return int(math.exp(rng.uniform(math.log(256), math.log(4 * MiB))))
+
+    with gpu_budget("64GiB", name="server", backend=backend, trace=path) as root:
+        children = [gpu_budget("16GiB", name=f"model-{k}", parent=root) for k in range(3)]
+        for child in children:
+            child.__enter__()
+        live: list[tuple[Any, int]] = []
+        written = 0
+        while written < events:
+            child = children[rng.randrange(3)]
+            if len(live) >= 1000:
+                owner, block = live.pop(rng.randrange(len(live)))
+                owner.free(block)
+                written += 1
+            wanted = size() if rng.random() > 1e-4 else 32 * 1024 * MiB  # now and then too much
+            granted = child.allocate(wanted, tag=f"layer{rng.randrange(7)}")
+            written += 1
+            if granted is not None:
+                live.append((child, granted))
+        for owner, block in live:
+            owner.free(block)
+        for child in reversed(children):
+            child.__exit__(None, None, None)
+        assert root.used == 0
+    writer_for(path).flush()
+
+
+def _timed(work: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = work()
+    return result, time.perf_counter() - start
+
+
+def json_rows(allocations: int = 100_000) -> list[tuple[str, str]]:
+    """``report().to_json()`` with and without the timeline, after ``allocations``
+    allocations and frees (the timeline keeps the last ``EVENT_LOG_LIMIT`` events)."""
+    with gpu_budget("1GiB", name="pool", backend=HostBackend(noreserve=True)) as pool:
+        for _ in range(allocations):
+            block = pool.allocate(4096, tag="t")
+            assert block is not None and pool.free(block)
+        report = pool.report()
+    rows = []
+    for timeline in (False, True):
+        text, seconds = _timed(lambda: report.to_json(timeline=timeline))
+        rows.append((f"to_json(timeline={timeline}) after {allocations:,} allocations",
+                     f"{seconds * 1000:.0f} ms, {format_size(len(text))}"))
+    return rows
+
+
+def browser_rows(page: str) -> list[tuple[str, str]]:
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        return [("browser", "selenium not installed")]
+    binary = shutil.which("chromium") or shutil.which("google-chrome")
+    driver_path = shutil.which("chromedriver")
+    if binary is None or driver_path is None:
+        return [("browser", "no chromium and chromedriver")]
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    options.binary_location = binary
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    try:
+        start = time.perf_counter()
+        driver.get("file://" + os.path.abspath(page))
+        while not driver.execute_script("return document.body.dataset.ready || ''"):
+            time.sleep(0.02)
+        loaded = time.perf_counter() - start
+        rows = [("browser: load until drawn", f"{loaded:.2f} s")]
+        timing = """
+            const v = window.gpubudgetViewer, s = v.state, end = v.end;
+            const time = f => { const t = performance.now(); f(); return performance.now() - t; };
+            const whole = time(() => { s.v0 = 0; s.v1 = end; v.draw(); });
+            const close = time(() => { s.v0 = end / 2; s.v1 = end / 2 + end / 1000; v.draw(); });
+            const click = time(() => v.select(end / 2, null));
+            return [whole, close, click];
+        """
+        whole, close, click = driver.execute_script(timing)
+        rows += [("browser: redraw, whole run", f"{whole:.0f} ms"),
+                 ("browser: redraw, zoomed 1000x", f"{close:.0f} ms"),
+                 ("browser: live blocks at a moment", f"{click:.0f} ms")]
+        return rows
+    finally:
+        driver.quit()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--keep", metavar="DIR", help="write the files here, and keep them")
+    args = parser.parse_args()
+    folder = args.keep or tempfile.mkdtemp(prefix="gpubudget-viewer-")
+    os.makedirs(folder, exist_ok=True)
+    trace = os.path.join(folder, "churn.jsonl")
+    if os.path.exists(trace):
+        os.unlink(trace)
+    _, recorded = _timed(lambda: record(trace, args.events))
+    model, modelled = _timed(lambda: model_from_trace(trace))
+    page = os.path.join(folder, "churn.html")
+    _, paged = _timed(lambda: write_page(model, page))
+    exported = os.path.join(folder, "churn.perfetto.json")
+    _, perfettoed = _timed(lambda: write_perfetto(trace, exported))
+    rows = [
+        ("events recorded", f"{args.events:,} ({format_size(os.path.getsize(trace))} trace)"),
+        ("points, blocks, denials", f"{len(model.point_t):,}, {len(model.block_budget):,}, "
+                                    f"{len(model.denials):,}"),
+        ("record the trace", f"{recorded:.1f} s"),
+        ("model_from_trace", f"{modelled:.1f} s"),
+        ("write the page", f"{paged:.1f} s, {format_size(os.path.getsize(page))}"),
+        ("export --perfetto (reads the trace again)",
+         f"{perfettoed:.1f} s, {format_size(os.path.getsize(exported))}"),
+    ]
+    rows += browser_rows(page)
+    rows += json_rows()
+    width = max(len(name) for name, _ in rows)
+    print(f"{'measure':<{width}}  value")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    if not args.keep:
+        shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()

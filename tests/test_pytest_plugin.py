@@ -1,0 +1,69 @@
+"""The pytest plugin: a test marked gpu_budget fails when it overspends, passes when the limit
+is raised, and its failure holds the report (run in a separate pytest with pytester)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+_TEST = """
+import pytest
+from gpubudget import current_budget
+
+@pytest.mark.gpu_budget({limit!r}, backend="host", {extra})
+def test_inference():
+    budget = current_budget()
+    assert budget is not None and budget.name == "test_inference"
+    block = budget.allocate("3MiB", tag="activations")
+    assert block is not None, "the allocation was denied"
+    {free}
+"""
+
+
+def _run(pytester: pytest.Pytester, limit: str, extra: str = "",
+         free: str = "budget.free(block)") -> pytest.RunResult:
+    pytester.makepyfile(test_model=_TEST.format(limit=limit, extra=extra, free=free))
+    return pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+
+
+def test_a_test_that_overspends_fails_and_passes_with_a_higher_limit(
+        pytester: pytest.Pytester) -> None:
+    over = _run(pytester, "2MiB")
+    over.assert_outcomes(failed=1)
+    over.stdout.fnmatch_lines(["*the allocation was denied*"])  # its own failure comes first
+    raised = _run(pytester, "4MiB")
+    raised.assert_outcomes(passed=1)
+
+
+def test_a_denial_the_test_tolerates_still_fails_it_with_the_report(
+        pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_model="""
+        import pytest
+        from gpubudget import current_budget
+
+        @pytest.mark.gpu_budget("2MiB", backend="host")
+        def test_falls_back():
+            budget = current_budget()
+            big = budget.allocate("3MiB")
+            small = budget.allocate("1MiB") if big is None else big
+            budget.free(small)
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*gpubudget: 1 request(s) denied (largest 3.00 MiB)*",
+        "test_falls_back [[]host[]] (released): used 0 B of 2.00 MiB, peak 1.00 MiB*",
+        "*denied 1x, over the limit of 'test_falls_back'*"])
+
+
+def test_a_leak_and_a_peak_over_the_limit_fail(pytester: pytest.Pytester) -> None:
+    leak = _run(pytester, "4MiB", free="pass")
+    leak.assert_outcomes(failed=1)
+    leak.stdout.fnmatch_lines(["*1 block(s) still live when the test ended (3.00 MiB)*"])
+    allowed = _run(pytester, "4MiB", extra="leaks=True", free="pass")
+    allowed.assert_outcomes(passed=1)
+    peak = _run(pytester, "4MiB", extra='peak="2MiB"')
+    peak.assert_outcomes(failed=1)
+    peak.stdout.fnmatch_lines(["*peak 3.00 MiB, over the 2.00 MiB allowed*"])
+    _run(pytester, "4MiB", extra='peak="3MiB"').assert_outcomes(passed=1)
