@@ -29,6 +29,7 @@ def _hostile_report() -> FlatReport:
     with gpu_budget("1MiB", name=HOSTILE, backend="host") as root:
         with label(HOSTILE):
             block = root.allocate(1000)
+            assert block is not None
             root.allocate(10 ** 7)  # denied: the refusing budget is named too
         with gpu_budget("64KiB", name=HOSTILE + "-child") as child:
             child.allocate(100_000)

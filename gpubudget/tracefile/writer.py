@@ -1,6 +1,11 @@
 """Writing traces: one typed method per event, buffered and flushed often enough that a
 killed process loses little (see :class:`TraceWriter`); the process's writer for a path
-(:func:`writer_for`, for ``trace=``) and for ``GPUBUDGET_TRACE`` (:func:`writer_from_env`)."""
+(:func:`writer_for`, for ``trace=``) and for ``GPUBUDGET_TRACE`` (:func:`writer_from_env`).
+
+A writer holds its file open only while a root budget that writes to it is open: a program
+that gives each job its own trace holds no descriptor for the jobs that have ended. A later
+root that names the same path appends to the same trace (one header, one clock), as long as
+the file is still the one written (see :func:`~gpubudget.tracefile.files.reopen`)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ import warnings
 from typing import Any, Final
 
 from ..callers import user_stacklevel
-from .files import TraceBusy, open_for_writing, per_process, resolve
+from ..errors import TraceWriteError
+from .files import TraceBusy, file_id, open_for_writing, per_process, reopen, resolve
 from .format import FLUSH_EVERY, FLUSH_SECONDS, FORMAT, MAX_TEXT, VERSION, TraceError, printable
 
 __all__ = ["TraceWriter", "shortened", "writer_for", "writer_from_env"]
@@ -50,12 +56,25 @@ class TraceWriter:
     caller: budgets catch them, stop tracing that tree and say so in its report. In a child
     process made by ``fork``, the parent's writers write nothing (their files are the
     parent's).
+
+    The file is open (and locked) while a root budget that writes to it is open, from its
+    ``enter`` to its ``exit``. Without one, the file is closed (its lock released)
+    and a flush (events of a root's blocks freed after its exit, or at interpreter exit)
+    reopens it, appends and closes it again; :meth:`resume` checks, before a new root, that
+    the file is still the one written.
     """
+
+    __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_closed", "_pending",
+                 "_t0", "_flushed_at")
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._fd = open_for_writing(path)
+        fd = open_for_writing(path)
+        self._fd: int | None = fd
+        self._file = file_id(os.fstat(fd))
+        self._size = 0  # bytes written: what the file holds while it is closed
+        self._roots: set[int] = set()  # root budgets open (entered and not exited)
         self._closed: str | None = None  # why nothing more is written, once closed
         self._pending: list[str] = []
         self._t0 = time.perf_counter()
@@ -69,13 +88,40 @@ class TraceWriter:
         try:
             self._line(header, self._t0)
         except OSError as exc:
-            os.close(self._fd)
-            raise TraceError(f"cannot write trace file {printable(repr(path))}: "
-                             f"{printable(exc.strerror or str(exc))}") from None
+            self._fd = None
+            os.close(fd)
+            raise TraceWriteError(f"cannot write trace file {printable(repr(path))}: "
+                                  f"{printable(exc.strerror or str(exc))}") from None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the writer holds its file open now."""
+        return self._fd is not None
+
+    def resume(self) -> bool:
+        """Before a root budget writes here: ``True`` if the file can be appended to (it is
+        open, or still the file this writer wrote), ``False`` if it was removed or replaced
+        (then this writer is done with). :class:`~gpubudget.errors.TraceWriteError` (a
+        :class:`TraceBusy` if another process writes it) if it cannot be written."""
+        with self._lock:
+            if self._closed is not None:
+                return False
+            if self._fd is None:
+                fd = reopen(self.path, self._file, self._size)
+                if fd is None:
+                    return False
+                self._fd = fd
+                self._close_if_idle()
+            return True
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
         """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
+        if parent is None:
+            with self._lock:
+                if self._closed is None and self._fd is None:  # held while the root is open
+                    self._fd = self._reopened()
+                self._roots.add(budget)
         self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
                               "limit": limit, "align": align, "reserve": reserve,
                               "backend": None if backend is None else shortened(str(backend))})
@@ -105,8 +151,16 @@ class TraceWriter:
                                "bytes": nbytes})
 
     def exit(self, budget: int) -> None:
-        """``budget``'s ``with`` block ended."""
+        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed."""
         self._event("exit", {"b": budget})
+        with self._lock:
+            if budget in self._roots:
+                self._roots.discard(budget)
+                if not self._roots:
+                    try:
+                        self._flush(time.perf_counter())
+                    finally:
+                        self._close_if_idle()
 
     def flush(self) -> None:
         """Hand the buffered lines to the operating system."""
@@ -114,24 +168,28 @@ class TraceWriter:
             self._flush(time.perf_counter())
 
     def close(self) -> None:
-        """Flush, then close the file (which releases its lock)."""
+        """Flush, then close the file (which releases its lock); nothing more is written."""
         with self._lock:
             if self._closed is None:
                 try:
                     self._flush(time.perf_counter())
                 finally:
                     self._closed = f"trace file {self.path!r} is closed"
-                    os.close(self._fd)
+                    self._roots.clear()
+                    self._close_if_idle()
 
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
         self._lock = threading.Lock()  # the parent's may have been held at the fork
         self._pending.clear()
+        self._roots.clear()
         if self._closed is None:
             self._closed = why
+        fd, self._fd = self._fd, None
+        if fd is not None:
             try:
-                os.close(self._fd)  # this process's copy only: the parent keeps its lock
+                os.close(fd)  # this process's copy only: the parent keeps its lock
             except OSError:
                 pass
 
@@ -149,15 +207,39 @@ class TraceWriter:
                 self._flush(now)
 
     def _flush(self, now: float) -> None:
-        """Lock held: write out the buffered lines (all of them, or an ``OSError``)."""
+        """Lock held: write out the buffered lines (all of them, or an ``OSError`` or a
+        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed."""
         if self._closed is not None or not self._pending:
             return
         data = "".join(self._pending).encode("utf-8", "surrogatepass")
         self._pending.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        fd = self._fd
+        if fd is None:
+            fd = self._fd = self._reopened()
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                self._size += written
+                view = view[written:]
+        finally:
+            self._close_if_idle()
         self._flushed_at = now
+
+    def _reopened(self) -> int:
+        """Lock held, the file closed: a descriptor to append to it again, or an error."""
+        fd = reopen(self.path, self._file, self._size)
+        if fd is None:
+            self._closed = (f"trace file {self.path!r} was removed or replaced since this "
+                            f"process wrote it")
+            raise TraceWriteError(self._closed)
+        return fd
+
+    def _close_if_idle(self) -> None:
+        """Lock held: close the file if no root budget writes to it."""
+        if not self._roots and self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 _writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike
@@ -173,18 +255,22 @@ def _key(path: str) -> str:
 
 
 def _writer(path: str) -> TraceWriter:
-    """Lock held: the process's writer for ``path`` ({pid} replaced), opened on first use."""
+    """Lock held: the process's writer for ``path`` ({pid} replaced), opened on first use,
+    and again (a new trace) if the file it wrote was removed or replaced since."""
     key = _key(path)
     writer = _writers.get(key)
-    if writer is None:
+    if writer is None or not writer.resume():
         writer = _writers[key] = TraceWriter(key)
+        with writer._lock:
+            writer._close_if_idle()  # open again at the first flush after a root's entry
     return writer
 
 
 def writer_for(path: str | os.PathLike[str]) -> TraceWriter:
     """The process's writer for ``path`` (``{pid}`` replaced by the process id), opened on
-    first use as :class:`TraceWriter` says: what ``trace=`` uses. :class:`TraceError`, in one
-    line, if the file cannot be written."""
+    first use as :class:`TraceWriter` says: what ``trace=`` uses. A path named again appends
+    to the same trace. :class:`~gpubudget.errors.TraceWriteError` (a :class:`TraceError` and
+    a ``BudgetError``), in one line, if the file cannot be written."""
     with _writers_lock:
         return _writer(resolve(path))
 
@@ -200,6 +286,12 @@ def writer_from_env(value: str, variable: str) -> tuple[TraceWriter | None, str 
     path = resolve(value)
     with _writers_lock:
         found = _from_env.get(path)
+        if isinstance(found, TraceWriter):
+            try:
+                if not found.resume():  # removed or replaced since: a new trace there
+                    found = None
+            except TraceError:  # another process took it meanwhile: as if met first now
+                found = None
         if found is None:
             warning: str | None
             try:
