@@ -9,12 +9,13 @@ looks at.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from . import context
+from . import context, forks  # noqa: F401 - imported for its handler: a forked child's budgets
 from ._core.tree import _unreleased
 from .callers import user_stacklevel
 from .units import format_size
@@ -29,6 +30,7 @@ THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
 ``message`` of a ``warnings.filterwarnings("ignore", message=...)`` that silences it."""
 _open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
 _open_roots_lock: Final = threading.Lock()
+os.register_at_fork(after_in_child=getattr(_open_roots_lock, "_at_fork_reinit"))
 
 
 def opened(root: Budget) -> None:
