@@ -211,6 +211,9 @@ class ClusterReport:
     answered."""
     dead_dropped: int = 0
     """Dead actors forgotten to keep the registry bounded."""
+    note: str | None = None
+    """What the registry says about its state: that it restarted and which actors have not
+    registered again yet; ``None`` when all is as usual."""
 
     @property
     def alive(self) -> tuple[ActorEntry, ...]:
@@ -249,7 +252,8 @@ class ClusterReport:
                 "node_id": device.node_id, "node_ip": device.node_ip, "devices": []})
             node["devices"].append(device.as_dict())
         return {
-            "registry": {"actor": self.registry, "error": self.registry_error},
+            "registry": {"actor": self.registry, "error": self.registry_error,
+                         "note": self.note},
             "alive": len(self.alive),
             "dead": len(self.dead),
             "dead_dropped": self.dead_dropped,
@@ -280,7 +284,9 @@ class ClusterReport:
                  f"{'actor' if alive == 1 else 'actors'} alive, {len(self.dead)} dead"]
         if self.registry_error is not None:
             lines.append(f"registry missing: {printable(self.registry_error)}")
-        elif not self.actors:
+        elif self.note is not None:
+            lines.append(f"note: {printable(self.note)}")
+        if self.registry_error is None and not self.actors:
             lines.append("no budgeted actor has registered")
         node_id = None
         for device in self.devices:
