@@ -15,7 +15,7 @@ import pytest
 
 from gpubudget import BudgetError, TraceError, gpu_budget
 from gpubudget.errors import TraceWriteError
-from gpubudget.tracefile import Enter, Exit, Free, read_trace, writer_for
+from gpubudget.tracefile import Enter, Exit, Free, read_trace, writer, writer_for
 from gpubudget.tracefile.files import TraceBusy
 from tests.helpers import subprocess_env
 
@@ -77,10 +77,13 @@ def test_a_path_named_again_appends_to_the_same_trace(tmp_path: Path) -> None:
                 kept = (pool, block)  # freed after the root's exit: appended later
             else:
                 pool.free(block)
-        assert _fds() == before and not writer_for(path).is_open
+        assert _fds() == before and not writer._writers[writer._key(str(path))].is_open
     assert kept is not None
     kept[0].free(kept[1])
-    writer_for(path).flush()  # opens, appends, closes
+    writer_for(path).flush()  # opens, appends; open until the next root or writer_for()
+    assert _fds() == before + 1
+    with gpu_budget("1MiB", name="other", backend="host", trace=str(tmp_path / "o.jsonl")):
+        pass
     assert _fds() == before
     trace = read_trace(path)
     assert trace.header.pid == os.getpid()
@@ -144,3 +147,23 @@ def test_a_trace_error_at_entry_is_a_budget_error(tmp_path: Path) -> None:
     with pytest.raises(BudgetError) as caught:
         budget.__enter__()
     assert isinstance(caught.value, TraceError) and isinstance(caught.value, ValueError)
+
+
+def test_a_path_named_again_after_hundreds_of_others_is_still_appended_to(tmp_path: Path
+                                                                            ) -> None:
+    first = tmp_path / "first.jsonl"
+    with gpu_budget("1MiB", name="early", backend="host", trace=str(first)):
+        pass
+    for job in range(2 * writer._IDLE_KEPT):  # the writer of `first` is dropped meanwhile
+        with gpu_budget("1MiB", name=f"job{job}", backend="host",
+                        trace=str(tmp_path / f"job{job}.jsonl")):
+            pass
+    assert len(writer._writers) <= 2 * writer._IDLE_KEPT
+    assert writer._key(str(first)) not in writer._writers
+    with gpu_budget("1MiB", name="late", backend="host", trace=str(first)):
+        pass
+    trace = read_trace(first)
+    assert [e.name for e in trace.events if isinstance(e, Enter)] == ["early", "late"]
+    assert first.read_bytes().count(b'"format"') == 1  # one header: the same trace
+    times = [event.t for event in trace.events]
+    assert times == sorted(times)

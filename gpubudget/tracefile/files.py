@@ -80,19 +80,22 @@ def per_process(path: str, pid: int) -> str:
     return f"{stem}.{pid}{suffix}"
 
 
-def open_for_writing(path: str) -> int:
+def open_for_writing(path: str, *, continued: bool = False
+                     ) -> tuple[int, dict[str, object] | None]:
     """A descriptor of the trace file ``path``, locked by this process, empty and at offset
     0, opened as the module docstring says; :class:`~gpubudget.errors.TraceWriteError` (one
-    line) if it cannot be.
+    line) if it cannot be. With ``continued``, a trace that this very process wrote (its
+    header names this process, written since it started) is kept, the descriptor at its
+    end, and its header is returned too (else ``None``): it is written on.
     """
     shown = printable(repr(path))
     fd = _open(path, os.O_RDWR | os.O_CREAT, shown)
     try:
-        _claim(fd, shown)
+        earlier = _claim(fd, shown, continued)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, earlier
 
 
 def reopen(path: str, written: FileId, size: int) -> int | None:
@@ -144,8 +147,9 @@ def _open(path: str, flags: int, shown: str) -> int:
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
 
 
-def _claim(fd: int, shown: str) -> None:
-    """Check the open file, lock it, and empty it if it is an earlier trace of this user's."""
+def _claim(fd: int, shown: str, continued: bool) -> dict[str, object] | None:
+    """Check the open file, lock it, and empty it if it is an earlier trace of this user's;
+    or, ``continued``, keep a trace of this process's and return its header."""
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -162,8 +166,13 @@ def _claim(fd: int, shown: str) -> None:
             writer = _live_writer(header)
             if writer is not None:  # closed between two roots, and still that process's
                 raise _busy(shown, writer) from None
+            if continued and _mine(header):
+                _blocking(fd)
+                os.lseek(fd, 0, os.SEEK_END)
+                return header
             os.ftruncate(fd, 0)  # an earlier trace of ours
         _blocking(fd)
+        return None
     except OSError as exc:
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
 
@@ -190,17 +199,33 @@ def _blocking(fd: int) -> None:
 def _live_writer(header: dict[str, object]) -> int | None:
     """The pid of the process that wrote ``header`` if it is another process that still
     runs, else ``None``. A header without its creation time is not judged (``None``)."""
-    pid, created = header.get("pid"), header.get("created")
-    if type(pid) is not int or pid <= 0 or pid == os.getpid() or not isinstance(created, str):
-        return None
-    try:
-        written = datetime.datetime.fromisoformat(created).timestamp()
-    except (ValueError, OverflowError):
+    pid, written = header.get("pid"), _created(header)
+    if type(pid) is not int or pid <= 0 or pid == os.getpid() or written is None:
         return None
     started = _started(pid)
     if started is None or started > written + _START_SLACK:
         return None  # ended; or its pid now belongs to a process started after the header
     return pid
+
+
+def _mine(header: dict[str, object]) -> bool:
+    """Whether ``header`` was written by this process (not by an earlier one that had its
+    pid): it names this pid and was written since this process started."""
+    created = _created(header)
+    started = _started(os.getpid())
+    return (header.get("pid") == os.getpid() and created is not None and started is not None
+            and created + _START_SLACK >= started)
+
+
+def _created(header: dict[str, object]) -> float | None:
+    """When ``header`` was written (seconds since the epoch), if it says so."""
+    created = header.get("created")
+    if not isinstance(created, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(created).timestamp()
+    except (ValueError, OverflowError):
+        return None
 
 
 def _started(pid: int) -> float | None:

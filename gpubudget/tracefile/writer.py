@@ -2,10 +2,13 @@
 killed process loses little (see :class:`TraceWriter`); the process's writer for a path
 (:func:`writer_for`, for ``trace=``) and for ``GPUBUDGET_TRACE`` (:func:`writer_from_env`).
 
-A writer holds its file open only while a root budget that writes to it is open: a program
-that gives each job its own trace holds no descriptor for the jobs that have ended. A later
-root that names the same path appends to the same trace (one header, one clock), as long as
-the file is still the one written (see :func:`~gpubudget.tracefile.files.reopen`)."""
+A writer holds its file open only while a root budget that writes to it is open (and the
+writer last handed out, for the root about to enter, until the next is): a program that
+gives each job its own trace holds no descriptor for the jobs that have ended. A later root
+that names the same path appends to the same trace (one header, one clock), as long as the
+file is still the one written (see :func:`~gpubudget.tracefile.files.reopen`); the writers
+of the last :data:`_IDLE_KEPT` paths are kept, and a path named after that is written on by
+a new writer, which continues this process's trace there."""
 
 from __future__ import annotations
 
@@ -64,21 +67,27 @@ class TraceWriter:
     the file is still the one written.
     """
 
-    __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_closed", "_pending",
-                 "_t0", "_flushed_at")
+    __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
+                 "_pending", "_t0", "_flushed_at")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
         self._lock = threading.Lock()
-        fd = open_for_writing(path)
+        fd, earlier = open_for_writing(path, continued=continued)
         self._fd: int | None = fd
-        self._file = file_id(os.fstat(fd))
-        self._size = 0  # bytes written: what the file holds while it is closed
+        info = os.fstat(fd)
+        self._file = file_id(info)
+        self._size = info.st_size  # bytes written: what the file holds while it is closed
         self._roots: set[int] = set()  # root budgets open (entered and not exited)
+        self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
         self._pending: list[str] = []
         self._t0 = time.perf_counter()
         self._flushed_at = -math.inf  # so that the header is flushed at once
+        if earlier is not None:  # this process's trace, written on: its clock goes on
+            created = datetime.datetime.fromisoformat(str(earlier["created"])).timestamp()
+            self._t0 -= max(time.time() - created, 0.0)
+            return
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -98,6 +107,14 @@ class TraceWriter:
         """Whether the writer holds its file open now."""
         return self._fd is not None
 
+    @property
+    def idle(self) -> bool:
+        """Whether it holds no file open, has nothing buffered and no root open: a new
+        writer for its path would do as well."""
+        with self._lock:
+            return (self._fd is None and not self._pending and not self._roots
+                    and not self._expected)
+
     def resume(self) -> bool:
         """Before a root budget writes here: ``True`` if the file can be appended to (it is
         open, or still the file this writer wrote), ``False`` if it was removed or replaced
@@ -111,8 +128,15 @@ class TraceWriter:
                 if fd is None:
                     return False
                 self._fd = fd
-                self._close_if_idle()
+            self._expected = True  # left open for the root about to enter (see _writer)
             return True
+
+    def close_if_idle(self) -> None:
+        """Close the file if no root budget writes to it (it is opened again when needed),
+        even if it was handed out for a root that has not entered."""
+        with self._lock:
+            self._expected = False
+            self._close_if_idle()
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
@@ -122,6 +146,7 @@ class TraceWriter:
                 if self._closed is None and self._fd is None:  # held while the root is open
                     self._fd = self._reopened()
                 self._roots.add(budget)
+                self._expected = False
         self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
                               "limit": limit, "align": align, "reserve": reserve,
                               "backend": None if backend is None else shortened(str(backend))})
@@ -176,6 +201,7 @@ class TraceWriter:
                 finally:
                     self._closed = f"trace file {self.path!r} is closed"
                     self._roots.clear()
+                    self._expected = False
                     self._close_if_idle()
 
     def forget(self, why: str) -> None:
@@ -236,13 +262,18 @@ class TraceWriter:
         return fd
 
     def _close_if_idle(self) -> None:
-        """Lock held: close the file if no root budget writes to it."""
-        if not self._roots and self._fd is not None:
+        """Lock held: close the file if no root budget writes to it (or is about to)."""
+        if not self._roots and not self._expected and self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
 
 
-_writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike
+_writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike; LRU
+_handed: list[TraceWriter] = []  # the writer last handed out, open for a root about to enter
+_IDLE_KEPT: Final = 256
+"""Writers kept without an open root (their files closed) for paths named again; beyond
+that the least recently used are dropped, and a path named again after that is written on
+by a new writer (:func:`~gpubudget.tracefile.files.open_for_writing`, ``continued``)."""
 _from_env: dict[str, TraceWriter | str] = {}  # a variable's value: its writer, or why none
 _writers_lock = threading.Lock()
 
@@ -258,12 +289,30 @@ def _writer(path: str) -> TraceWriter:
     """Lock held: the process's writer for ``path`` ({pid} replaced), opened on first use,
     and again (a new trace) if the file it wrote was removed or replaced since."""
     key = _key(path)
-    writer = _writers.get(key)
+    writer = _writers.pop(key, None)  # put back last: the most recently used
     if writer is None or not writer.resume():
-        writer = _writers[key] = TraceWriter(key)
-        with writer._lock:
-            writer._close_if_idle()  # open again at the first flush after a root's entry
+        writer = TraceWriter(key, continued=writer is None)
+    _writers[key] = writer
+    # Its file stays open for the root about to enter; if that root fails to enter, the
+    # next call closes it: at most one descriptor is held for a root that never came.
+    for earlier in _handed:
+        if earlier is not writer:
+            earlier.close_if_idle()
+    _handed[:] = [writer]
+    if len(_writers) > 2 * _IDLE_KEPT:
+        _drop_idle()
     return writer
+
+
+def _drop_idle() -> None:
+    """Lock held: forget the least recently used writers that hold no file open and have
+    nothing buffered, down to :data:`_IDLE_KEPT` writers (once there are twice as many: a
+    pass over them costs little per call)."""
+    for key, writer in list(_writers.items()):
+        if len(_writers) <= _IDLE_KEPT:
+            return
+        if writer.idle:
+            del _writers[key]
 
 
 def writer_for(path: str | os.PathLike[str]) -> TraceWriter:
@@ -333,6 +382,7 @@ def _after_fork() -> None:
         writer.forget(f"{why}: {writer.path!r} is not written here")
     _writers.clear()
     _from_env.clear()
+    _handed.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
