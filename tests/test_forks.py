@@ -25,6 +25,7 @@ def _run(script: str, *args: str, pure: str, timeout: float = 120) -> str:
                           env=subprocess_env(GPUBUDGET_PURE=pure))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr
+    assert "still live at exit" not in done.stderr, done.stderr  # the parent's, not listed
     return done.stdout
 
 
@@ -142,7 +143,7 @@ _USED_IN_CHILD = """
     def entries():
         return [e for e in host_view(nvml=False).entries if e.pid == os.getpid()]
 
-    with gpu_budget("64MiB", name="limited", backend="host") as pool:
+    with gpu_budget("64MiB", name="limited", backend="host", track_stacks=True) as pool:
         block = pool.allocate("1MiB")
         (slot,) = entries()
         read, write = os.pipe()
@@ -164,7 +165,7 @@ _USED_IN_CHILD = """
                 nested = "refused"
             os.write(write, repr((granted, sorted(reasons), nested, pool.used,
                                   pool.report().denied)).encode())
-            os._exit(0)
+            sys.exit(0)  # through the with blocks and the exit handlers, as a program ends
         os.close(write)
         with os.fdopen(read) as pipe:
             answer = pipe.read()
