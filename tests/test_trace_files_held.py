@@ -167,3 +167,26 @@ def test_a_path_named_again_after_hundreds_of_others_is_still_appended_to(tmp_pa
     assert first.read_bytes().count(b'"format"') == 1  # one header: the same trace
     times = [event.t for event in trace.events]
     assert times == sorted(times)
+
+
+_LATE_FREES = textwrap.dedent("""
+    import sys
+    from gpubudget import gpu_budget
+    directory = sys.argv[1]
+    with gpu_budget("1MiB", name="early", backend="host", trace=f"{directory}/a.jsonl") as a:
+        blocks = [a.allocate(1000) for _ in range(2)]
+    for job in range(600):  # a's writer leaves the cache: its root still has blocks
+        with gpu_budget("1MiB", name="job", backend="host", trace=f"{directory}/{job}.jsonl"):
+            pass
+    for block in blocks:
+        a.free(block)  # buffered (within 0.25 s of a flush, perhaps): written at exit
+""")
+
+
+def test_events_of_a_writer_dropped_from_the_cache_are_written_at_exit(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _LATE_FREES, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(GPUBUDGET_LEDGER="0"))
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    kinds = [type(event).__name__ for event in read_trace(tmp_path / "a.jsonl").events]
+    assert kinds == ["Enter", "Alloc", "Alloc", "Exit", "Free", "Free"]

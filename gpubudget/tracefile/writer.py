@@ -20,6 +20,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Final
 
 from ..callers import user_stacklevel
@@ -68,7 +69,7 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_pending", "_t0", "_flushed_at")
+                 "_pending", "_t0", "_flushed_at", "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
@@ -84,6 +85,7 @@ class TraceWriter:
         self._pending: list[str] = []
         self._t0 = time.perf_counter()
         self._flushed_at = -math.inf  # so that the header is flushed at once
+        _every.add(self)  # flushed at exit, forgotten in a forked child, cached or not
         if earlier is not None:  # this process's trace, written on: its clock goes on
             created = datetime.datetime.fromisoformat(str(earlier["created"])).timestamp()
             self._t0 -= max(time.time() - created, 0.0)
@@ -268,6 +270,7 @@ class TraceWriter:
             os.close(fd)
 
 
+_every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
 _writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike; LRU
 _handed: list[TraceWriter] = []  # the writer last handed out, open for a root about to enter
 _IDLE_KEPT: Final = 256
@@ -378,7 +381,7 @@ def _after_fork() -> None:
     global _writers_lock
     _writers_lock = threading.Lock()
     why = f"the trace is written by process {os.getppid()}, from which this one was forked"
-    for writer in _writers.values():
+    for writer in list(_every):
         writer.forget(f"{why}: {writer.path!r} is not written here")
     _writers.clear()
     _from_env.clear()
@@ -391,8 +394,8 @@ os.register_at_fork(after_in_child=_after_fork)
 @atexit.register
 def _close_all() -> None:
     with _writers_lock:
-        for writer in _writers.values():
+        for writer in list(_every):  # dropped from the cache, a writer may still have lines
             try:
                 writer.close()
-            except OSError:  # a full disk at exit: nothing more can be done, quietly
+            except (OSError, TraceError):  # a full disk, a file gone: nothing more can be done
                 pass
