@@ -270,7 +270,8 @@ def test_a_ctrl_c_in_a_callback_is_not_lost_when_the_program_ends_at_once(caller
                                 capture_output=True, text=True, timeout=60,
                                 env=subprocess_env(GPUBUDGET_BACKEND="host"))
         assert result.returncode in (-signal.SIGINT, 130), (result.returncode, result.stderr)
-        assert result.stdout.startswith("callback answered True\n")
+        # raised again in Python code (perhaps inside the print), or delivered at exit
+        assert result.stdout.startswith("callback answered")
         assert "KeyboardInterrupt" in result.stderr
 
 

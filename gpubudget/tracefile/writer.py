@@ -340,8 +340,7 @@ def writer_from_env(value: str, variable: str) -> tuple[TraceWriter | None, str 
         found = _from_env.get(path)
         if isinstance(found, TraceWriter):
             try:
-                if not found.resume():  # removed or replaced since: a new trace there
-                    found = None
+                found = _writer(found.path)  # the same, or a new trace if the file went
             except TraceError:  # another process took it meanwhile: as if met first now
                 found = None
         if found is None:
