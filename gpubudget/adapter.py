@@ -23,7 +23,8 @@ Devices, threads, contexts:
 - :func:`by_device`: a framework's allocator function that serves one device from a budget
   and passes the others on (in C where the C core runs: CuPy calls it for every array);
 - :func:`separate_roots`: in the current context, root budgets are separate on purpose (a
-  replay's), so entering one in a thread while another is open is not warned about.
+  replay's), so entering one in a thread while another is open is not warned about;
+- :func:`holder`: the budget of this process holding the live block at an address.
 
 Usage probes (what an adapter holds of a budget, for its report) are methods of ``Budget``
 itself: ``add_probe``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
@@ -38,12 +39,13 @@ from . import interrupts
 from ._core import native
 from .backends import current_device
 from .context import SEPARATE_ROOTS
+from .roots import holder
 
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["by_device", "callback", "callback_failed", "current_device", "interrupt_due",
-           "pass_on_interrupt", "protect", "separate_roots"]
+__all__ = ["by_device", "callback", "callback_failed", "current_device", "holder",
+           "interrupt_due", "pass_on_interrupt", "protect", "separate_roots"]
 
 R = TypeVar("R")
 

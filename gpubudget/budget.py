@@ -21,6 +21,7 @@ from .arguments import checked
 from .backends import Backend, get_backend
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
+from .forks import FORKED
 from .hooks import AdapterHooks
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
@@ -166,6 +167,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
                                f"budget is single-use, create a new one with gpu_budget(...)")
         chain = context.ACTIVE.get()
         parent = self._parent if self._parent is not None else chain[-1] if chain else None
+        if parent is not None and parent is not self._parent and parent._node.refusal == FORKED:
+            parent = None  # in a forked child, inside an inherited budget: a root of its own
         if parent is None:
             self._open_root()
         else:

@@ -43,14 +43,15 @@ import bisect
 import contextlib
 import importlib
 import math
+import operator
 import sys
 import threading
 import weakref
 from typing import Any, ClassVar, Final
 
-from .adapter import by_device, callback, callback_failed, pass_on_interrupt
+from .adapter import by_device, callback, callback_failed, holder, pass_on_interrupt
 from .budget import Budget
-from .errors import AllocationDenied
+from .errors import AllocationDenied, BudgetError
 from .routing import RoutedPool, Routing, target_budget
 from .scope import current_label
 
@@ -299,13 +300,50 @@ def array_on(address: int, shape: int | tuple[int, ...], dtype: Any = "float32",
 
     The caller keeps the block alive for as long as the array is used; ``owner`` is kept
     referenced by the array's memory object, so an object that frees the block when it dies
-    can be passed here.
+    can be passed here. A block of a budget in host memory is a ``BudgetError`` (CuPy views
+    device memory only), as is an array larger than the block; an address CUDA does not know
+    as device memory is a ``ValueError``; each names the address.
     """
     cp = _cupy()
+    where = operator.index(address)  # TypeError for anything but an integer
     shape_t = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape_t) * cp.dtype(dtype).itemsize
+    _check_viewable(cp, where, nbytes)
     memory = cp.cuda.UnownedMemory(address, nbytes, owner, cp.cuda.runtime.getDevice())
     return cp.ndarray(shape_t, dtype, cp.cuda.MemoryPointer(memory, 0))
+
+
+def _check_viewable(cp: Any, address: int, nbytes: int) -> None:
+    """Raise a clear error when ``nbytes`` at ``address`` are not device memory CuPy can
+    view: a block of a budget in host memory, or larger than its block, or an address CUDA
+    says is not device memory."""
+    what = f"gpubudget.cupy.array_on(): address {address:#x}"
+    budget = holder(address)
+    if budget is not None:
+        if budget.device is None:
+            raise BudgetError(f"{what} is a block of budget {budget.name!r}, which is in host "
+                              f"memory: CuPy views CUDA device memory only; enter the budget "
+                              f"on a CUDA device (backend='pycuda')")
+        size = budget.size_of(address)
+        if nbytes > size:
+            raise BudgetError(f"{what}: the array needs {nbytes} bytes, its block of budget "
+                              f"{budget.name!r} has {size}")
+        return
+    attributes = getattr(cp.cuda.runtime, "pointerGetAttributes", None)
+    if attributes is None:
+        return
+    try:
+        kind = attributes(address).type
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError: CUDA does not know it
+        raise ValueError(f"{what} is not memory CUDA knows ({exc})") from None
+    if kind not in (_CUDA_DEVICE, _CUDA_MANAGED):
+        raise ValueError(f"{what} is not CUDA device memory (host memory: CuPy views device "
+                         f"memory only)")
+
+
+_CUDA_DEVICE: Final = 2
+_CUDA_MANAGED: Final = 3
+"""``cudaMemoryType`` values of device and managed memory (``cudaPointerAttributes.type``)."""
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = "float32", *,

@@ -10,14 +10,16 @@
           │    │                        is active where one is required
           │    ├── AllocationDenied     ``allocate(..., raise_on_denial=True)`` was refused;
           │    │                        says which budget refused, why, and the sizes
-          │    └── LedgerError          (gpubudget.hostledger) the host ledger refused a
-          │                             root's claim (naming who holds the memory) or cannot
-          │                             be used (naming the path and what is wrong)
+          │    ├── LedgerError          (gpubudget.hostledger) the host ledger refused a
+          │    │                        root's claim (naming who holds the memory) or cannot
+          │    │                        be used (naming the path and what is wrong)
+          │    └── TraceWriteError      (also a TraceError) a root's ``trace=`` file cannot
+          │                             be written: entering the root fails
           ├── BudgetNestingError        (also RuntimeError) a budget exited out of order, or
           │                             in a context where it is not active
           ├── BackendError              a backend is unknown or unusable
           ├── TraceError                (also ValueError) a trace file cannot be written
-          │                             (``trace=``: at entry, one line saying why: a link,
+          │                             (a TraceWriteError: one line saying why: a link,
           │                             not a trace of this user's, written by another
           │                             process...) or read (missing, malformed, newer)
           └── InvariantError            (also AssertionError) ``check()`` found bookkeeping
@@ -37,6 +39,7 @@ __all__ = [
     "GpuBudgetError",
     "InvariantError",
     "TraceError",
+    "TraceWriteError",
 ]
 
 
@@ -79,6 +82,16 @@ class BackendError(GpuBudgetError):
 class TraceError(GpuBudgetError, ValueError):
     """A trace file cannot be written (``trace=``) or is missing, unreadable, malformed or of
     a newer version; the message is one line naming the file and what is wrong."""
+
+
+class TraceWriteError(TraceError, BudgetError):
+    """A trace file cannot be written: the root budget that names it (``trace=``) cannot be
+    entered. Both a :class:`TraceError` and a :class:`BudgetError`, so that a program that
+    catches either around ``with gpu_budget(...)`` catches it.
+
+    >>> issubclass(TraceWriteError, BudgetError) and issubclass(TraceWriteError, TraceError)
+    True
+    """
 
 
 class InvariantError(GpuBudgetError, AssertionError):

@@ -13,6 +13,10 @@ delivered where it is safe:
 - an allocator callback (TensorRT, CuPy, PyTorch) cannot raise into its C++ caller: it
   answers as if the request were denied (``None``; frees still complete) and the interrupt
   is raised again in the main thread once control is back in Python (:func:`redeliver`).
+  If the program ends before that (within a millisecond or so), the interrupt is delivered
+  at interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
+  slots freed): "KeyboardInterrupt" on stderr and the process ends by SIGINT, as Python ends
+  on an interrupt nobody caught (a shell sees exit status 130).
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
@@ -24,6 +28,8 @@ handler behaves exactly like Python's default.
 from __future__ import annotations
 
 import _thread
+import atexit
+import os
 import signal
 import sys
 import threading
@@ -48,11 +54,13 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 class _State:
-    __slots__ = ("pending", "installed")
+    __slots__ = ("pending", "installed", "redelivering", "exiting")
 
     def __init__(self) -> None:
         self.pending = False  # an interrupt arrived inside protected code, not yet delivered
         self.installed = False
+        self.redelivering = 0  # interrupts passed on to the main thread, not yet sent to it
+        self.exiting = False  # the interpreter exits: what is passed on is delivered then
 
 
 STATE: Final = _State()
@@ -60,6 +68,7 @@ _PROTECTED: Final[set[CodeType]] = set()
 _CALLBACKS: Final[set[CodeType]] = set()
 _POLL_SECONDS: Final = 0.001
 _POLLS: Final = 10_000  # give up waiting after about 10 s: deliver anyway
+_delivery: Final = threading.Lock()  # the helper thread's sending, or the exit's, not both
 
 
 def protect(function: F) -> F:
@@ -144,25 +153,72 @@ def redeliver() -> None:
     handler raises ``KeyboardInterrupt`` there, or defers it again if the main thread is
     back in a callback by then, which then passes it on again.
     """
+    with _delivery:
+        STATE.redelivering += 1  # delivered at exit if the helper thread cannot
     try:
         threading.Thread(target=_interrupt_main_when_out, name="gpubudget-interrupt",
                          daemon=True).start()
-    except RuntimeError:  # interpreter shutting down: nothing left to interrupt
+    except RuntimeError:  # interpreter shutting down: the exit handler delivers it
         pass
 
 
 def _interrupt_main_when_out() -> None:
     main = threading.main_thread().ident
-    if main is None:
-        return
     for _ in range(_POLLS):
-        frame = sys._current_frames().get(main)
-        if frame is None:
-            return  # the main thread is gone
+        frame = sys._current_frames().get(main) if main is not None else None
+        if frame is None or STATE.exiting:
+            return  # the main thread's program has ended: delivered at exit
         if not _within(frame, _PROTECTED):
             break
         time.sleep(_POLL_SECONDS)
-    if hasattr(signal, "pthread_kill"):
-        signal.pthread_kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C does
-    else:  # pragma: no cover - Windows
-        _thread.interrupt_main()
+    with _delivery:
+        if STATE.exiting or not STATE.redelivering:
+            return
+        STATE.redelivering -= 1
+        if hasattr(signal, "pthread_kill") and main is not None:
+            signal.pthread_kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C
+        else:  # pragma: no cover - Windows
+            _thread.interrupt_main()
+
+
+def _deliver_at_exit() -> None:
+    """Interpreter exit: an interrupt passed on to the main thread and not yet sent (the
+    program ended first) ends the process by SIGINT, as an uncaught ``KeyboardInterrupt``
+    does. Registered when this module is imported, before gpubudget's other exit handlers,
+    so it runs after them (``atexit`` runs the last registered first)."""
+    with _delivery:
+        STATE.exiting = True
+        due = STATE.redelivering
+    if not due or os.getpid() != _PID:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    try:
+        sys.stderr.write("KeyboardInterrupt\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except (ValueError, OSError):  # pragma: no cover - not the main thread, or no signals
+        pass
+    os._exit(130)  # pragma: no cover - SIGINT blocked: the same status a shell would show
+
+
+def _forked() -> None:
+    """In a forked child: the parent's interrupts are the parent's."""
+    global _PID
+    _PID = os.getpid()
+    STATE.redelivering = 0
+    STATE.exiting = False
+    STATE.pending = False
+    getattr(_delivery, "_at_fork_reinit")()
+
+
+_PID = os.getpid()
+atexit.register(_deliver_at_exit)
+os.register_at_fork(after_in_child=_forked)

@@ -124,6 +124,7 @@ _REASONS = {
     "invalid_address": "resize of a block it does not hold, asked of",
     "inactive": "not entered yet:",
     "released": "already released:",
+    "forked": "inherited from the process this one was forked from:",
     "interrupted": "interrupted (Ctrl-C) in",
     "wrong_device": "another CUDA device was current, asked of",
     "asleep": "asleep (offloaded; restore() first), asked of",

@@ -1,4 +1,5 @@
-"""The root budgets open in this process, and the thread-pool trap they let us see.
+"""The root budgets open in this process, the thread-pool trap they let us see, and the
+budget that holds a block (:func:`holder`).
 
 A new thread starts with no active budget, so a plain ``gpu_budget(...)`` there is a new root
 with a reservation of its own, not a share of the pool the program opened elsewhere.
@@ -8,31 +9,52 @@ looks at.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from . import context
+from . import context, forks  # noqa: F401 - imported for its handler: a forked child's budgets
+from ._core.tree import _unreleased
 from .callers import user_stacklevel
 from .units import format_size
 
 if TYPE_CHECKING:
     from .budget import Budget  # only named: budget.py imports this module
 
-__all__ = ["THREAD_ROOT", "opened", "warn_if_thread_trap"]
+__all__ = ["THREAD_ROOT", "holder", "opened", "warn_if_thread_trap"]
 
 THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
 """How the warning about a root entered in a thread while another is open begins: the
 ``message`` of a ``warnings.filterwarnings("ignore", message=...)`` that silences it."""
 _open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
 _open_roots_lock: Final = threading.Lock()
+os.register_at_fork(after_in_child=getattr(_open_roots_lock, "_at_fork_reinit"))
 
 
 def opened(root: Budget) -> None:
     """``root`` was entered as a root budget."""
     with _open_roots_lock:
         _open_roots.add(root)
+
+
+def holder(address: int) -> Budget | None:
+    """The budget of this process that holds the live block at ``address``, if any (a live
+    block's root has not released, so every tree that may hold it is looked at).
+
+    >>> from gpubudget import gpu_budget
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     block = pool.allocate(100)
+    ...     (holder(block).name, holder(block + 1), pool.free(block))
+    ('pool', None, True)
+    """
+    for tree in list(_unreleased):
+        record = tree.owner(address)
+        if record is not None:
+            found: Budget = record[0].budget
+            return found
+    return None
 
 
 def warn_if_thread_trap(root: Budget) -> None:

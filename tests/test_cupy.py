@@ -193,3 +193,43 @@ def test_cached_fft_plans_are_charged_shown_and_dropped_when_the_budget_ends(
         gbc.release_cached()
         assert spectra.report().state == "released" and pool.used == 0
         consistent(pool)
+
+
+def test_array_on_a_host_block_or_past_its_block_is_a_clear_error(cp: Any) -> None:
+    cp.dtype = lambda dtype: types.SimpleNamespace(itemsize=4)
+    cp.ndarray = lambda shape, dtype, memptr: types.SimpleNamespace(data=memptr, shape=shape)
+    with gpu_budget("1MiB", name="host-pool", backend="host") as pool:
+        block = pool.allocate(4096)
+        assert block is not None
+        with pytest.raises(BudgetError, match=rf"address {block:#x} is a block of budget "
+                                              r"'host-pool', which is in host memory"):
+            gbc.array_on(block, 1024)
+        pool.free(block)
+    with gpu_budget("1MiB", name="gpu-pool", backend=DeviceHostBackend(0)) as pool:
+        block = pool.allocate(4096)
+        assert block is not None
+        assert gbc.array_on(block, 1024).shape == (1024,)  # a device block: viewed
+        with pytest.raises(BudgetError, match="needs 8192 bytes, its block of budget "
+                                              "'gpu-pool' has 4096"):
+            gbc.array_on(block, 2048)
+        pool.free(block)
+    with pytest.raises(TypeError):
+        gbc.array_on("0x1000", 4)  # type: ignore[arg-type]
+
+
+def test_array_on_an_address_cuda_says_is_host_memory_is_a_value_error(cp: Any) -> None:
+    cp.dtype = lambda dtype: types.SimpleNamespace(itemsize=4)
+    kinds = {0x1000: 0, 0x2000: 2}  # unregistered host memory; device memory
+
+    def attributes(address: int) -> Any:
+        if address not in kinds:
+            raise RuntimeError("cudaErrorInvalidValue: invalid argument")
+        return types.SimpleNamespace(type=kinds[address])
+
+    cp.cuda.runtime.pointerGetAttributes = attributes
+    cp.ndarray = lambda shape, dtype, memptr: types.SimpleNamespace(data=memptr, shape=shape)
+    with pytest.raises(ValueError, match="address 0x1000 is not CUDA device memory"):
+        gbc.array_on(0x1000, 4)
+    with pytest.raises(ValueError, match="address 0x3000 is not memory CUDA knows"):
+        gbc.array_on(0x3000, 4)
+    assert gbc.array_on(0x2000, 4).shape == (4,)

@@ -82,10 +82,10 @@ def test_no_module_imports_one_below_it() -> None:
 ADAPTERS_AND_TOOLS = {"tensorrt", "cupy", "torch", "routing", "ray", "replay", "cli", "metrics",
                       "html", "perfetto", "pytest_plugin", "plot"}
 PLUMBING = {"_core", "interrupts", "context", "callers", "snapshot", "view", "hooks",
-            "residency", "roots", "arguments"}
+            "residency", "roots", "arguments", "forks", "stats"}
 # Who may use the private core: the layer right above it.
 CORE_USERS = {"_core", "budget", "view", "hooks", "snapshot", "residency", "adapter", "hostledger",
-              "stats"}
+              "stats", "roots", "forks"}
 
 
 def imports_anywhere(path: Path) -> set[str]:

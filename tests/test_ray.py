@@ -44,7 +44,7 @@ from gpubudget.ray import (
 from gpubudget.ray import actor as ray_actor
 from gpubudget.ray import methods
 from gpubudget.ray.placement import cuda_ordinal, derived_limit, gpu_share, open_device
-from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, RegistryBook
+from gpubudget.ray.registry import REGISTRY_NAME, REGISTRY_NAMESPACE, Registry, RegistryBook
 from gpubudget.units import GiB, MiB
 from tests.helpers import subprocess_env
 
@@ -348,7 +348,8 @@ def test_cluster_report_groups_by_node_and_gpu_and_warns_of_overcommitted_gpus()
     assert report.to_json() == json.dumps(report.as_dict(), indent=2)  # built another way
     assert report.to_json(indent=None) == json.dumps(report.as_dict())
     data = json.loads(report.to_json())
-    assert data["registry"] == {"actor": "gpubudget/gpubudget-registry", "error": None}
+    assert data["registry"] == {"actor": "gpubudget/gpubudget-registry", "error": None,
+                                "note": None}
     (node,) = data["nodes"]
     assert [d["gpu_id"] for d in node["devices"]] == ["0", "1"]
     assert [a["actor_id"][0] for a in node["devices"][0]["actors"]] == ["a", "b"]
@@ -405,6 +406,85 @@ def test_registry_book_keeps_a_bounded_number_of_dead_actors() -> None:
     fresh = {entry.info.actor_id[0]: (entry.state, entry.fresh)
              for entry in book.entries(generation)}
     assert fresh == {"b": ("dead", False), "c": ("dead", False), "d": ("alive", True)}
+
+
+class _Store:
+    """A key-value store that outlives the registry, as Ray's does."""
+
+    def __init__(self) -> None:
+        self.data: bytes | None = None
+        self.saves = 0
+
+    def load(self) -> bytes | None:
+        return self.data
+
+    def save(self, data: bytes) -> None:
+        self.data = data
+        self.saves += 1
+
+
+def test_a_restarted_registry_keeps_its_history_and_says_who_has_not_registered_again(
+        ) -> None:
+    store, now = _Store(), [100.0]
+
+    def clock() -> float:
+        return now[0]
+
+    async def before_the_restart() -> tuple[tuple[ActorEntry, ...], int, str | None]:
+        first = Registry(store, clock)
+        for key in "abc":
+            await first.register(_info(key * 32, "0", GiB), None,
+                                 _budget_report(key, GiB, MiB if key == "a" else 0))
+        first._book.mark_dead("c" * 32, "killed by `ray.kill`.")
+        return await first.collect(0.01)
+
+    entries, dropped, note = asyncio.run(before_the_restart())
+    assert note is None and len(entries) == 3 and store.saves == 4
+
+    async def after_it() -> list[tuple[tuple[ActorEntry, ...], int, str | None]]:
+        restarted = Registry(store, clock)  # Ray started it again: an empty process
+        now[0] += 3
+        answers = [await restarted.collect(0.01)]
+        await restarted.register(_info("a" * 32, "0", GiB), None,
+                                 _budget_report("a", GiB, 2 * MiB))
+        answers.append(await restarted.collect(0.01))
+        now[0] += 60  # b never came back: it ended while the registry was down
+        answers.append(await restarted.collect(0.01))
+        return answers
+
+    (entries, dropped, note), (_, _, second_note), (last, _, last_note) = asyncio.run(after_it())
+    report = ClusterReport(entries, "gpubudget/gpubudget-registry", dead_dropped=dropped,
+                           note=note)
+    assert {(e.info.actor_id[0], e.state, e.fresh) for e in report.actors} == {
+        ("a", "alive", False), ("b", "alive", False), ("c", "dead", False)}
+    assert report.entry("a" * 32).used == MiB  # type: ignore[union-attr]  # its last report
+    assert report.entry("c" * 32).death == "killed by `ray.kill`."  # type: ignore[union-attr]
+    text = str(report)
+    assert text.splitlines()[:2] == [
+        "gpubudget cluster report: 2 budgeted actors alive, 1 dead",
+        "note: the registry restarted 3 s ago; 2 actors it knew alive have not registered "
+        "again yet (each does within about 10 s): shown with the last report it had"]
+    assert json.loads(report.to_json())["registry"]["note"] == note
+    assert second_note is not None and " 1 actor it knew alive has not" in second_note
+    states = {e.info.actor_id[0]: (e.state, e.death) for e in last}
+    assert last_note is None and states["a"] == ("alive", None) and states["b"][0] == "dead"
+    assert "did not register again within 30 s" in str(states["b"][1])
+
+    async def once_more() -> dict[str, bool]:
+        again = Registry(store, clock)  # the history stays
+        return {key[0]: record.dead is not None for key, record in again._book.records.items()}
+
+    assert asyncio.run(once_more()) == {"a": False, "b": True, "c": True}
+
+
+def test_a_registry_with_an_unreadable_book_starts_empty() -> None:
+    store = _Store()
+    store.data = b"not a pickle"
+
+    async def collect() -> tuple[tuple[ActorEntry, ...], int, str | None]:
+        return await Registry(store).collect(0.01)
+
+    assert asyncio.run(collect()) == ((), 0, None)
 
 
 def test_ray_command_without_ray_says_so_and_exits_2(monkeypatch: pytest.MonkeyPatch,
@@ -813,6 +893,27 @@ def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
     events = finished_trace(Path(entry.info.trace))
     assert [(e["ev"], e.get("tag")) for e in events] == [
         ("enter", None), ("alloc", "weights"), ("alloc", None), ("alloc", None), ("exit", None)]
+
+
+def test_a_restarted_registry_lists_the_actors_it_knew_at_once(
+        ray_cluster: None, trio: list[tuple[ActorHandle, dict[str, Any]]]) -> None:
+    import ray
+
+    ids = {described["actor_id"] for _, described in trio}
+    before = report_now()
+    assert ids <= {entry.info.actor_id for entry in before.alive}
+    ray.kill(ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE), no_restart=False)
+    deadline = time.monotonic() + DEATH_WAIT
+    while True:  # while Ray restarts it: "did not answer"; then never "0 alive"
+        report = report_now()
+        if report.registry_error is None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert report.registry_error is None
+    assert ids <= {entry.info.actor_id for entry in report.alive}, str(report)
+    assert len(report.dead) >= len(before.dead)  # the history is kept
+    report = wait_for(report_now, lambda r: r.note is None)
+    assert ids <= {entry.info.actor_id for entry in report.actors if entry.fresh}
 
 
 class Squatter:

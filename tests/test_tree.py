@@ -28,7 +28,9 @@ def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_pa
             from gpubudget.tracefile import writer_for
 
             full = os.open("/dev/full", os.O_WRONLY)  # every write: no space left on device
-            os.dup2(full, writer_for(path)._fd)  # the disk is full from now on
+            held = writer_for(path)._fd  # open: the root is
+            assert held is not None
+            os.dup2(full, held)  # the disk is full from now on
             os.close(full)
             blocks = [pool.allocate(KiB) for _ in range(40)]  # the 64th event flushes: fails
             assert None not in blocks

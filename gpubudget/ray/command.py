@@ -7,6 +7,7 @@ import socket
 import sys
 from typing import Final
 
+from ..tracefile import printable
 from .registry import cluster_report, death_cause
 
 __all__ = ["EXIT_ERROR", "ray_command"]
@@ -47,13 +48,14 @@ def ray_command(address: str | None = None, as_json: bool = False, *,
             _check_reachable(target)
             ray.init(address=target, logging_level=logging.ERROR, log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError, RuntimeError
-            print(f"gpubudget ray: no Ray cluster at {target!r}: {death_cause(exc)}",
-                  file=sys.stderr)
+            print(f"gpubudget ray: no Ray cluster at {printable(repr(target))}: "
+                  f"{printable(death_cause(exc))}", file=sys.stderr)
             return EXIT_ERROR
     try:
         report = cluster_report(timeout=timeout)
     except Exception as exc:  # noqa: BLE001 - one line, whatever went wrong
-        print(f"gpubudget ray: {type(exc).__name__}: {death_cause(exc)}", file=sys.stderr)
+        print(f"gpubudget ray: {type(exc).__name__}: {printable(death_cause(exc))}",
+              file=sys.stderr)
         return EXIT_ERROR
     finally:
         if connected_here:

@@ -14,14 +14,24 @@ registry probes every actor it believes alive with Ray's own ``__ray_ready__``: 
 Ray says is dead is marked dead, with Ray's reason, and keeps its last report. The registry
 holds only weak handles (an actor's handle to itself), so it never keeps an actor alive.
 Reports travel flat (:class:`~gpubudget.ray.report.FlatReport`), so trees of any depth do.
+
+What it knows survives a restart: the registry saves its book (every actor's description,
+last report and death, without handles) in Ray's key-value store (the cluster's GCS) when an
+actor registers or dies and after each report, and a registry started again reads it back.
+The actors it knew alive are listed with their last reports, not fresh, and the report says
+that they have not registered again yet (they do within :data:`REREGISTER_SECONDS`); one that
+has not by then is marked dead. Dead actors keep their history across restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import pickle
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -33,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEAD_KEPT",
     "REGISTRY_NAME",
+    "REREGISTER_SECONDS",
     "REGISTRY_NAMESPACE",
     "Registry",
     "RegistryBook",
@@ -51,6 +62,13 @@ CONCURRENT_CALLS: Final = 10_000
 """Calls the registry serves at once: every budgeted actor keeps one waiting."""
 PROBE_SECONDS: Final = 1.0
 """How long a liveness probe waits: an actor busy longer than that counts as alive."""
+REREGISTER_SECONDS: Final = 30.0
+"""How long after a restart the registry waits for the actors it knew alive to register
+again (each looks for it every 10 s) before it marks one that has not dead."""
+STORE_KEY: Final = b"gpubudget-registry-book"
+"""The key of the registry's saved book in Ray's key-value store (namespace
+:data:`REGISTRY_NAMESPACE`)."""
+_log: Final = logging.getLogger("gpubudget.ray")
 
 
 @dataclass
@@ -79,11 +97,54 @@ class RegistryBook:
     records: dict[str, _Record] = field(default_factory=dict)
     dead_order: deque[str] = field(default_factory=deque)
     dropped: int = 0
+    restored_at: float | None = None
+    """When (``time.monotonic()``) a saved book was read back: the registry restarted."""
+    missing: set[str] = field(default_factory=set)
+    """Actors alive before the restart that have not registered again."""
 
     def register(self, info: ActorInfo, handle: Any, report: FlatReport | None) -> int:
         """Add (or renew) an actor; return the current generation."""
         self.records[info.actor_id] = _Record(info, handle, report, self.generation)
+        self.missing.discard(info.actor_id)
         return self.generation
+
+    def saved(self) -> bytes:
+        """The book without handles (which do not outlive the registry), for a registry
+        started again to read back with :meth:`restore`."""
+        records = [(key, record.info, record.report, record.dead)
+                   for key, record in self.records.items()]
+        return pickle.dumps((records, list(self.dead_order), self.dropped))
+
+    def restore(self, data: bytes, now: float) -> None:
+        """Read back a book :meth:`saved`; the actors alive in it are ``missing`` until they
+        register again."""
+        records, dead_order, dropped = pickle.loads(data)  # noqa: S301 - the registry's own
+        for key, info, report, dead in records:
+            if key not in self.records:
+                self.records[key] = _Record(info, None, report, 0, dead)
+                if dead is None:
+                    self.missing.add(key)
+        self.dead_order.extend(key for key in dead_order if key not in self.dead_order)
+        self.dropped += dropped
+        self.restored_at = now
+
+    def note(self, now: float) -> str | None:
+        """What a report should say about a restart: who has not registered again yet.
+        Actors still missing :data:`REREGISTER_SECONDS` after it are marked dead."""
+        if self.restored_at is None or not self.missing:
+            return None
+        age = now - self.restored_at
+        if age >= REREGISTER_SECONDS:
+            for key in sorted(self.missing):
+                self.mark_dead(key, f"did not register again within {REREGISTER_SECONDS:g} s "
+                                    f"of the registry's restart (it ended meanwhile?)")
+            self.missing.clear()
+            return None
+        count = len(self.missing)
+        return (f"the registry restarted {age:.0f} s ago; {count} "
+                f"{'actor' if count == 1 else 'actors'} it knew alive "
+                f"{'has' if count == 1 else 'have'} not registered again yet (each does "
+                f"within about 10 s): shown with the last report it had")
 
     def update(self, actor_id: str, generation: int, report: FlatReport) -> None:
         record = self.records.get(actor_id)
@@ -96,20 +157,23 @@ class RegistryBook:
         return self.generation
 
     def alive(self) -> list[tuple[str, Any]]:
-        """``(actor_id, handle)`` of every actor not known to be dead."""
+        """``(actor_id, handle)`` of every actor not known to be dead (and registered since
+        the registry started: a handle to probe)."""
         return [(key, record.handle) for key, record in self.records.items()
-                if record.dead is None]
+                if record.dead is None and record.handle is not None]
 
     def answered(self, generation: int) -> bool:
-        """Whether every actor not known to be dead has reported for ``generation``."""
+        """Whether every actor not known to be dead (and registered since the registry
+        started) has reported for ``generation``."""
         return all(record.answered >= generation or record.dead is not None
-                   for record in self.records.values())
+                   or key in self.missing for key, record in self.records.items())
 
     def mark_dead(self, actor_id: str, cause: str) -> None:
         record = self.records.get(actor_id)
         if record is None or record.dead is not None:
             return
         record.dead = cause
+        self.missing.discard(actor_id)
         self.dead_order.append(actor_id)
         while len(self.dead_order) > self.dead_kept:
             self.records.pop(self.dead_order.popleft(), None)
@@ -123,17 +187,71 @@ class RegistryBook:
             for record in self.records.values())
 
 
-class Registry:
-    """The registry actor's methods (made a Ray actor by :func:`start_registry`)."""
+class KeyValueStore:
+    """Where the registry saves its book: Ray's key-value store (the GCS), which outlives
+    the registry's process. Never raises: a book that cannot be saved or read is a book
+    that starts empty (and one warning in the registry's log)."""
 
     def __init__(self) -> None:
+        self._warned = False
+
+    def load(self) -> bytes | None:
+        from ray.experimental import internal_kv
+
+        try:
+            data: bytes | None = internal_kv._internal_kv_get(STORE_KEY,
+                                                               namespace=REGISTRY_NAMESPACE)
+        except Exception as exc:  # noqa: BLE001 - never fail the registry over its history
+            self._failed("read", exc)
+            return None
+        return data
+
+    def save(self, data: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        try:
+            internal_kv._internal_kv_put(STORE_KEY, data, overwrite=True,
+                                         namespace=REGISTRY_NAMESPACE)
+        except Exception as exc:  # noqa: BLE001
+            self._failed("save", exc)
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            _log.warning("gpubudget: the registry cannot %s its book in Ray's key-value "
+                         "store (%s: %s); a restarted registry starts empty", what,
+                         type(exc).__name__, exc)
+
+
+class Registry:
+    """The registry actor's methods (made a Ray actor by :func:`start_registry`).
+
+    ``store`` keeps the book across restarts (a :class:`KeyValueStore` by default: anything
+    with ``load() -> bytes | None`` and ``save(bytes)``); ``clock`` is ``time.monotonic``.
+    """
+
+    def __init__(self, store: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._book = RegistryBook()
         self._changed = asyncio.Condition()
+        self._store = store if store is not None else KeyValueStore()
+        self._clock = clock
+        saved = self._store.load()
+        if saved:
+            try:
+                self._book.restore(saved, clock())
+            except Exception as exc:  # noqa: BLE001 - an unreadable book: start empty
+                _log.warning("gpubudget: the registry's saved book cannot be read (%s: %s); "
+                             "it starts empty", type(exc).__name__, exc)
+
+    def _save(self) -> None:
+        """The book's lock held: save it for a registry started again."""
+        self._store.save(self._book.saved())
 
     async def register(self, info: ActorInfo, handle: Any, report: FlatReport | None) -> int:
         """Add an actor (its handle to itself, which is weak); return the generation."""
         async with self._changed:
             generation = self._book.register(info, handle, report)
+            self._save()
             self._changed.notify_all()
             return generation
 
@@ -153,9 +271,11 @@ class Registry:
             self._book.update(actor_id, generation, report)
             self._changed.notify_all()
 
-    async def collect(self, wait_seconds: float) -> tuple[tuple[ActorEntry, ...], int]:
+    async def collect(self, wait_seconds: float
+                      ) -> tuple[tuple[ActorEntry, ...], int, str | None]:
         """Ask every actor for a report, find the dead, wait up to ``wait_seconds`` for the
-        answers; return the entries and how many dead actors were forgotten."""
+        answers; return the entries, how many dead actors were forgotten, and a note about
+        a restart (see :meth:`RegistryBook.note`)."""
         async with self._changed:
             generation = self._book.next_generation()
             self._changed.notify_all()
@@ -168,7 +288,9 @@ class Registry:
                     wait_seconds)
             except asyncio.TimeoutError:
                 pass  # the late ones keep their last report, marked not fresh
-            return self._book.entries(generation), self._book.dropped
+            note = self._book.note(self._clock())
+            self._save()
+            return self._book.entries(generation), self._book.dropped, note
 
     async def _probe(self, actor_id: str, handle: Any) -> None:
         from ray.exceptions import ActorUnavailableError, RayActorError
@@ -183,6 +305,7 @@ class Registry:
         except RayActorError as exc:
             async with self._changed:
                 self._book.mark_dead(actor_id, death_cause(exc))
+                self._save()
                 self._changed.notify_all()
 
 
@@ -250,10 +373,10 @@ def cluster_report(*, timeout: float = 2.0) -> ClusterReport:
             f"keep their budgets; they register again once a new budgeted actor recreates "
             f"it)"))
     try:
-        answer: tuple[tuple[ActorEntry, ...], int] = ray.get(
+        answer: tuple[tuple[ActorEntry, ...], int, str | None] = ray.get(
             registry.collect.remote(timeout), timeout=timeout + ANSWER_SECONDS)
     except Exception as exc:  # noqa: BLE001 - dead, restarting, not a registry at all
         return ClusterReport((), where, registry_error=(
             f"the registry did not answer ({type(exc).__name__}: {death_cause(exc)})"))
-    entries, dropped = answer
-    return ClusterReport(tuple(entries), where, dead_dropped=dropped)
+    entries, dropped, note = answer
+    return ClusterReport(tuple(entries), where, dead_dropped=dropped, note=note)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from ..report import BudgetReport
+from ..tracefile import printable
 from ..units import format_size
 
 __all__ = ["ActorEntry", "ActorInfo", "ClusterReport", "DeviceSummary", "FlatReport"]
@@ -187,7 +188,9 @@ class ClusterReport:
     """Every budgeted actor of a Ray cluster, grouped by node and GPU.
 
     ``str(report)`` renders the tree: node, GPU (memory, sum of limits, sum of use), actor,
-    its :class:`~gpubudget.BudgetReport`. :meth:`as_dict` and :meth:`to_json` give the same
+    its :class:`~gpubudget.BudgetReport`. Names and tags come from other programs' code, so
+    the text shows each unprintable character of them escaped (as the trace commands do,
+    with :func:`~gpubudget.tracefile.printable`): no terminal escape sequence passes through. :meth:`as_dict` and :meth:`to_json` give the same
     nested node -> device -> actor structure as plain data.
 
     Examples
@@ -208,6 +211,9 @@ class ClusterReport:
     answered."""
     dead_dropped: int = 0
     """Dead actors forgotten to keep the registry bounded."""
+    note: str | None = None
+    """What the registry says about its state: that it restarted and which actors have not
+    registered again yet; ``None`` when all is as usual."""
 
     @property
     def alive(self) -> tuple[ActorEntry, ...]:
@@ -246,7 +252,8 @@ class ClusterReport:
                 "node_id": device.node_id, "node_ip": device.node_ip, "devices": []})
             node["devices"].append(device.as_dict())
         return {
-            "registry": {"actor": self.registry, "error": self.registry_error},
+            "registry": {"actor": self.registry, "error": self.registry_error,
+                         "note": self.note},
             "alive": len(self.alive),
             "dead": len(self.dead),
             "dead_dropped": self.dead_dropped,
@@ -276,18 +283,21 @@ class ClusterReport:
         lines = [f"gpubudget cluster report: {alive} budgeted "
                  f"{'actor' if alive == 1 else 'actors'} alive, {len(self.dead)} dead"]
         if self.registry_error is not None:
-            lines.append(f"registry missing: {self.registry_error}")
-        elif not self.actors:
+            lines.append(f"registry missing: {printable(self.registry_error)}")
+        elif self.note is not None:
+            lines.append(f"note: {printable(self.note)}")
+        if self.registry_error is None and not self.actors:
             lines.append("no budgeted actor has registered")
         node_id = None
         for device in self.devices:
             if device.node_id != node_id:
                 node_id = device.node_id
-                lines.append(f"node {device.node_ip} ({device.node_id[:12]})")
+                lines.append(f"node {printable(device.node_ip)} "
+                             f"({printable(device.node_id[:12])})")
             lines.extend(_device_lines(device))
         if self.dead_dropped:
             lines.append(f"({self.dead_dropped} older dead actors forgotten)")
-        lines.extend(f"warning: {warning}" for warning in self.warnings)
+        lines.extend(f"warning: {printable(warning)}" for warning in self.warnings)
         return "\n".join(lines)
 
 
@@ -322,23 +332,40 @@ def _device_order(info: ActorInfo) -> tuple[str, str, int, str]:
 def _device_lines(device: DeviceSummary) -> Iterable[str]:
     kind = "simulated, " if device.simulated else ""
     count = len(device.alive)
-    yield (f"  GPU {device.gpu_id} ({kind}{format_size(device.memory)}): {count} "
+    yield (f"  GPU {printable(device.gpu_id)} ({kind}{format_size(device.memory)}): {count} "
            f"{'actor' if count == 1 else 'actors'} alive, limits {format_size(device.limits)}, "
            f"used {format_size(device.used)}")
     for entry in device.actors:
-        yield f"    {entry.info.title}: {_status(entry)}"
-        if entry.report is not None:
-            for line in str(entry.report).splitlines():
+        yield f"    {printable(entry.info.title)}: {_status(entry)}"
+        if entry.flat is not None:
+            flat = entry.flat
+            shown = FlatReport(tuple(_printable(own) for own in flat.reports), flat.parents)
+            for line in str(shown.tree()).splitlines():
                 yield _INDENT + line
+
+
+def _printable(report: BudgetReport) -> BudgetReport:
+    """One budget's own report (children not included) with its names, tags and errors
+    printable (see :func:`~gpubudget.tracefile.printable`)."""
+    return dataclasses.replace(
+        report,
+        name=printable(report.name),
+        denials=tuple(dataclasses.replace(d, refused_by=printable(d.refused_by))
+                      for d in report.denials),
+        live_blocks=tuple(dataclasses.replace(b, tag=printable(b.tag)) if b.tag else b
+                          for b in report.live_blocks),
+        by_tag=tuple(dataclasses.replace(u, tag=printable(u.tag)) for u in report.by_tag),
+        callback_errors=tuple(printable(error) for error in report.callback_errors),
+        trace_error=None if report.trace_error is None else printable(report.trace_error))
 
 
 def _status(entry: ActorEntry) -> str:
     info = entry.info
     where = f"num_gpus {info.share:g}, pid {info.pid}"
     if info.trace:
-        where += f", trace {info.trace}"
+        where += f", trace {printable(info.trace)}"
     if entry.state == "dead":
-        return f"DEAD ({entry.death or 'cause unknown'}); {where}; its last report:"
+        return f"DEAD ({printable(entry.death or 'cause unknown')}); {where}; its last report:"
     if not entry.fresh:
         return f"alive, did not answer in time; {where}; its last report:"
     return f"alive; {where}"

@@ -4,8 +4,9 @@ At the end of the actor's ``__init__`` it registers (creating the registry on fi
 then waits in the registry for report requests, answering each with a snapshot of the budget.
 Nothing here can stop the actor from working: if the registry is missing or stops answering,
 the error is recorded (:attr:`Reporter.registry_error`, and one warning in the actor's log)
-and the thread looks for a registry again every :data:`RETRY_SECONDS`, registering anew when
-one exists (it never creates one after the first attempt).
+and the thread looks for a registry again after :data:`FIRST_RETRY_SECONDS` (Ray may be
+restarting it), then every :data:`RETRY_SECONDS`, registering anew when one exists (it never
+creates one after the first attempt).
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
 T = TypeVar("T")
-__all__ = ["FLUSH_SECONDS", "REGISTER_SECONDS", "RETRY_SECONDS", "Reporter"]
+__all__ = ["FIRST_RETRY_SECONDS", "FLUSH_SECONDS", "REGISTER_SECONDS", "RETRY_SECONDS",
+           "Reporter"]
 
 REGISTER_SECONDS: Final = 30.0
 """How long an actor's ``__init__`` waits for the registry (its first start included), and
 how long any call to the registry may take before the actor counts it as lost."""
 RETRY_SECONDS: Final = 10.0
 """How often an actor that lost the registry looks for one again."""
+FIRST_RETRY_SECONDS: Final = 1.0
+"""How soon an actor that just lost the registry looks for it again (a registry that Ray
+restarts keeps its name: registering then waits for it to be up)."""
 POLL_SECONDS: Final = 2.0
 """How long one wait for a report request lasts: an actor that exits gracefully waits for
 its pending calls, so for at most this long."""
@@ -120,7 +125,7 @@ class Reporter:
             except Exception as exc:  # noqa: BLE001 - the registry died or was killed
                 self._registry = None
                 self._failed(f"{type(exc).__name__}: {death_cause(exc)}")
-                wait.wait(RETRY_SECONDS)
+                wait.wait(FIRST_RETRY_SECONDS)
 
     def _failed(self, reason: str) -> None:
         if self.registry_error is None:

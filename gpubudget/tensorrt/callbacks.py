@@ -11,7 +11,7 @@ Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` addres
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
 catches everything (``BaseException``): an error is recorded in the budget's report and
 answered as a denial; a Ctrl-C is answered the same way and raised again in the main thread
-once control is back in Python (see :mod:`gpubudget.interrupts`).
+once control is back in Python (see :mod:`gpubudget.adapter`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ import threading
 from types import ModuleType
 from typing import Any, TypeVar
 
-from .. import interrupts
-from ..backends import current_device
+from ..adapter import callback, callback_failed, current_device, pass_on_interrupt
 from ..budget import Budget
-from ..interrupts import STATE, callback
-from ..context import ACTIVE, LABEL
+from ..scope import current_budget, current_label
 
 __all__ = ["AllocatorMethods", "allocator_class"]
 
@@ -59,20 +57,17 @@ class AllocatorMethods:
             if self.closed:
                 return None
             target = self.budget
-            chain = ACTIVE.get()
-            if chain:
-                current = chain[-1]
-                if current is not target and target.encloses(current):
-                    target = current
+            current = current_budget()
+            if current is not None and current is not target and target.encloses(current):
+                target = current
             if self.device is not None and current_device() != self.device:
                 target.record_denial(size, "wrong_device")  # never another device's memory
                 return None
-            address = target.allocate(size, alignment, tag=LABEL.get() or self.phase,
+            address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             return self._failed("allocate" if stream is None else "allocate_async", exc, None)
-        if STATE.pending:
-            interrupts.pass_on()
+        pass_on_interrupt()
         return address
 
     @callback
@@ -90,8 +85,7 @@ class AllocatorMethods:
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,
                                 False)
-        if STATE.pending:
-            interrupts.pass_on()
+        pass_on_interrupt()
         return done
 
     @callback
@@ -105,21 +99,13 @@ class AllocatorMethods:
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
         except BaseException as exc:  # noqa: BLE001
             return self._failed("reallocate", exc, None)
-        if STATE.pending:
-            interrupts.pass_on()
+        pass_on_interrupt()
         return moved
 
     def _failed(self, where: str, exc: BaseException, answer: A) -> A:
-        """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread."""
-        try:
-            if isinstance(exc, KeyboardInterrupt):
-                interrupts.take()
-                interrupts.redeliver()
-                self.budget.record_denial(0, "interrupted")
-            else:
-                self.budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
-        except BaseException:  # noqa: BLE001 - nothing may leave a callback
-            pass
+        """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread
+        (TensorRT may call from threads of its own)."""
+        callback_failed(self.budget, where, exc, other_threads=True)
         return answer
 
     def __repr__(self) -> str:

@@ -1,6 +1,14 @@
 """Writing traces: one typed method per event, buffered and flushed often enough that a
 killed process loses little (see :class:`TraceWriter`); the process's writer for a path
-(:func:`writer_for`, for ``trace=``) and for ``GPUBUDGET_TRACE`` (:func:`writer_from_env`)."""
+(:func:`writer_for`, for ``trace=``) and for ``GPUBUDGET_TRACE`` (:func:`writer_from_env`).
+
+A writer holds its file open only while a root budget that writes to it is open (and the
+writer last handed out, for the root about to enter, until the next is): a program that
+gives each job its own trace holds no descriptor for the jobs that have ended. A later root
+that names the same path appends to the same trace (one header, one clock), as long as the
+file is still the one written (see :func:`~gpubudget.tracefile.files.reopen`); the writers
+of the last :data:`_IDLE_KEPT` paths are kept, and a path named after that is written on by
+a new writer, which continues this process's trace there."""
 
 from __future__ import annotations
 
@@ -12,10 +20,12 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Final
 
 from ..callers import user_stacklevel
-from .files import TraceBusy, open_for_writing, per_process, resolve
+from ..errors import TraceWriteError
+from .files import TraceBusy, file_id, open_for_writing, per_process, reopen, resolve
 from .format import FLUSH_EVERY, FLUSH_SECONDS, FORMAT, MAX_TEXT, VERSION, TraceError, printable
 
 __all__ = ["TraceWriter", "shortened", "writer_for", "writer_from_env"]
@@ -50,16 +60,36 @@ class TraceWriter:
     caller: budgets catch them, stop tracing that tree and say so in its report. In a child
     process made by ``fork``, the parent's writers write nothing (their files are the
     parent's).
+
+    The file is open (and locked) while a root budget that writes to it is open, from its
+    ``enter`` to its ``exit``. Without one, the file is closed (its lock released)
+    and a flush (events of a root's blocks freed after its exit, or at interpreter exit)
+    reopens it, appends and closes it again; :meth:`resume` checks, before a new root, that
+    the file is still the one written.
     """
 
-    def __init__(self, path: str) -> None:
+    __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
+                 "_pending", "_t0", "_flushed_at", "__weakref__")
+
+    def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._fd = open_for_writing(path)
+        fd, earlier = open_for_writing(path, continued=continued)
+        self._fd: int | None = fd
+        info = os.fstat(fd)
+        self._file = file_id(info)
+        self._size = info.st_size  # bytes written: what the file holds while it is closed
+        self._roots: set[int] = set()  # root budgets open (entered and not exited)
+        self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
         self._pending: list[str] = []
         self._t0 = time.perf_counter()
         self._flushed_at = -math.inf  # so that the header is flushed at once
+        _every.add(self)  # flushed at exit, forgotten in a forked child, cached or not
+        if earlier is not None:  # this process's trace, written on: its clock goes on
+            created = datetime.datetime.fromisoformat(str(earlier["created"])).timestamp()
+            self._t0 -= max(time.time() - created, 0.0)
+            return
         header = {
             "format": FORMAT,
             "version": VERSION,
@@ -69,13 +99,56 @@ class TraceWriter:
         try:
             self._line(header, self._t0)
         except OSError as exc:
-            os.close(self._fd)
-            raise TraceError(f"cannot write trace file {printable(repr(path))}: "
-                             f"{printable(exc.strerror or str(exc))}") from None
+            self._fd = None
+            os.close(fd)
+            raise TraceWriteError(f"cannot write trace file {printable(repr(path))}: "
+                                  f"{printable(exc.strerror or str(exc))}") from None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the writer holds its file open now."""
+        return self._fd is not None
+
+    @property
+    def idle(self) -> bool:
+        """Whether it holds no file open, has nothing buffered and no root open: a new
+        writer for its path would do as well."""
+        with self._lock:
+            return (self._fd is None and not self._pending and not self._roots
+                    and not self._expected)
+
+    def resume(self) -> bool:
+        """Before a root budget writes here: ``True`` if the file can be appended to (it is
+        open, or still the file this writer wrote), ``False`` if it was removed or replaced
+        (then this writer is done with). :class:`~gpubudget.errors.TraceWriteError` (a
+        :class:`TraceBusy` if another process writes it) if it cannot be written."""
+        with self._lock:
+            if self._closed is not None:
+                return False
+            if self._fd is None:
+                fd = reopen(self.path, self._file, self._size)
+                if fd is None:
+                    return False
+                self._fd = fd
+            self._expected = True  # left open for the root about to enter (see _writer)
+            return True
+
+    def close_if_idle(self) -> None:
+        """Close the file if no root budget writes to it (it is opened again when needed),
+        even if it was handed out for a root that has not entered."""
+        with self._lock:
+            self._expected = False
+            self._close_if_idle()
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
         """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
+        if parent is None:
+            with self._lock:
+                if self._closed is None and self._fd is None:  # held while the root is open
+                    self._fd = self._reopened()
+                self._roots.add(budget)
+                self._expected = False
         self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
                               "limit": limit, "align": align, "reserve": reserve,
                               "backend": None if backend is None else shortened(str(backend))})
@@ -105,8 +178,16 @@ class TraceWriter:
                                "bytes": nbytes})
 
     def exit(self, budget: int) -> None:
-        """``budget``'s ``with`` block ended."""
+        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed."""
         self._event("exit", {"b": budget})
+        with self._lock:
+            if budget in self._roots:
+                self._roots.discard(budget)
+                if not self._roots:
+                    try:
+                        self._flush(time.perf_counter())
+                    finally:
+                        self._close_if_idle()
 
     def flush(self) -> None:
         """Hand the buffered lines to the operating system."""
@@ -114,24 +195,29 @@ class TraceWriter:
             self._flush(time.perf_counter())
 
     def close(self) -> None:
-        """Flush, then close the file (which releases its lock)."""
+        """Flush, then close the file (which releases its lock); nothing more is written."""
         with self._lock:
             if self._closed is None:
                 try:
                     self._flush(time.perf_counter())
                 finally:
                     self._closed = f"trace file {self.path!r} is closed"
-                    os.close(self._fd)
+                    self._roots.clear()
+                    self._expected = False
+                    self._close_if_idle()
 
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
         self._lock = threading.Lock()  # the parent's may have been held at the fork
         self._pending.clear()
+        self._roots.clear()
         if self._closed is None:
             self._closed = why
+        fd, self._fd = self._fd, None
+        if fd is not None:
             try:
-                os.close(self._fd)  # this process's copy only: the parent keeps its lock
+                os.close(fd)  # this process's copy only: the parent keeps its lock
             except OSError:
                 pass
 
@@ -149,18 +235,48 @@ class TraceWriter:
                 self._flush(now)
 
     def _flush(self, now: float) -> None:
-        """Lock held: write out the buffered lines (all of them, or an ``OSError``)."""
+        """Lock held: write out the buffered lines (all of them, or an ``OSError`` or a
+        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed."""
         if self._closed is not None or not self._pending:
             return
         data = "".join(self._pending).encode("utf-8", "surrogatepass")
         self._pending.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        fd = self._fd
+        if fd is None:
+            fd = self._fd = self._reopened()
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                self._size += written
+                view = view[written:]
+        finally:
+            self._close_if_idle()
         self._flushed_at = now
 
+    def _reopened(self) -> int:
+        """Lock held, the file closed: a descriptor to append to it again, or an error."""
+        fd = reopen(self.path, self._file, self._size)
+        if fd is None:
+            self._closed = (f"trace file {self.path!r} was removed or replaced since this "
+                            f"process wrote it")
+            raise TraceWriteError(self._closed)
+        return fd
 
-_writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike
+    def _close_if_idle(self) -> None:
+        """Lock held: close the file if no root budget writes to it (or is about to)."""
+        if not self._roots and not self._expected and self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+_every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
+_writers: dict[str, TraceWriter] = {}  # by path, for trace= and the variable alike; LRU
+_handed: list[TraceWriter] = []  # the writer last handed out, open for a root about to enter
+_IDLE_KEPT: Final = 256
+"""Writers kept without an open root (their files closed) for paths named again; beyond
+that the least recently used are dropped, and a path named again after that is written on
+by a new writer (:func:`~gpubudget.tracefile.files.open_for_writing`, ``continued``)."""
 _from_env: dict[str, TraceWriter | str] = {}  # a variable's value: its writer, or why none
 _writers_lock = threading.Lock()
 
@@ -173,18 +289,40 @@ def _key(path: str) -> str:
 
 
 def _writer(path: str) -> TraceWriter:
-    """Lock held: the process's writer for ``path`` ({pid} replaced), opened on first use."""
+    """Lock held: the process's writer for ``path`` ({pid} replaced), opened on first use,
+    and again (a new trace) if the file it wrote was removed or replaced since."""
     key = _key(path)
-    writer = _writers.get(key)
-    if writer is None:
-        writer = _writers[key] = TraceWriter(key)
+    writer = _writers.pop(key, None)  # put back last: the most recently used
+    if writer is None or not writer.resume():
+        writer = TraceWriter(key, continued=writer is None)
+    _writers[key] = writer
+    # Its file stays open for the root about to enter; if that root fails to enter, the
+    # next call closes it: at most one descriptor is held for a root that never came.
+    for earlier in _handed:
+        if earlier is not writer:
+            earlier.close_if_idle()
+    _handed[:] = [writer]
+    if len(_writers) > 2 * _IDLE_KEPT:
+        _drop_idle()
     return writer
+
+
+def _drop_idle() -> None:
+    """Lock held: forget the least recently used writers that hold no file open and have
+    nothing buffered, down to :data:`_IDLE_KEPT` writers (once there are twice as many: a
+    pass over them costs little per call)."""
+    for key, writer in list(_writers.items()):
+        if len(_writers) <= _IDLE_KEPT:
+            return
+        if writer.idle:
+            del _writers[key]
 
 
 def writer_for(path: str | os.PathLike[str]) -> TraceWriter:
     """The process's writer for ``path`` (``{pid}`` replaced by the process id), opened on
-    first use as :class:`TraceWriter` says: what ``trace=`` uses. :class:`TraceError`, in one
-    line, if the file cannot be written."""
+    first use as :class:`TraceWriter` says: what ``trace=`` uses. A path named again appends
+    to the same trace. :class:`~gpubudget.errors.TraceWriteError` (a :class:`TraceError` and
+    a ``BudgetError``), in one line, if the file cannot be written."""
     with _writers_lock:
         return _writer(resolve(path))
 
@@ -200,6 +338,11 @@ def writer_from_env(value: str, variable: str) -> tuple[TraceWriter | None, str 
     path = resolve(value)
     with _writers_lock:
         found = _from_env.get(path)
+        if isinstance(found, TraceWriter):
+            try:
+                found = _writer(found.path)  # the same, or a new trace if the file went
+            except TraceError:  # another process took it meanwhile: as if met first now
+                found = None
         if found is None:
             warning: str | None
             try:
@@ -237,10 +380,11 @@ def _after_fork() -> None:
     global _writers_lock
     _writers_lock = threading.Lock()
     why = f"the trace is written by process {os.getppid()}, from which this one was forked"
-    for writer in _writers.values():
+    for writer in list(_every):
         writer.forget(f"{why}: {writer.path!r} is not written here")
     _writers.clear()
     _from_env.clear()
+    _handed.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -249,8 +393,8 @@ os.register_at_fork(after_in_child=_after_fork)
 @atexit.register
 def _close_all() -> None:
     with _writers_lock:
-        for writer in _writers.values():
+        for writer in list(_every):  # dropped from the cache, a writer may still have lines
             try:
                 writer.close()
-            except OSError:  # a full disk at exit: nothing more can be done, quietly
+            except (OSError, TraceError):  # a full disk, a file gone: nothing more can be done
                 pass
