@@ -165,63 +165,6 @@ def run_trace(
     return elapsed
 
 
-def time_textbook(warmup: Trace, timed: Trace) -> float:
-    textbook = TextbookBestFit(CAPACITY)
-    return run_trace(textbook.allocate, textbook.free, warmup, timed)
-
-
-def time_bare(warmup: Trace, timed: Trace) -> float:
-    bare = BareBestFit(CAPACITY)
-    return run_trace(bare.allocate, bare.free, warmup, timed)
-
-
-def time_budget(warmup: Trace, timed: Trace) -> float:
-    with gpu_budget(CAPACITY, align=ALIGN, name="churn", backend="host") as budget:
-        return run_trace(budget.allocate, budget.free, warmup, timed)
-
-
-def time_child_budget(warmup: Trace, timed: Trace) -> float:
-    with gpu_budget(CAPACITY, align=ALIGN, name="pool", backend="host"):
-        with gpu_budget(CAPACITY // 2, name="model") as child:
-            return run_trace(child.allocate, child.free, warmup, timed)
-
-
-def time_tensorrt_trampoline(warmup: Trace, timed: Trace) -> float:
-    """Through TensorRT-RTX's own C++ -> Python trampoline, as TensorRT calls it."""
-    from gpubudget import tensorrt as gbt
-    from tests.trampoline import Trampoline
-
-    module = gbt.load_module("tensorrt_rtx_bindings")
-    with gpu_budget(CAPACITY, align=ALIGN, name="trt", backend="host"):
-        cpp = Trampoline(gbt.allocator(trt_module=module))
-        return run_trace(lambda n: cpp.allocate_async(n, 0, 0, 0),
-                         lambda p: cpp.deallocate_async(p, 0), warmup, timed)
-
-
-def time_tensorrt_floor(warmup: Trace, timed: Trace) -> float:
-    """The same trampoline and ctypes calls into methods that do nothing: the floor."""
-    from gpubudget import tensorrt as gbt
-    from tests.trampoline import Trampoline
-
-    base = gbt.load_module("tensorrt_rtx_bindings").IGpuAsyncAllocator
-
-    class Trivial(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            base.__init__(self)
-            self.next = 256
-
-        def allocate_async(self, size: int, alignment: int, flags: int, stream: int) -> int:
-            self.next += 256
-            return self.next
-
-        def deallocate_async(self, memory: int, stream: int) -> bool:
-            return True
-
-    cpp = Trampoline(Trivial())
-    return run_trace(lambda n: cpp.allocate_async(n, 0, 0, 0),
-                     lambda p: cpp.deallocate_async(p, 0), warmup, timed)
-
-
 def _threaded(count: int, steps: int, make: Callable[[int], tuple[Any, Callable[[], None]]]
               ) -> float:
     """Pairs per second for ``count`` threads, each with ``make(i)`` = (an allocator with
