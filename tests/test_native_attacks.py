@@ -604,3 +604,27 @@ def test_a_new_thread_in_a_forked_child_does_not_take_the_lock_a_parent_thread_h
         finally:
             go_on.set()
             thread.join()
+
+
+# -- 8. limits and requests beyond 64 bits -----------------------------------------------
+
+
+@pytest.mark.xfail(C_CORE, strict=True, reason=(
+    "_native.c Account_init clamps a limit above 2**63 - 1 to INT64_MAX, and py_refusal "
+    "returns the account itself for a delta beyond 64 bits: a child with limit 2**70 under "
+    "a 1 MiB root is blamed ('over its own limit', its refusals counted) for a request of "
+    "2**63 - 1 or 2**64 bytes, or 2**63 - 256 (in 64 bits, but used + delta past the clamped "
+    "limit), where the Python ledger blames the root"))
+@pytest.mark.parametrize("size", [2**63 - 1, 2**64, 2**63 - 256])
+def test_a_huge_request_is_refused_by_the_limit_it_exceeds(size: int) -> None:
+    with gpu_budget(MiB, name="root", backend="host") as root:
+        root.allocate(512)  # the child's chain is not empty: used + delta near 2**63
+        with gpu_budget(2**70, name="child") as child:
+            child.allocate(512)
+            with pytest.raises(AllocationDenied, match="over the limit of 'root'"):
+                child.allocate(size, raise_on_denial=True)
+            assert child._node.account.refusals == 0
+            assert set(child._node.stats.denials) == {("over_limit", "root")}
+            for report in root.report().walk():
+                for live in report.live_blocks:
+                    root.free(live.address)
