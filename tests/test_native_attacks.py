@@ -80,7 +80,7 @@ def _collect_at_next_list(make_garbage: Callable[[], None]) -> Iterator[None]:
     gc.collect()
     gc.disable()
     make_garbage()
-    hold = [[] for _ in range(200)]  # empties the list free list: the next list is new
+    hold: list[list[int]] = [[] for _ in range(200)]  # empties the list free list: the next list is new
     gc.set_threshold(1)
     gc.enable()
     try:
@@ -233,8 +233,9 @@ def test_a_python_clock_is_read_once_per_operation() -> None:
     backend = _ClockBackend()
     with gpu_budget(64 * KiB, name="root", backend=backend) as pool:
         calls = []
-        for work in (lambda: pool.allocate(MiB),  # denied: over the limit
-                     lambda: pool.free(12345)):  # not a block
+        works: list[Callable[[], object]] = [lambda: pool.allocate(MiB),  # denied: too big
+                                             lambda: pool.free(12345)]  # not a block
+        for work in works:
             backend.calls = 0
             work()
             calls.append(backend.calls)
@@ -290,7 +291,7 @@ class MoreTrees(Trees):
 
     @initialize(limit=st.integers(32, 512), align=st.sampled_from([1, 64, 256, 1024]),
                 streams=st.booleans(), growable=st.booleans())
-    def start(self, limit: int, align: int, streams: bool,  # type: ignore[override]
+    def start(self, limit: int, align: int, streams: bool,
               growable: bool) -> None:
         def backend() -> HostBackend:
             return StreamBackend() if streams else HostBackend()
