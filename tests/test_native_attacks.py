@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from gpubudget import AllocationDenied, Budget, gpu_budget, label
-from gpubudget._core import native
+from gpubudget._core import ledger, native
 from gpubudget.backends.host import HostBackend
 from gpubudget.context import LABEL
 from gpubudget.units import KiB, MiB
@@ -629,3 +629,18 @@ def test_a_huge_request_is_refused_by_the_limit_it_exceeds(size: int) -> None:
             for report in root.report().walk():
                 for live in report.live_blocks:
                     root.free(live.address)
+
+
+@needs_c
+@pytest.mark.xfail(strict=True, reason=(
+    "_native.c ledger_refusal: `used > limit - delta` overflows (undefined behaviour) for a "
+    "negative delta when the limit is near INT64_MAX (a limit above 2**63 - 1 is clamped "
+    "there), or for delta = -2**63: a give-back is refused; the Python ledger answers None "
+    "(no caller passes a negative delta today: resize checks delta <= 0 first)"))
+@pytest.mark.parametrize("limit", [2**70, 2**63 - 1, 100])
+def test_the_c_ledger_never_refuses_a_give_back(limit: int) -> None:
+    assert native is not None
+    python_account, _, _, _, python_refusal = ledger.PYTHON
+    for delta in (-5, -(2**63)):
+        assert python_refusal(python_account("a", limit), delta) is None
+        assert native.refusal(native.Account("a", limit), delta) is None
