@@ -15,7 +15,9 @@ defect, and flips to a pass (and so to a strict-xfail failure) once it is fixed.
   the contextvar holding the label;
 - the registry's open addressing with keys that collide and wrap around the table;
 - threads with a tiny switch interval mixing the fast path with everything that takes the
-  tree's lock.
+  tree's lock;
+- fork while another thread holds a tree's lock (both cores: no at-fork hook yet);
+- limits and requests beyond 64 bits, and give-backs, in the C ledger.
 """
 
 from __future__ import annotations
