@@ -679,8 +679,22 @@ static PyObject *Lock_acquire(LockObject *self, PyObject *args, PyObject *kwds) 
     double timeout = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd:acquire", names, &blocking, &timeout))
         return NULL;
+    if (!blocking && timeout != -1) { /* as threading.RLock says */
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return NULL;
+    }
+    if (timeout != -1 && !(timeout >= 0)) { /* NaN too */
+        PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
+        return NULL;
+    }
+    if (timeout != -1 && timeout * 1e6 >= (double)PY_TIMEOUT_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return NULL;
+    }
     if (lock_try(self)) Py_RETURN_TRUE;
     if (!blocking) Py_RETURN_FALSE;
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
     PY_TIMEOUT_T micros = timeout < 0 ? -1 : (PY_TIMEOUT_T)(timeout * 1e6);
     PyLockStatus status;
     for (;;) {
@@ -689,6 +703,14 @@ static PyObject *Lock_acquire(LockObject *self, PyObject *args, PyObject *kwds) 
         Py_END_ALLOW_THREADS
         if (status != PY_LOCK_INTR) break;
         if (Py_MakePendingCalls() < 0) return NULL; /* a signal handler raised */
+        if (micros > 0) { /* wait only what is left of the timeout */
+            struct timespec now;
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            double spent = (double)(now.tv_sec - start.tv_sec) * 1e6 +
+                           (double)(now.tv_nsec - start.tv_nsec) / 1e3;
+            double left = timeout * 1e6 - spent;
+            micros = left > 0 ? (PY_TIMEOUT_T)left : 0;
+        }
     }
     if (status != PY_LOCK_ACQUIRED) Py_RETURN_FALSE;
     self->owner = PyThread_get_thread_ident();
@@ -878,21 +900,74 @@ static inline i64 passed_up(const AccountObject *a, i64 used) {
     return used > a->reserve ? used : a->reserve;
 }
 
-/* The first account up the chain whose limit `delta` more bytes would exceed, or NULL. */
+/* What ledger_refusal answers when 64 bits cannot tell: a limit given beyond them (kept as
+ * INT64_MAX here) that used + delta passes; exact_refusal decides with Python ints. */
+#define UNDECIDED ((AccountObject *)1)
+
+/* Whether `delta` more bytes take `link` over its limit: 1 yes, 0 no, -1 undecided. */
+static inline int over(const AccountObject *link, i64 delta) {
+    if (delta <= 0) return link->used + delta > link->limit; /* used >= 0: no overflow */
+    if (link->used <= link->limit - delta) return 0;
+    return link->limit == INT64_MAX && link->used > INT64_MAX - delta ? -1 : 1;
+}
+
+/* The first account up the chain whose limit `delta` more bytes would exceed, NULL when all
+ * of them can take it, or UNDECIDED. */
 static AccountObject *ledger_refusal(AccountObject *account, i64 delta) {
     if (account->plain) {
         for (AccountObject *link = account; link != NULL; link = link->parent) {
-            if (link->used > link->limit - delta) return link;
+            int o = over(link, delta);
+            if (o) return o > 0 ? link : UNDECIDED;
         }
         return NULL;
     }
     AccountObject *node = account;
     while (node != NULL && delta > 0) {
-        if (node->used > node->limit - delta) return node;
+        int o = over(node, delta);
+        if (o) return o > 0 ? node : UNDECIDED;
         i64 used = node->used + delta;
         if (node->reserve) delta = passed_up(node, used) - passed_up(node, node->used);
         node = node->parent;
     }
+    return NULL;
+}
+
+/* ledger_refusal in Python ints, with the limits and reserves as given: for requests and
+ * limits beyond 64 bits (never on the fast path). A new reference, or NULL with an error. */
+static PyObject *exact_refusal(AccountObject *account, PyObject *delta) {
+    Py_INCREF(delta);
+    for (AccountObject *node = account; node != NULL; node = node->parent) {
+        int positive = PyObject_RichCompareBool(delta, Py_False, Py_GT);
+        if (positive < 0) goto error;
+        if (!account->plain && !positive) break; /* a floor passes nothing more up */
+        PyObject *used = PyLong_FromLongLong(node->used);
+        PyObject *sum = used ? PyNumber_Add(used, delta) : NULL;
+        int exceeds = sum ? PyObject_RichCompareBool(sum, node->limit_given, Py_GT) : -1;
+        if (exceeds != 0) {
+            Py_XDECREF(used);
+            Py_XDECREF(sum);
+            if (exceeds < 0) goto error;
+            Py_DECREF(delta);
+            Py_INCREF(node);
+            return (PyObject *)node;
+        }
+        if (!account->plain && node->reserve) { /* only what rises above the floor goes up */
+            PyObject *after = PyNumber_Check(sum) ? PyObject_RichCompareBool(sum, node->reserve_given, Py_GT) > 0 ? sum : node->reserve_given : NULL;
+            PyObject *before = PyObject_RichCompareBool(used, node->reserve_given, Py_GT) > 0 ? used : node->reserve_given;
+            PyObject *next = after ? PyNumber_Subtract(after, before) : NULL;
+            Py_DECREF(used);
+            Py_DECREF(sum);
+            if (next == NULL) goto error;
+            Py_SETREF(delta, next);
+            continue;
+        }
+        Py_DECREF(used);
+        Py_DECREF(sum);
+    }
+    Py_DECREF(delta);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(delta);
     return NULL;
 }
 
@@ -955,17 +1030,11 @@ static PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (nargs != 2) return PyErr_Format(PyExc_TypeError, "refusal(account, delta)");
     AccountObject *a = as_account(args[0]);
     if (a == NULL) return NULL;
+    if (!PyLong_Check(args[1])) return PyErr_Format(PyExc_TypeError, "delta must be an int");
     int ok;
     delta = as_i64(args[1], &ok);
-    if (!ok) { /* beyond 64 bits: more than any limit (the account refuses), or a give-back */
-        if (!PyLong_Check(args[1])) return PyErr_Format(PyExc_TypeError, "delta must be an int");
-        int sign = PyObject_RichCompareBool(args[1], Py_False, Py_GT);
-        if (sign < 0) return NULL;
-        PyObject *result = sign ? (PyObject *)a : Py_None;
-        Py_INCREF(result);
-        return result;
-    }
-    AccountObject *refused = ledger_refusal(a, delta);
+    AccountObject *refused = ok ? ledger_refusal(a, delta) : UNDECIDED;
+    if (refused == UNDECIDED) return exact_refusal(a, args[1]);
     PyObject *result = refused ? (PyObject *)refused : Py_None;
     Py_INCREF(result);
     return result;
@@ -1120,17 +1189,27 @@ static PyTypeObject StatsType = {
     .tp_members = Stats_members,
 };
 
-/* tags[tag] = [live, peak]: `delta` more live bytes (may be negative). -1 on error, nothing
- * changed. */
-static int tag_add(StatsObject *stats, PyObject *tag, i64 delta) {
+/* tags[tag] = [live, peak]: `delta` more live bytes (may be negative). A tag seen for the
+ * first time takes `fresh` (a list of two, made by the caller before anything was read:
+ * making a list may start the collector, whose finalizers run Python code). -1 on error,
+ * nothing changed. Creates no object the collector tracks. */
+static int tag_add(StatsObject *stats, PyObject *tag, i64 delta, PyObject *fresh) {
     PyObject *entry = PyDict_GetItemWithError(stats->tags, tag);
     if (entry == NULL) {
         if (PyErr_Occurred()) return -1;
-        PyObject *fresh = Py_BuildValue("[LL]", delta, delta);
-        if (fresh == NULL) return -1;
-        int failed = PyDict_SetItem(stats->tags, tag, fresh);
-        Py_DECREF(fresh);
-        return failed;
+        if (fresh == NULL || !PyList_CheckExact(fresh) || PyList_GET_SIZE(fresh) != 2) {
+            PyErr_SetString(PyExc_SystemError, "a new tag without its list");
+            return -1;
+        }
+        PyObject *live = PyLong_FromLongLong(delta), *peak = PyLong_FromLongLong(delta);
+        if (live == NULL || peak == NULL) {
+            Py_XDECREF(live);
+            Py_XDECREF(peak);
+            return -1;
+        }
+        PyList_SetItem(fresh, 0, live);
+        PyList_SetItem(fresh, 1, peak);
+        return PyDict_SetItem(stats->tags, tag, fresh);
     }
     if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 2) {
         PyErr_SetString(PyExc_TypeError, "a tag's entry is not [live, peak]");
@@ -1708,7 +1787,6 @@ static PyMemberDef Router_members[] = {
     {"device", T_OBJECT_EX, offsetof(RouterObject, device), READONLY, NULL},
     {"here", T_OBJECT_EX, offsetof(RouterObject, here), READONLY, NULL},
     {"elsewhere", T_OBJECT_EX, offsetof(RouterObject, elsewhere), READONLY, NULL},
-    {"__vectorcalloffset__", T_PYSSIZET, offsetof(RouterObject, vectorcall), READONLY, NULL},
     {NULL}};
 
 static PyTypeObject RouterType = {
@@ -1724,6 +1802,38 @@ static PyTypeObject RouterType = {
     .tp_members = Router_members,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(RouterObject, vectorcall),
+};
+
+
+/* ---------------------------------------------------------------------------------------
+ * Clock: a clock set by hand (``clock.now = t``; ``clock()`` returns it): what a replay
+ * stamps its timeline with, read by the fast path without running Python code.
+ */
+typedef struct {
+    PyObject_HEAD
+    double now;
+} ClockObject;
+
+static PyTypeObject ClockType;
+
+static PyObject *Clock_call(ClockObject *self, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds)))
+        return PyErr_Format(PyExc_TypeError, "a Clock takes no arguments");
+    return PyFloat_FromDouble(self->now);
+}
+
+static PyMemberDef Clock_members[] = {
+    {"now", T_DOUBLE, offsetof(ClockObject, now), 0, "The time it answers, in seconds."},
+    {NULL}};
+
+static PyTypeObject ClockType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gpubudget._core._native.Clock",
+    .tp_basicsize = sizeof(ClockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A clock set by hand: clock.now = t; clock() returns it.",
+    .tp_new = PyType_GenericNew,
+    .tp_call = (ternaryfunc)Clock_call,
+    .tp_members = Clock_members,
 };
 
 /* ---------------------------------------------------------------------------------------
@@ -1752,18 +1862,21 @@ static inline int state_pending(void) {
     return pending != NULL && pending != Py_False;
 }
 
-static int read_clock(PyObject *clock, double *time) {
+/* The time, from a clock the fast path reads without running Python code (the monotonic
+ * clock that time.perf_counter reads, or a Clock); -1 for any other clock, which the Python
+ * methods read with the tree's lock held (a clock written in Python could run anything). */
+static inline int read_clock(PyObject *clock, double *time) {
     if (clock == perf_counter) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         *time = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
         return 0;
     }
-    PyObject *value = PyObject_CallNoArgs(clock);
-    if (value == NULL) return -1;
-    *time = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    return *time == -1.0 && PyErr_Occurred() ? -1 : 0;
+    if (Py_TYPE(clock) == &ClockType) {
+        *time = ((ClockObject *)clock)->now;
+        return 0;
+    }
+    return -1;
 }
 
 static inline int i64_slot(PyObject *object, Py_ssize_t offset, i64 *out) {
@@ -1787,20 +1900,13 @@ static PyObject *slow(PyObject *function, PyObject *self, PyObject *const *args,
     return result;
 }
 
-/* The time of the operation by the tree's clock, read before anything else is: a clock
- * written in Python (a replay's) runs Python code, after which nothing read before would
- * still hold. -1: leave the call to Python (which calls the clock again and says what
- * fails). */
-static int stamp(PyObject *node, double *time) {
+/* The time of the operation by the tree's clock; -1: leave the call to Python (see
+ * read_clock). Nothing runs Python code here. */
+static inline int stamp(PyObject *node, double *time) {
     PyObject *tree = node ? SLOT(node, at.node_tree) : NULL;
     PyObject *recorder = tree && tree != Py_None ? SLOT(tree, at.tree_recorder) : NULL;
     PyObject *clock = recorder ? SLOT(recorder, at.recorder_clock) : NULL;
-    if (clock == NULL) return -1;
-    Py_INCREF(clock);
-    int failed = read_clock(clock, time);
-    Py_DECREF(clock);
-    if (failed) PyErr_Clear();
-    return failed;
+    return clock == NULL ? -1 : read_clock(clock, time);
 }
 
 /* The parts of a tree the fast path uses, when it may take it: 1 yes, 0 leave it to Python. */
@@ -1857,26 +1963,6 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     if (stream != NULL && stream != Py_None && !PyLong_CheckExact(stream)) goto slow;
     if (tag != NULL && tag != Py_None && !PyUnicode_CheckExact(tag)) goto slow;
-    PyObject *node = SLOT(self, at.budget_node);
-    double time;
-    if (stamp(node, &time) < 0 || state_pending()) goto slow;
-    Parts p;
-    if (SLOT(node, at.node_track_stacks) != Py_False ||
-        SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
-        goto slow;
-    PyObject *mapping = SLOT(p.tree, at.tree_mapping), *pending = SLOT(p.tree, at.tree_pending);
-    PyObject *fifo = pending ? SLOT(pending, at.pending_fifo) : NULL;
-    if (mapping != Py_None || fifo == NULL || PyObject_Length(fifo) != 0) goto slow;
-    PyObject *account = SLOT(node, at.node_account), *stats = SLOT(node, at.node_stats);
-    i64 granularity, id;
-    if (account == NULL || Py_TYPE(account) != &AccountType || stats == NULL ||
-        !PyObject_TypeCheck(stats, &StatsType) || !i64_slot(node, at.node_granularity, &granularity) ||
-        !i64_slot(node, at.node_id, &id) || granularity <= 0)
-        goto slow;
-    if (align > granularity) granularity = align;
-    if (nsize > INT64_MAX - granularity) goto slow;
-    i64 nbytes = (nsize + granularity - 1) & -granularity;
-
     PyObject *label = NULL; /* the tag: given, else the current label */
     if (tag == NULL || tag == Py_None) {
         if (PyContextVar_Get(label_var, NULL, &label) < 0) return NULL;
@@ -1889,10 +1975,39 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_INCREF(tag);
         label = tag;
     }
-    if (!lock_try(p.lock)) {
-        Py_XDECREF(label);
-        goto slow;
+    PyObject *fresh = NULL; /* a new tag's [live, peak], made before the state is read */
+    PyObject *where = NULL;
+retry:;
+    PyObject *node = SLOT(self, at.budget_node);
+    double time;
+    Parts p;
+    if (stamp(node, &time) < 0 || state_pending()) goto slow_labelled;
+    if (SLOT(node, at.node_track_stacks) != Py_False ||
+        SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
+        goto slow_labelled;
+    PyObject *mapping = SLOT(p.tree, at.tree_mapping), *pending = SLOT(p.tree, at.tree_pending);
+    PyObject *fifo = pending ? SLOT(pending, at.pending_fifo) : NULL;
+    if (mapping != Py_None || fifo == NULL || PyObject_Length(fifo) != 0) goto slow_labelled;
+    PyObject *account = SLOT(node, at.node_account), *stats = SLOT(node, at.node_stats);
+    i64 granularity, id;
+    if (account == NULL || Py_TYPE(account) != &AccountType || stats == NULL ||
+        !PyObject_TypeCheck(stats, &StatsType) || !i64_slot(node, at.node_granularity, &granularity) ||
+        !i64_slot(node, at.node_id, &id) || granularity <= 0)
+        goto slow_labelled;
+    if (align > granularity) granularity = align;
+    if (nsize > INT64_MAX - granularity) goto slow_labelled;
+    i64 nbytes = (nsize + granularity - 1) & -granularity;
+    if (label != NULL && fresh == NULL) {
+        PyObject *known = PyDict_GetItemWithError(((StatsObject *)stats)->tags, label);
+        if (known == NULL) {
+            if (PyErr_Occurred()) goto failed;
+            /* Making a list may start the collector, whose finalizers may change anything
+             * read so far: make it first, then read it all again. */
+            if ((fresh = Py_BuildValue("[ii]", 0, 0)) == NULL) goto failed;
+            goto retry;
+        }
     }
+    if (!lock_try(p.lock)) goto slow_labelled;
     /* the lock held: refuse, place, then commit; a denial is left to Python (it records it) */
     AccountObject *acct = (AccountObject *)account;
     StatsObject *st = (StatsObject *)stats;
@@ -1902,12 +2017,14 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
         (address = arena_alloc(p.arena, nbytes, granularity)) < 0) {
         PyErr_Clear();
         lock_leave(p.lock);
-        Py_XDECREF(label);
-        goto slow;
+        goto slow_labelled;
     }
-    PyObject *where = PyLong_FromLongLong(address);
-    if (where == NULL || (label != NULL && tag_add(st, label, nbytes) < 0)) {
+    /* from the refusal to the commit nothing runs Python code (no object the collector
+     * tracks is made): no finalizer can slip an allocation in between */
+    where = PyLong_FromLongLong(address);
+    if (where == NULL || (label != NULL && tag_add(st, label, nbytes, fresh) < 0)) {
         arena_free(p.arena, address); /* undone: the block is as it was */
+        lock_leave(p.lock);
         goto failed;
     }
     Entry replaced; /* the commit; nothing below can fail */
@@ -1919,13 +2036,17 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
     log_append(p.events, time, KIND_ALLOC, id, nbytes, label, acct->used, p.root->used);
     lock_leave(p.lock);
     if (replaced.owner != NULL) entry_release(&replaced); /* never: addresses are unique */
+    Py_XDECREF(fresh);
     Py_XDECREF(label);
     return where;
 failed:
-    lock_leave(p.lock);
     Py_XDECREF(where);
+    Py_XDECREF(fresh);
     Py_XDECREF(label);
     return NULL;
+slow_labelled:
+    Py_XDECREF(fresh);
+    Py_XDECREF(label);
 slow:
     return slow(slow_allocate, self, args, nargs, kwnames);
 }
@@ -2158,14 +2279,14 @@ PyMODINIT_FUNC PyInit__native(void) {
         (s_exited = PyUnicode_InternFromString("exited")) == NULL)
         return NULL;
     PyTypeObject *types[] = {&ArenaType, &LockType, &AccountType, &StatsType, &EventLogType,
-                             &RouterType, &RegistryType};
+                             &RouterType, &RegistryType, &ClockType};
     const char *type_names[] = {"Arena", "Lock", "Account", "Stats", "EventLog", "Router",
-                                "Registry"};
-    for (int i = 0; i < 7; i++)
+                                "Registry", "Clock"};
+    for (int i = 0; i < 8; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(module, type_names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -146,6 +146,18 @@ class Recorder:
         self.trace_error: str | None = None  # why tracing stopped, if it did
         self.published: memoryview | None = None  # the root's words in the host ledger
 
+    def _now(self) -> float:
+        """The clock's time for an event being recorded (the operation is already committed):
+        never raises. A clock that fails gives ``nan`` for this event; a Ctrl-C that lands in
+        it is kept for delivery once the operation returns."""
+        try:
+            return float(self.clock())
+        except KeyboardInterrupt:
+            interrupts.defer()
+        except Exception:  # noqa: BLE001 - the accounting is committed: keep it whole
+            pass
+        return float("nan")
+
     @property
     def logged(self) -> int:
         """Events ever logged; ``logged - len(events)`` were dropped."""
@@ -162,7 +174,7 @@ class Recorder:
             stats.peak_blocks = blocks
         if tag is not None:
             stats.tag_grew(tag, nbytes)
-        self.events.append((self.clock(), "alloc", budget, nbytes, tag, used, total))
+        self.events.append((self._now(), "alloc", budget, nbytes, tag, used, total))
         if self.writer is not None:
             self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
 
@@ -173,7 +185,7 @@ class Recorder:
         stats.blocks -= 1
         if tag is not None:
             stats.tags[tag][0] -= nbytes
-        self.events.append((self.clock(), "free", budget, nbytes, tag, used, total))
+        self.events.append((self._now(), "free", budget, nbytes, tag, used, total))
         if self.writer is not None:
             self._trace(self.writer.free, budget, address)
 
@@ -182,7 +194,7 @@ class Recorder:
         stats.count_denial(nbytes, reason, refused_by)
         if self.published is not None:
             self.published[2] += 1  # denials in the tree, for other processes to read
-        self.events.append((self.clock(), "deny", budget, nbytes, tag, used, total))
+        self.events.append((self._now(), "deny", budget, nbytes, tag, used, total))
         if self.writer is not None:
             self._trace(self.writer.deny, budget, size, alignment, tag, nbytes, reason)
 
@@ -196,7 +208,7 @@ class Recorder:
             stats.bytes_allocated += nbytes - old
         else:
             stats.bytes_freed += old - nbytes
-        self.events.append((self.clock(), kind, budget, abs(nbytes - old), tag, used, total))
+        self.events.append((self._now(), kind, budget, abs(nbytes - old), tag, used, total))
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)
 
