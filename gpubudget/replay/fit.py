@@ -24,7 +24,6 @@ from ..units import format_size, round_up
 from .run import (
     PROBE_REASONS,
     ReplayError,
-    ReplayResult,
     TraceSource,
     _last_uses,
     _Replay,
@@ -155,8 +154,13 @@ class _TreeEvents:
         self.nbytes = array("q")
         self.tags = array("l")  # indexes into ``strings``; 0 is None
         self.reasons = array("l")
+        self.stacks = array("l")  # indexes into ``stack_list``; 0 is None
         self.strings: list[str | None] = [None]
         self._string_index: dict[str | None, int] = {None: 0}
+        self.stack_list: list[tuple[str, ...] | None] = [None]
+        self._stack_index: dict[tuple[str, ...] | None, int] = {None: 0}
+        self.probes = False  # whether any allocation was denied for a limit
+        self.resizes = False
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -168,11 +172,23 @@ class _TreeEvents:
             self.strings.append(text)
         return index
 
+    def _stack(self, stack: tuple[str, ...] | None) -> int:
+        index = self._stack_index.get(stack)
+        if index is None:
+            index = self._stack_index[stack] = len(self.stack_list)
+            self.stack_list.append(stack)
+        return index
+
     def append(self, event: TraceEvent) -> None:
+        stack = 0
         if type(event) is Alloc:
             row = (_ALLOC, event.size, event.align,
                    -1 if event.ptr is None else event.ptr, event.nbytes,
                    self._string(event.tag), self._string(event.reason))
+            if event.stack is not None:
+                stack = self._stack(event.stack)
+            if event.ptr is None and event.reason in PROBE_REASONS:
+                self.probes = True
         elif type(event) is Free:
             row = (_FREE, 0, 0, event.ptr, 0, 0, 0)
         elif type(event) is Enter:
@@ -180,6 +196,7 @@ class _TreeEvents:
             self.enters.append(event)
         elif type(event) is Resize:
             row = (_RESIZE, event.size, event.align, event.ptr, event.nbytes, 0, 0)
+            self.resizes = True
         else:
             row = (_EXIT, 0, 0, 0, 0, 0, 0)
         kind, size, align, address, nbytes, tag, reason = row
@@ -192,16 +209,18 @@ class _TreeEvents:
         self.nbytes.append(nbytes)
         self.tags.append(tag)
         self.reasons.append(reason)
+        self.stacks.append(stack)
 
     def __iter__(self) -> Iterator[TraceEvent]:
-        strings, enters = self.strings, self.enters
+        strings, enters, stacks = self.strings, self.enters, self.stack_list
         make = tuple.__new__  # what the NamedTuple constructors call, without their frame
-        for kind, t, budget, size, align, address, nbytes, tag, reason in zip(
+        for kind, t, budget, size, align, address, nbytes, tag, reason, stack in zip(
                 self.kinds, self.times, self.budgets, self.sizes, self.aligns, self.addresses,
-                self.nbytes, self.tags, self.reasons):
+                self.nbytes, self.tags, self.reasons, self.stacks):
             if kind == _ALLOC:
                 yield make(Alloc, (t, budget, size, align, strings[tag],
-                                   None if address < 0 else address, nbytes, strings[reason]))
+                                   None if address < 0 else address, nbytes, strings[reason],
+                                   stacks[stack]))
             elif kind == _FREE:
                 yield make(Free, (t, budget, address))
             elif kind == _ENTER:
@@ -253,34 +272,56 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     steps = 0
     last_uses = _last_uses(events)
 
-    def run(limits: dict[int, int], granted_peaks: bool = False) -> ReplayResult:
+    def run(limits: dict[int, int], granted_peaks: bool) -> _Replay:
         nonlocal steps
         steps += 1
         tell(steps)
-        return _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses).run(events)
+        replay = _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses,
+                         reports=False)
+        replay.run(events)
+        return replay
 
     root = events.enters[0]
     members = [event.budget for event in events.enters]
-    free = _unlimited(root, events, members, run)
+    # Peaks counting only what was granted differ from the peaks only where probes (or a
+    # resize that moves in the replay) raised them: track them apart only then.
+    granted = events.probes or events.resizes
+    unlimited = _unlimited(root, events, members, lambda limits: run(limits, granted))
+    free = {bid: replay_member for bid, replay_member in unlimited.members.items()}
     limits = {}
     for bid in members[1:]:
-        child = free.budgets[bid]
-        limits[bid] = round_up(max(child.peak, child.reserve, child.align), child.align)
+        child = free[bid]
+        peak = child.budget.peak if child.budget is not None else 0
+        limits[bid] = round_up(max(peak, child.entry.reserve, child.entry.align),
+                               child.entry.align)
     align = root.align
-    ceiling = free.budgets[root.budget].limit
+    top = free[root.budget]
+    ceiling = top.limit
+    assert top.budget is not None  # a root that cannot be opened raised ReplayError
 
     def denied(limit: int) -> bool:
+        nonlocal steps
+        steps += 1
+        tell(steps)
         limits[root.budget] = limit
-        return bool(run(limits).denials)
+        return _Replay(limits, last_uses=last_uses, reports=False).denied(events)
 
-    need = round_up(max(free.budgets[root.budget].peak, align), align)
-    low, high, step = need - align, need, align  # below the peak is always denied
-    while denied(high):  # step up, doubling, from the peak
-        if high >= ceiling:
-            raise ReplayError(f"budget {root.name!r} is denied at every limit up to "
-                              f"{format_size(ceiling)}, which granted everything with its "
-                              f"children unlimited: is the trace consistent?")
-        low, high, step = high, min(high + step, ceiling), step * 2
+    need = round_up(max(top.budget.peak, align), align)
+    low = need - align  # below the peak is always denied
+    high = need
+    if denied(need):
+        # The unlimited replay's highest block end is where its placement fits: the next
+        # guess, usually right or close; then steps up, doubling; then bisection.
+        low = need
+        used_span = unlimited.high_water - unlimited.low_water if unlimited.low_water >= 0 else 0
+        high = min(max(round_up(used_span, align), need + align), ceiling)
+        step = align
+        while denied(high):
+            if high >= ceiling:
+                raise ReplayError(f"budget {root.name!r} is denied at every limit up to "
+                                  f"{format_size(ceiling)}, which granted everything with "
+                                  f"its children unlimited: is the trace consistent?")
+            low, high, step = high, min(high + step, ceiling), step * 2
     while high - low > align:  # then bisect
         middle = (low + high) // 2 // align * align
         if denied(middle):
@@ -288,28 +329,33 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
         else:
             high = middle
     limits[root.budget] = high
-    return [Fit(bid, b.name, b.parent, b.recorded_limit, b.align, b.reserve, b.granted_peak,
-                b.largest_probe, limits[bid])
-            for bid, b in free.budgets.items()]
+    found = []
+    for bid, member in unlimited.members.items():
+        entry = member.entry
+        peak = member.budget.peak if member.budget is not None else 0
+        found.append(Fit(bid, entry.name, entry.parent, entry.limit, entry.align,
+                         entry.reserve, member.granted_peak if granted else peak,
+                         member.largest_probe, limits[bid]))
+    return found
 
 
 def _unlimited(root: Enter, events: _TreeEvents, members: list[int],
-               run: Callable[[dict[int, int], bool], ReplayResult]) -> ReplayResult:
+               run: Callable[[dict[int, int]], _Replay]) -> _Replay:
     """A replay with every budget of the tree at one ceiling (at first the root's recorded
     limit plus its tree's largest probe), doubled until nothing is denied."""
     largest = max((e.nbytes for e in events
                    if type(e) is Alloc and e.ptr is None and e.reason in PROBE_REASONS),
-                  default=0)
+                  default=0) if events.probes else 0
     ceiling = round_up(root.limit + largest, root.align)
     for doublings in range(_MAX_DOUBLINGS):
         try:
-            result = run(dict.fromkeys(members, ceiling), True)
+            result = run(dict.fromkeys(members, ceiling))
         except ReplayError:
             before = (f"; at {format_size(ceiling // 2)} the replay still had denials"
                       if doublings else "")
             raise ReplayError(f"cannot fit budget {root.name!r}: host memory cannot map "
                               f"{format_size(ceiling)}, even untouched{before}") from None
-        if not result.denials:
+        if not any(member.denials for member in result.members.values()):
             return result
         ceiling *= 2
     raise ReplayError(f"cannot fit budget {root.name!r}: denied even at "  # pragma: no cover

@@ -117,15 +117,16 @@ class ReplayResult:
 
 
 class _Member:
-    """One recorded budget during a replay."""
+    """One recorded budget during a replay. It knows its parent, never its whole chain of
+    ancestors: a chain 10,000 deep costs 10,000 members, not 50 million references."""
 
-    __slots__ = ("entry", "limit", "chain", "budget", "context", "denials", "largest_probe",
+    __slots__ = ("entry", "limit", "parent", "budget", "context", "denials", "largest_probe",
                  "granted_peak", "after_release")
 
-    def __init__(self, entry: Enter, limit: int, chain: tuple[_Member, ...]) -> None:
+    def __init__(self, entry: Enter, limit: int, parent: _Member | None) -> None:
         self.entry = entry
         self.limit = limit
-        self.chain = (self,) + chain  # itself, then its ancestors
+        self.parent = parent
         self.budget: Budget | None = None  # None when its entry was refused
         self.context = contextvars.Context()
         self.context.run(SEPARATE_ROOTS.set, True)  # a replay's roots: no thread-trap warning
@@ -135,19 +136,36 @@ class _Member:
         self.after_release = 0
 
     def note_granted(self) -> None:
-        """After a change that the recording granted: raise the chain's granted peaks."""
-        for member in self.chain:
-            if member.budget is not None and member.budget.used > member.granted_peak:
-                member.granted_peak = member.budget.used
+        """After a change that the recording granted: raise the granted peaks of this budget
+        and its ancestors (a walk up the parents, as the core's own charge walks them)."""
+        member: _Member | None = self
+        while member is not None:
+            budget = member.budget
+            if budget is not None and budget.used > member.granted_peak:
+                member.granted_peak = budget.used
+            member = member.parent
+
+
+class _Denied(Exception):
+    """Raised out of a replay that only asks whether anything is denied, at the first."""
 
 
 class _Replay:
-    """One replay's state: the budgets opened, and the recorded address -> replayed block."""
+    """One replay's state: the budgets opened, and the recorded address -> replayed block.
+
+    ``granted_peaks``: track each budget's peak counting only what the recording granted
+    (see :attr:`Recorded.granted_peak`). ``stop_at_denial``: a replay that only asks
+    whether anything is denied (``fit``'s search) stops at the first denial, and then
+    :meth:`run` returns ``None``. ``reports``: build the roots' reports (``fit`` needs none).
+    """
 
     def __init__(self, limits: dict[int, int], *, granted_peaks: bool = False,
-                 last_uses: dict[int, int] | None = None) -> None:
+                 last_uses: dict[int, int] | None = None, stop_at_denial: bool = False,
+                 reports: bool = True) -> None:
         self.limits = limits
         self.granted_peaks = granted_peaks
+        self.stop_at_denial = stop_at_denial
+        self.reports = reports
         self.last_uses = last_uses or {}  # budget id -> index of the last event using it
         self.unpins: dict[int, list[Budget]] = {}  # event index -> budgets to unpin after it
         self.index = 0  # of the event being replayed
@@ -155,37 +173,102 @@ class _Replay:
         self.members: dict[int, _Member] = {}
         self.roots: list[int] = []
         self.blocks: dict[int, tuple[_Member, int]] = {}
+        self.stacks: dict[int, tuple[str, ...]] = {}  # replayed address -> recorded stack
+        self.high_water = 0  # the highest end of a replayed block, in bytes
+        self.low_water = -1  # the lowest replayed address, -1 before the first
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
-        backend = self.backend
-        unpins = self.unpins
+        """Replay ``events``; the roots' reports and every budget's numbers."""
         try:
-            for index, event in enumerate(events):
-                self.index = index
-                backend.now = event.t
-                if type(event) is Alloc:  # the most frequent first
-                    self.alloc(event)
-                elif type(event) is Free:
-                    self.free(event)
-                elif type(event) is Enter:
-                    self.enter(event)
-                elif type(event) is Exit:
-                    self.exit(event)
-                elif type(event) is Resize:
-                    self.resize(event)
-                if unpins and index in unpins:
-                    for budget in unpins.pop(index):
-                        budget.unpin()
-            reports = tuple(self.report(root) for root in self.roots)
+            self.play(events)
+            reports = tuple(self.report(root) for root in self.roots) if self.reports else ()
             budgets = {bid: self.recorded(member) for bid, member in self.members.items()}
         finally:
             self.close()
         return ReplayResult(reports, tuple(self.roots), budgets)
 
+    def denied(self, events: Iterable[TraceEvent]) -> bool:
+        """Whether replaying ``events`` is refused anything (stops at the first refusal)."""
+        self.stop_at_denial = True
+        try:
+            self.play(events)
+        except _Denied:
+            return True
+        finally:
+            self.close()
+        return any(member.denials for member in self.members.values())
+
+    def play(self, events: Iterable[TraceEvent]) -> None:
+        """The loop: granted allocations and frees inline (most events), the rest by
+        method."""
+        backend = self.backend
+        unpins = self.unpins
+        members = self.members
+        blocks = self.blocks
+        stacks = self.stacks
+        granted_peaks = self.granted_peaks
+        alloc_type, free_type = Alloc, Free
+        index = -1
+        for event in events:
+            index += 1
+            backend.now = event.t
+            kind = type(event)
+            if kind is alloc_type:
+                if event.ptr is None:
+                    self.index = index
+                    self.probe(event)
+                else:
+                    member = members[event.budget]
+                    budget = member.budget
+                    if budget is None or budget.state == "released":
+                        self.index = index
+                        self.refused_or_released(member)
+                    else:
+                        address = member.context.run(budget.allocate, event.size, event.align,
+                                                     tag=event.tag)
+                        if address is None:
+                            self.deny(member)
+                        else:
+                            blocks[event.ptr] = (member, address)
+                            end = address + event.nbytes
+                            if end > self.high_water:
+                                self.high_water = end
+                            if address < self.low_water or self.low_water < 0:
+                                self.low_water = address
+                            if event.stack is not None:
+                                stacks[address] = event.stack
+                            if granted_peaks:
+                                member.note_granted()
+            elif kind is free_type:
+                found = blocks.pop(event.ptr, None)
+                if found is not None and found[0].budget is not None:
+                    found[0].budget.free(found[1])
+                    if stacks:
+                        stacks.pop(found[1], None)
+            else:
+                self.index = index
+                if kind is Enter:
+                    self.enter(event)  # type: ignore[arg-type]
+                elif kind is Exit:
+                    self.exit(event)  # type: ignore[arg-type]
+                elif kind is Resize:
+                    self.resize(event)  # type: ignore[arg-type]
+            if unpins and index in unpins:
+                for budget in unpins.pop(index):
+                    budget.unpin()
+
+    def deny(self, member: _Member) -> None:
+        member.denials += 1
+        if self.stop_at_denial:
+            raise _Denied
+
     def report(self, root: int) -> BudgetReport:
         budget = self.members[root].budget
         assert budget is not None  # a root whose entry fails ends the replay
-        return budget.report()
+        report = budget.report()
+        if self.stacks:
+            report = _with_stacks(report, self.stacks)
+        return report
 
     @staticmethod
     def recorded(member: _Member) -> Recorded:
@@ -213,12 +296,11 @@ class _Replay:
     def enter(self, event: Enter) -> None:
         limit = self.limits.get(event.budget, event.limit)
         parent = self.members.get(event.parent) if event.parent is not None else None
-        member = self.members[event.budget] = _Member(
-            event, limit, parent.chain if parent is not None else ())
+        member = self.members[event.budget] = _Member(event, limit, parent)
         if parent is None:
             self.roots.append(event.budget)
         elif parent.budget is None:
-            member.denials += 1  # its parent could not be opened
+            self.deny(member)  # its parent could not be opened
             return
         # A replay is never traced (trace=False), even where GPUBUDGET_TRACE asks every root
         # to be: that could be the very file being read.
@@ -234,10 +316,10 @@ class _Replay:
                 raise ReplayError(f"cannot replay root budget {event.name!r}: its limit of "
                                   f"{format_size(limit)} cannot be mapped in host memory, "
                                   f"even untouched ({exc})") from None
-            member.denials += 1  # its reserve did not fit in its parent
+            self.deny(member)  # its reserve did not fit in its parent
             return
         except GpuBudgetError:
-            member.denials += 1
+            self.deny(member)
             return
         member.budget = budget
         if self.granted_peaks and parent is not None:
@@ -247,35 +329,33 @@ class _Replay:
             budget.pin()
             self.unpins.setdefault(last, []).append(budget)
 
-    def alloc(self, event: Alloc) -> None:
-        probe = event.ptr is None
-        if probe and event.reason not in PROBE_REASONS:
+    def refused_or_released(self, member: _Member) -> None:
+        """An allocation through a budget whose entry was refused, or already released."""
+        if member.budget is None:
+            self.deny(member)
+        else:  # see replay(): kept alive in the recording
+            member.after_release += 1
+
+    def probe(self, event: Alloc) -> None:
+        """A request the recording denied: allocated and freed at once, if a limit denied
+        it (see the module docstring)."""
+        if event.reason not in PROBE_REASONS:
             return  # not a matter of limits: see the module docstring
         member = self.members[event.budget]
-        if probe and event.nbytes > member.largest_probe:
+        if event.nbytes > member.largest_probe:
             member.largest_probe = event.nbytes
         budget = member.budget
-        if budget is None:
-            member.denials += 1
-            return
-        if budget.state == "released":  # see replay(): kept alive in the recording
-            member.after_release += 1
+        if budget is None or budget.state == "released":
+            self.refused_or_released(member)
             return
         address = member.context.run(budget.allocate, event.size, event.align, tag=event.tag)
         if address is None:
-            member.denials += 1
-        elif probe:
-            budget.free(address)
+            self.deny(member)
         else:
-            assert event.ptr is not None
-            self.blocks[event.ptr] = (member, address)
-            if self.granted_peaks:
-                member.note_granted()
-
-    def free(self, event: Free) -> None:
-        found = self.blocks.pop(event.ptr, None)
-        if found is not None and found[0].budget is not None:
-            found[0].budget.free(found[1])
+            end = address + event.nbytes
+            if end > self.high_water:
+                self.high_water = end
+            budget.free(address)
 
     def resize(self, event: Resize) -> None:
         found = self.blocks.get(event.ptr)
@@ -285,9 +365,14 @@ class _Replay:
         assert member.budget is not None
         moved = member.budget.resize(address, event.size, event.align)
         if moved is None:
-            self.members[event.budget].denials += 1
+            self.deny(self.members[event.budget])
         else:
             self.blocks[event.ptr] = (member, moved)
+            if moved != address and address in self.stacks:
+                self.stacks[moved] = self.stacks.pop(address)
+            end = moved + event.nbytes
+            if end > self.high_water:
+                self.high_water = end
             if self.granted_peaks:
                 member.note_granted()
 
@@ -295,6 +380,20 @@ class _Replay:
         member = self.members[event.budget]
         if member.budget is not None and member.budget.state == "open":
             member.context.run(member.budget.__exit__, None, None, None)
+
+
+def _with_stacks(report: BudgetReport, stacks: dict[int, tuple[str, ...]]) -> BudgetReport:
+    """``report`` whose live blocks carry the stacks recorded for them (a replay cannot
+    hand a stack to ``Budget.allocate``: it keeps them beside, by replayed address)."""
+    made: dict[int, BudgetReport] = {}
+    for item in reversed(report.walk()):  # children before parents: no recursion
+        blocks = tuple(replace(block, stack=stacks[block.address])
+                       if block.stack is None and block.address in stacks else block
+                       for block in item.live_blocks)
+        made[id(item)] = replace(item, live_blocks=blocks,
+                                 children=tuple(made.pop(id(child))
+                                                for child in item.children))
+    return made[id(report)]
 
 
 def replay(
