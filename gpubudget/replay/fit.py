@@ -299,35 +299,20 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     ceiling = top.limit
     assert top.budget is not None  # a root that cannot be opened raised ReplayError
 
-    def denied(limit: int) -> bool:
+    def shortfall(limit: int) -> int:
+        """0 if the tree replays at ``limit`` without a denial; else at least one alignment:
+        how much more the request refused first lacked (see ``_Replay.missing``)."""
         nonlocal steps
         steps += 1
         tell(steps)
         limits[root.budget] = limit
-        return _Replay(limits, last_uses=last_uses, reports=False).denied(events)
+        replay = _Replay(limits, last_uses=last_uses, reports=False)
+        if not replay.denied(events):
+            return 0
+        return max(align, round_up(replay.shortfall, align))
 
     need = round_up(max(top.budget.peak, align), align)
-    low = need - align  # below the peak is always denied
-    high = need
-    if denied(need):
-        # The unlimited replay's highest block end is where its placement fits: the next
-        # guess, usually right or close; then steps up, doubling; then bisection.
-        low = need
-        used_span = unlimited.high_water - unlimited.low_water if unlimited.low_water >= 0 else 0
-        high = min(max(round_up(used_span, align), need + align), ceiling)
-        step = align
-        while denied(high):
-            if high >= ceiling:
-                raise ReplayError(f"budget {root.name!r} is denied at every limit up to "
-                                  f"{format_size(ceiling)}, which granted everything with "
-                                  f"its children unlimited: is the trace consistent?")
-            low, high, step = high, min(high + step, ceiling), step * 2
-    while high - low > align:  # then bisect
-        middle = (low + high) // 2 // align * align
-        if denied(middle):
-            low = middle
-        else:
-            high = middle
+    low, high = _search(need, align, ceiling, shortfall, root.name)
     limits[root.budget] = high
     found = []
     for bid, member in unlimited.members.items():
@@ -337,6 +322,45 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
                          entry.reserve, member.granted_peak if granted else peak,
                          member.largest_probe, limits[bid]))
     return found
+
+
+def _search(need: int, align: int, ceiling: int,
+            shortfall: Callable[[int], int], name: str) -> tuple[int, int]:
+    """The smallest limit (a multiple of ``align``, from ``need`` up to ``ceiling``) that
+    ``shortfall`` grants, and the largest below it that it was seen to deny.
+
+    Tries ``need`` (the peak: nothing below can do), then steps up, doubling, then
+    bisects between the last step denied and the first granted. A denied replay says what its first refusal lacked: the limits below that are skipped, were
+    everything placed as it was. That is a guess, so the limit just below the answer is
+    replayed at the end, and if it is granted the bisection goes on without guesses.
+    """
+    low = need - align  # below the peak is always denied
+    seen = low  # the largest limit replayed and denied (or ruled out by the peak)
+    high, step = need, align
+    while lacking := shortfall(high):  # step up, doubling, from the peak
+        if high >= ceiling:
+            raise ReplayError(f"budget {name!r} is denied at every limit up to "
+                              f"{format_size(ceiling)}, which granted everything with its "
+                              f"children unlimited: is the trace consistent?")
+        seen, low = high, high + lacking - align
+        high, step = min(max(high + step, low + align), ceiling), step * 2
+    guessing = True
+    while True:
+        low = min(low, high - align)  # a guess beyond the first limit granted
+        while high - low > align:  # then bisect
+            middle = (low + high) // 2 // align * align
+            lacking = shortfall(middle)
+            if lacking:
+                seen = middle
+                low = middle + lacking - align if guessing else middle
+            else:
+                high = middle
+            low = min(low, high - align)
+        if low <= seen or not guessing:
+            return low, high
+        if shortfall(low):  # the guess held: the limit below the answer is denied
+            return low, high
+        guessing, low, high = False, seen, low  # it did not: bisect again, by replays only
 
 
 def _unlimited(root: Enter, events: _TreeEvents, members: list[int],

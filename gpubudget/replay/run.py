@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Final, Union
 
-from ..backends.host import HostBackend
+from ..backends.host import HostBackend, HostReservation
 from ..budget import Budget
 from ..context import SEPARATE_ROOTS
 from ..errors import BudgetError, GpuBudgetError
@@ -27,7 +27,7 @@ from ..tracefile import (
     TraceEvent,
     TraceReader,
 )
-from ..units import format_size
+from ..units import format_size, round_up
 
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult", "replay"]
 PROBE_REASONS: Final = LIMIT_REASONS
@@ -53,6 +53,15 @@ class ReplayBackend(HostBackend):
         super().__init__(noreserve=True)
         self.now = 0.0
         """The ``t`` of the event being replayed, in seconds."""
+        self.reserved_at: int | None = None
+        """The address of the last memory reserved (a root's arena starts there, rounded
+        up to its alignment)."""
+
+    def reserve(self, nbytes: int) -> HostReservation:
+        """Map ``nbytes``, untouched, and remember where."""
+        reservation = super().reserve(nbytes)
+        self.reserved_at = reservation.address
+        return reservation
 
     def clock(self) -> float:
         """The recorded time of the event being replayed."""
@@ -172,10 +181,11 @@ class _Replay:
         self.backend = ReplayBackend()
         self.members: dict[int, _Member] = {}
         self.roots: list[int] = []
-        self.blocks: dict[int, tuple[_Member, int]] = {}
+        self.blocks: dict[int, tuple[_Member, int, int]] = {}  # -> (member, address, bytes)
         self.stacks: dict[int, tuple[str, ...]] = {}  # replayed address -> recorded stack
         self.high_water = 0  # the highest end of a replayed block, in bytes
         self.low_water = -1  # the lowest replayed address, -1 before the first
+        self.shortfall = 0  # stop_at_denial: how much more limit the refused request needed
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
         """Replay ``events``; the roots' reports and every budget's numbers."""
@@ -188,7 +198,8 @@ class _Replay:
         return ReplayResult(reports, tuple(self.roots), budgets)
 
     def denied(self, events: Iterable[TraceEvent]) -> bool:
-        """Whether replaying ``events`` is refused anything (stops at the first refusal)."""
+        """Whether replaying ``events`` is refused anything (stops at the first refusal, and
+        :attr:`shortfall` says what the refused request lacked, 0 if unknown)."""
         self.stop_at_denial = True
         try:
             self.play(events)
@@ -227,9 +238,9 @@ class _Replay:
                         address = member.context.run(budget.allocate, event.size, event.align,
                                                      tag=event.tag)
                         if address is None:
-                            self.deny(member)
+                            self.deny(member, event.nbytes)
                         else:
-                            blocks[event.ptr] = (member, address)
+                            blocks[event.ptr] = (member, address, event.nbytes)
                             end = address + event.nbytes
                             if end > self.high_water:
                                 self.high_water = end
@@ -257,10 +268,37 @@ class _Replay:
                 for budget in unpins.pop(index):
                     budget.unpin()
 
-    def deny(self, member: _Member) -> None:
+    def deny(self, member: _Member, nbytes: int = 0) -> None:
+        """Count a refusal of ``nbytes`` (0: an entry) by ``member``; stop the replay there
+        if it only asks whether anything is refused."""
         member.denials += 1
         if self.stop_at_denial:
+            self.shortfall = self.missing(nbytes) if nbytes else 0
             raise _Denied
+
+    def missing(self, nbytes: int) -> int:
+        """How much more limit the root being replayed needed to grant ``nbytes`` now, were
+        everything placed as it is: less than the request minus the largest free hole (the
+        one after the last block included), or the request minus what its ledger has left;
+        0 where it cannot tell. ``fit`` skips the limits below that, and checks the limit
+        it returns still. (The root is the last entered: ``fit`` replays one tree.)"""
+        root = self.members[self.roots[-1]] if self.roots else None
+        start = self.backend.reserved_at
+        if root is None or root.budget is None or start is None:
+            return 0
+        align = root.entry.align
+        base = round_up(start, align)
+        ends = sorted((address, size) for _, address, size in self.blocks.values())
+        largest = at = 0
+        for address, size in ends:
+            largest = max(largest, address - base - at)
+            at = max(at, address - base + size)
+        largest = max(largest, round_up(root.limit, align) - at)
+        short = nbytes - largest
+        over = root.budget.used + nbytes - root.limit
+        if over > 0:
+            short = over if short <= 0 else min(short, over)
+        return max(short, 0)
 
     def report(self, root: int) -> BudgetReport:
         budget = self.members[root].budget
@@ -285,7 +323,7 @@ class _Replay:
             for budget in budgets:
                 budget.unpin()
         self.unpins.clear()
-        for member, address in self.blocks.values():
+        for member, address, _ in self.blocks.values():
             if member.budget is not None:
                 member.budget.free(address)
         self.blocks.clear()
@@ -350,7 +388,7 @@ class _Replay:
             return
         address = member.context.run(budget.allocate, event.size, event.align, tag=event.tag)
         if address is None:
-            self.deny(member)
+            self.deny(member, event.nbytes)
         else:
             end = address + event.nbytes
             if end > self.high_water:
@@ -361,13 +399,13 @@ class _Replay:
         found = self.blocks.get(event.ptr)
         if found is None or found[0].budget is None:
             return  # its allocation was denied in this replay: counted there
-        member, address = found
+        member, address, _ = found
         assert member.budget is not None
         moved = member.budget.resize(address, event.size, event.align)
         if moved is None:
-            self.deny(self.members[event.budget])
+            self.deny(self.members[event.budget], event.nbytes)
         else:
-            self.blocks[event.ptr] = (member, moved)
+            self.blocks[event.ptr] = (member, moved, event.nbytes)
             if moved != address and address in self.stacks:
                 self.stacks[moved] = self.stacks.pop(address)
             end = moved + event.nbytes
