@@ -102,7 +102,8 @@ class Recorder:
     # -- one method per event: count, log, trace -----------------------------------------
 
     def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
-                address: int, nbytes: int, used: int, total: int) -> None:
+                address: int, nbytes: int, used: int, total: int,
+                stack: tuple[str, ...] | None = None) -> None:
         stats.allocations += 1
         blocks = stats.blocks = stats.blocks + 1
         if blocks > stats.peak_blocks:
@@ -112,7 +113,7 @@ class Recorder:
         self.events.append((self.clock(), "alloc", budget, nbytes, tag, used, total))
         self.logged += 1
         if self.writer is not None:
-            self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
+            self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes, stack)
 
     def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
               used: int, total: int) -> None:
