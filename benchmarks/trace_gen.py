@@ -28,7 +28,7 @@ import os
 import random
 import time
 
-from gpubudget import gpu_budget
+from gpubudget import Budget, gpu_budget
 from gpubudget.backends.host import HostBackend
 from gpubudget.tracefile import TraceWriter, writer_for
 from gpubudget.units import GiB, KiB, MiB
@@ -44,8 +44,8 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
 def record_server(path: str, events: int = 1_000_000, seed: int = 0) -> None:
     """The server trace (see the module docstring)."""
     rng = random.Random(seed)
-    with gpu_budget("24GiB", name="serve", backend=_BACKEND, trace=path):
-        _serve(rng, events)
+    with gpu_budget("24GiB", name="serve", backend=_BACKEND, trace=path) as serve:
+        _serve(serve, rng, events)
     for name, count in (("warmup", 2000), ("eval", 3000)):
         with gpu_budget("2GiB", name=name, backend=_BACKEND, trace=path):
             with gpu_budget("1GiB", name="model") as model:
@@ -53,16 +53,17 @@ def record_server(path: str, events: int = 1_000_000, seed: int = 0) -> None:
     writer_for(path).flush()
 
 
-def _serve(rng: random.Random, events: int) -> None:
-    with gpu_budget("8GiB", name="weights") as weights:
+def _serve(serve: Budget, rng: random.Random, events: int) -> None:
+    with gpu_budget("8GiB", name="weights", parent=serve) as weights:
         kept = [weights.allocate(_log_uniform(rng, MiB, 256 * MiB), tag="weights")
                 for _ in range(60)]
-        with gpu_budget("4GiB", name="kv-cache"), gpu_budget("3GiB", name="pages") as pages:
+        with gpu_budget("4GiB", name="kv-cache", parent=serve) as cache, \
+                gpu_budget("3GiB", name="pages", parent=cache) as pages:
             for _ in range(200):
                 pages.allocate(2 * MiB, tag="kv", stream=1)
-            with gpu_budget("4GiB", name="activations") as activations:
+            with gpu_budget("4GiB", name="activations", parent=serve) as activations:
                 _churn(activations, rng, events - 800, live=400, high=64 * MiB,
-                       pages=pages, deny=5 * GiB)
+                       pages=pages, deny=1600 * MiB)
         for block in kept:
             if block is not None:
                 weights.free(block)
@@ -86,8 +87,11 @@ def _churn(budget: object, rng: random.Random, events: int, *, live: int, high: 
         if block is not None:
             blocks.append(block)
         if deny and step % 997 == 0:
-            allocate(deny, tag="oversized batch")  # refused: over the limit
+            batch = allocate(deny, tag="batch")  # refused when too much is live
             written += 1
+            if batch is not None:
+                free(batch)
+                written += 1
         if pages is not None and step % 500 == 0:
             page = pages.allocate(2 * MiB, tag="kv", stream=1)  # type: ignore[attr-defined]
             if page is not None:

@@ -16,7 +16,7 @@ from ..errors import GpuBudgetError
 from ..plot import plot_format
 from ..replay import Fit, ReplayResult, fit, replay
 from ..replay.fit import reading_progress
-from ..report import BudgetReport
+from ..report import BudgetReport, LiveBlock
 from ..tracefile import TraceReader, printable
 from ..units import GiB, KiB, MiB, format_size
 from .output import EXIT_BAD_INPUT, Failure, Progress, say
@@ -46,12 +46,20 @@ def _safe_report(report: BudgetReport) -> BudgetReport:
             children=tuple(made.pop(id(child)) for child in item.children),
             denials=tuple(dataclasses.replace(d, refused_by=printable(d.refused_by))
                           for d in item.denials),
-            live_blocks=tuple(dataclasses.replace(b, tag=printable(b.tag)) if b.tag else b
-                              for b in item.live_blocks),
+            live_blocks=tuple(_safe_block(block) for block in item.live_blocks),
             by_tag=tuple(dataclasses.replace(u, tag=printable(u.tag)) for u in item.by_tag),
             callback_errors=tuple(printable(error) for error in item.callback_errors),
         )
     return made[id(report)]
+
+
+def _safe_block(block: LiveBlock) -> LiveBlock:
+    """``block`` with its tag and stack printable."""
+    if block.tag is None and block.stack is None:
+        return block
+    return dataclasses.replace(
+        block, tag=None if block.tag is None else printable(block.tag),
+        stack=None if block.stack is None else tuple(printable(f) for f in block.stack))
 
 
 def _report_text(report: BudgetReport) -> str:

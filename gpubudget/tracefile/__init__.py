@@ -64,6 +64,7 @@ from .format import (
     FLUSH_SECONDS,
     FORMAT,
     LIMIT_REASONS,
+    MAX_FRAMES,
     MAX_LINE_BYTES,
     MAX_TEXT,
     MAX_TRACE_BYTES,
@@ -71,7 +72,7 @@ from .format import (
     TraceError,
     printable,
 )
-from .reader import Trace, TraceReader, read_trace
+from .reader import PARSER_ENV, PARSERS, Trace, TraceReader, read_trace
 from .files import TraceBusy
 from .writer import TraceWriter, writer_for, writer_from_env
 
@@ -85,9 +86,12 @@ __all__ = [
     "Free",
     "Header",
     "LIMIT_REASONS",
+    "MAX_FRAMES",
     "MAX_LINE_BYTES",
     "MAX_TEXT",
     "MAX_TRACE_BYTES",
+    "PARSERS",
+    "PARSER_ENV",
     "Resize",
     "Trace",
     "TraceBusy",
