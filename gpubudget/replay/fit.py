@@ -68,11 +68,17 @@ def fit(
     ask for more than the peak: with its children at their fitted limits, the root is tried
     at its peak, then at growing steps above it (1, 2, 4... alignments), then by bisection
     between the last step denied and the first granted, over multiples of its alignment.
-    The search assumes that a larger limit never denies what a smaller one granted, true of
-    best fit in practice though not guaranteed; the limit returned was replayed without a
-    denial.
+    A replay of that search stops at its first denial, which says how much the refused
+    request lacked (its size less the largest free hole, or less what the ledger had left):
+    the limits below that are skipped, were everything placed as it was. That is a guess,
+    checked at the end: the limit just below the one returned is replayed and denied, or
+    the search bisects again without guesses. The search assumes that a larger limit never
+    denies what a smaller one granted, true of best fit mostly though not always (so
+    another search order can end on another limit, a little above or below); the limit
+    returned was replayed without a denial, and the one an alignment below with one.
 
-    Each root is fitted on its own events, so the cost is linear in the number of roots.
+    Each root is fitted on its own events, so the cost is linear in the number of roots,
+    and a replay walks no budget's chain of ancestors but the core's own.
     Results come root by root, each root before its descendants, in the order of entry.
     ``progress`` receives a short message at each replay. A last line cut short (the writing
     process was killed) is skipped, as a :class:`~gpubudget.tracefile.TraceReader` does: to

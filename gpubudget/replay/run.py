@@ -218,13 +218,11 @@ class _Replay:
         blocks = self.blocks
         stacks = self.stacks
         granted_peaks = self.granted_peaks
-        alloc_type, free_type = Alloc, Free
         index = -1
         for event in events:
             index += 1
             backend.now = event.t
-            kind = type(event)
-            if kind is alloc_type:
+            if type(event) is Alloc:
                 if event.ptr is None:
                     self.index = index
                     self.probe(event)
@@ -250,7 +248,7 @@ class _Replay:
                                 stacks[address] = event.stack
                             if granted_peaks:
                                 member.note_granted()
-            elif kind is free_type:
+            elif type(event) is Free:
                 found = blocks.pop(event.ptr, None)
                 if found is not None and found[0].budget is not None:
                     found[0].budget.free(found[1])
@@ -258,12 +256,12 @@ class _Replay:
                         stacks.pop(found[1], None)
             else:
                 self.index = index
-                if kind is Enter:
-                    self.enter(event)  # type: ignore[arg-type]
-                elif kind is Exit:
-                    self.exit(event)  # type: ignore[arg-type]
-                elif kind is Resize:
-                    self.resize(event)  # type: ignore[arg-type]
+                if type(event) is Enter:
+                    self.enter(event)
+                elif type(event) is Exit:
+                    self.exit(event)
+                elif type(event) is Resize:
+                    self.resize(event)
             if unpins and index in unpins:
                 for budget in unpins.pop(index):
                     budget.unpin()
