@@ -31,7 +31,7 @@ import time
 from gpubudget import Budget, gpu_budget
 from gpubudget.backends.host import HostBackend
 from gpubudget.tracefile import TraceWriter, writer_for
-from gpubudget.units import GiB, KiB, MiB
+from gpubudget.units import KiB, MiB
 
 _BACKEND = HostBackend(noreserve=True)
 _LAYERS = tuple(f"layer{index}" for index in range(12))

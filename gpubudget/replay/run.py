@@ -1,21 +1,18 @@
 """Replaying a trace: budgets re-entered under their recorded parents, on a backend that
-touches no memory and whose clock is the trace's (see the package's docstring)."""
+touches no memory and whose clock is the trace's (see the package's docstring); the loop,
+and :func:`replay`."""
 
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Final, Union
+from dataclasses import replace
 
-from ..backends.host import HostBackend, HostReservation
 from ..budget import Budget
 from ..context import SEPARATE_ROOTS
 from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
-    LIMIT_REASONS,
     MAX_TRACE_BYTES,
     Alloc,
     Enter,
@@ -23,106 +20,21 @@ from ..tracefile import (
     Free,
     Resize,
     Trace,
-    TraceError,
     TraceEvent,
     TraceReader,
 )
 from ..units import format_size, round_up
+from .results import (
+    PROBE_REASONS,
+    Recorded,
+    ReplayBackend,
+    ReplayError,
+    ReplayResult,
+    TraceSource,
+)
 
-__all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult", "replay"]
-PROBE_REASONS: Final = LIMIT_REASONS
-"""Denial reasons whose requests are replayed as probes (a larger limit would grant them)."""
-TraceSource = Union[Trace, TraceReader, str, "os.PathLike[str]"]
-"""What ``replay`` and ``fit`` read: a trace in memory, an open reader, or a file name."""
-
-
-class ReplayError(TraceError):
-    """A valid trace that cannot be replayed or fitted here (a limit larger than the host's
-    address space can map, even untouched)."""
-
-
-class ReplayBackend(HostBackend):
-    """Host memory mapped without reserving it, whose clock is the trace's.
-
-    The replay sets :attr:`now` to each event's recorded ``t`` before repeating it; budgets
-    on this backend stamp their timelines with :meth:`clock`, so a replay's report keeps the
-    recorded times.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(noreserve=True)
-        self.now = 0.0
-        """The ``t`` of the event being replayed, in seconds."""
-        self.reserved_at: int | None = None
-        """The address of the last memory reserved (a root's arena starts there, rounded
-        up to its alignment)."""
-
-    def reserve(self, nbytes: int) -> HostReservation:
-        """Map ``nbytes``, untouched, and remember where."""
-        reservation = super().reserve(nbytes)
-        self.reserved_at = reservation.address
-        return reservation
-
-    def clock(self) -> float:
-        """The recorded time of the event being replayed."""
-        return self.now
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """One budget of a trace: as recorded, and what its replay did."""
-
-    id: int
-    name: str
-    parent: int | None
-    limit: int
-    """The limit used in the replay (the recorded one unless overridden)."""
-    recorded_limit: int
-    reserve: int
-    align: int
-    entered_at: float
-    """The ``t`` of its entry, seconds since the trace began."""
-    peak: int = 0
-    """Its peak ``used`` in the replay, probes included."""
-    granted_peak: int = 0
-    """Its peak ``used`` counting only what the recording granted (``fit`` computes it;
-    ``replay`` leaves 0)."""
-    largest_probe: int = 0
-    """The largest request it was denied in the recording (replayed as a probe), 0 if none."""
-    denials: int = 0
-    """Requests refused in the replay (its own, and its entry if that was refused)."""
-    after_release: int = 0
-    """Allocations skipped because the budget was already released in the replay (see
-    :func:`replay`)."""
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a replay produced: one report per root budget, and every budget by id."""
-
-    reports: tuple[BudgetReport, ...]
-    """The root budgets' reports, in the order they were entered."""
-    roots: tuple[int, ...]
-    """The root budgets' ids, in the same order."""
-    budgets: dict[int, Recorded]
-    cut_short: str | None = None
-    """Set when the trace's last line was cut short and skipped (see ``TraceReader``)."""
-
-    @property
-    def denials(self) -> dict[int, int]:
-        """Budget id -> requests refused in the replay, for the budgets that refused any."""
-        return {bid: b.denials for bid, b in self.budgets.items() if b.denials}
-
-    @property
-    def after_release(self) -> int:
-        """Allocations skipped because their budget was already released in the replay."""
-        return sum(b.after_release for b in self.budgets.values())
-
-    def root_of(self, budget: int) -> int:
-        """The id of the root of ``budget``'s tree."""
-        while (parent := self.budgets[budget].parent) is not None:
-            budget = parent
-        return budget
+__all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
+           "TraceSource", "replay"]
 
 
 class _Member:
@@ -188,9 +100,13 @@ class _Replay:
         self.shortfall = 0  # stop_at_denial: how much more limit the refused request needed
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
-        """Replay ``events``; the roots' reports and every budget's numbers."""
+        """Replay ``events`` (up to the first denial, with ``stop_at_denial``); the roots'
+        reports and every budget's numbers."""
         try:
-            self.play(events)
+            try:
+                self.play(events)
+            except _Denied:
+                pass
             reports = tuple(self.report(root) for root in self.roots) if self.reports else ()
             budgets = {bid: self.recorded(member) for bid, member in self.members.items()}
         finally:
@@ -201,13 +117,7 @@ class _Replay:
         """Whether replaying ``events`` is refused anything (stops at the first refusal, and
         :attr:`shortfall` says what the refused request lacked, 0 if unknown)."""
         self.stop_at_denial = True
-        try:
-            self.play(events)
-        except _Denied:
-            return True
-        finally:
-            self.close()
-        return any(member.denials for member in self.members.values())
+        return bool(self.run(events).denials)
 
     def play(self, events: Iterable[TraceEvent]) -> None:
         """The loop: granted allocations and frees inline (most events), the rest by
