@@ -293,17 +293,18 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     # resize that moves in the replay) raised them: track them apart only then.
     granted = events.probes or events.resizes
     unlimited = _unlimited(root, events, members, lambda limits: run(limits, granted))
-    free = {bid: replay_member for bid, replay_member in unlimited.members.items()}
+    # What the search and the result need of it, then let it go: its budgets hold the
+    # core's state for the whole tree, which the next replays rebuild.
+    numbers = {bid: (member.entry, member.budget.peak if member.budget is not None else 0,
+                     member.granted_peak, member.largest_probe, member.limit)
+               for bid, member in unlimited.members.items()}
+    del unlimited
     limits = {}
     for bid in members[1:]:
-        child = free[bid]
-        peak = child.budget.peak if child.budget is not None else 0
-        limits[bid] = round_up(max(peak, child.entry.reserve, child.entry.align),
-                               child.entry.align)
+        entry, peak = numbers[bid][:2]
+        limits[bid] = round_up(max(peak, entry.reserve, entry.align), entry.align)
     align = root.align
-    top = free[root.budget]
-    ceiling = top.limit
-    assert top.budget is not None  # a root that cannot be opened raised ReplayError
+    ceiling = numbers[root.budget][4]
 
     def shortfall(limit: int) -> int:
         """0 if the tree replays at ``limit`` without a denial; else at least one alignment:
@@ -317,17 +318,12 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
             return 0
         return max(align, round_up(replay.shortfall, align))
 
-    need = round_up(max(top.budget.peak, align), align)
+    need = round_up(max(numbers[root.budget][1], align), align)
     low, high = _search(need, align, ceiling, shortfall, root.name)
     limits[root.budget] = high
-    found = []
-    for bid, member in unlimited.members.items():
-        entry = member.entry
-        peak = member.budget.peak if member.budget is not None else 0
-        found.append(Fit(bid, entry.name, entry.parent, entry.limit, entry.align,
-                         entry.reserve, member.granted_peak if granted else peak,
-                         member.largest_probe, limits[bid]))
-    return found
+    return [Fit(bid, entry.name, entry.parent, entry.limit, entry.align, entry.reserve,
+                granted_peak if granted else peak, largest_probe, limits[bid])
+            for bid, (entry, peak, granted_peak, largest_probe, _) in numbers.items()]
 
 
 def _search(need: int, align: int, ceiling: int,
