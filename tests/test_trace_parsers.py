@@ -61,6 +61,10 @@ EDGE_LINES: list[bytes] = [
     b'"bytes": 1}\n',
     b'{"ev": "alloc", "t": 0.5, "b": 1, "size": 4096, "align": 0, "tag": "\xff", '
     b'"ptr": 8192, "bytes": 4096}\n',  # not UTF-8
+    b'{"ev": "alloc", "t": 0.5, "b": 1, "size": 4096, "align": 0, "ta\xcc": "w", '
+    b'"ptr": 8192, "bytes": 4096}\n',  # a key that is not UTF-8 (the fuzzer found it)
+    b'{"ev": "free", "t": 0.5, "b": 1, "ptr": 8192, "later": ' + b"9" * 5000 + b'}\n',
+    b'{"ev": "free", "t": 0.5, "b": 1, "ptr": 8192, "later": "\xed\xa0\x80"}\n',
     b'  {"ev": "free", "t": 0.5, "b": 1, "ptr": 8192}  \n',
     b'{"ev": "free", "t": 0.5, "b": 1, "ptr": 8192}{}\n',
     b'{"t": 0.5, "b": 1, "ptr": 8192, "ev": "free"}\n',
@@ -90,7 +94,7 @@ def test_the_fuzzers_mutations_read_alike(tmp_path: Path) -> None:
     seeds = record_seeds(str(tmp_path))
     rng = random.Random(11)
     read = refused = 0
-    for number in range(400):
+    for number in range(1500):
         seed = rng.choice(seeds).split(b"\n")[:-1]
         path = tmp_path / f"mutated{number}.jsonl"
         path.write_bytes(b"\n".join(mutate(seed, seeds, rng)) + rng.choice([b"\n", b""]))

@@ -4,7 +4,9 @@ ranges of its fields, and :func:`fast_lines` finishes the checks that span lines
 
 It accepts only lines that the plain path (:mod:`json` and :mod:`.checks`) accepts, and
 yields the very same events: a line it does not take (any other event, a denial, a wrong
-type or range, a line msgspec will not parse, a problem of any kind) goes to the plain path,
+type or range, a key it does not know (msgspec would skip the value without the checks
+:mod:`json` makes: its UTF-8, an integer of 4,300 digits), a line msgspec will not parse,
+a problem of any kind) goes to the plain path,
 which accepts it or names what is wrong in the words it always used. So results and error
 messages do not depend on whether msgspec is installed; only the speed does.
 """
@@ -88,7 +90,7 @@ if msgspec is not None:
     _Count = Annotated[int, Meta(ge=0, le=_INT_RANGE - 1)]
     _Size = Annotated[int, Meta(ge=1, le=_INT_RANGE - 1)]
 
-    class _Alloc(Struct, tag_field="ev", tag="alloc"):
+    class _Alloc(Struct, tag_field="ev", tag="alloc", forbid_unknown_fields=True):
         """A granted allocation; a denial (``ptr`` null) fails here and goes the plain way."""
 
         t: _Time
@@ -101,7 +103,7 @@ if msgspec is not None:
         reason: None = None
         stack: Optional[Annotated[tuple[_Count, ...], Meta(max_length=MAX_FRAMES)]] = None  # noqa: UP007
 
-    class _Free(Struct, tag_field="ev", tag="free"):
+    class _Free(Struct, tag_field="ev", tag="free", forbid_unknown_fields=True):
         t: _Time
         b: _Count
         ptr: _Count
