@@ -24,6 +24,7 @@ import time
 
 from benchmarks.trace_gen import record_server, write_blank, write_chain
 from gpubudget.tracefile import PARSER_ENV, TraceReader
+from gpubudget.tracefile.fastparse import AVAILABLE
 from gpubudget.units import MiB
 
 
@@ -84,6 +85,9 @@ def main() -> None:
     print(f"server trace: {count:,} events, {os.path.getsize(server) / MiB:.1f} MiB\n")
     print("| reading alone (in process) | events | s | events/s |\n| --- | ---: | ---: | ---: |")
     for name in ("msgspec", "json"):
+        if name == "msgspec" and not AVAILABLE:
+            print("| TraceReader(parser='msgspec') | msgspec not installed | | |")
+            continue
         seconds, events = read_rate(server, name)
         print(f"| TraceReader(parser={name!r}) | {events:,} | {seconds:.2f} | "
               f"{events / seconds:,.0f} |")
