@@ -138,3 +138,33 @@ def test_every_bad_stack_is_one_line_and_exit_2(
         assert main([command, str(path)]) == EXIT_BAD_INPUT
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].endswith(message), err
+
+
+def test_without_msgspec_the_plain_path_reads_and_says_what_is_missing(tmp_path: Path) -> None:
+    """In a process where msgspec cannot be imported: ``auto`` reads with json, the same
+    events; asking for msgspec names the extra."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    path = tmp_path / "stacks.jsonl"
+    record(path)
+    with TraceReader(path, parser="json") as reader:
+        expected = repr(list(reader))
+    script = (
+        "import sys; sys.modules['msgspec'] = None\n"
+        "from gpubudget.tracefile import TraceReader\n"
+        f"reader = TraceReader({str(path)!r})\n"
+        "print(reader.parser); print(repr(list(reader)))\n"
+        "try:\n"
+        f"    TraceReader({str(path)!r}, parser='msgspec')\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    parser, events, missing = done.stdout.splitlines()
+    assert parser == "json" and events == expected
+    assert missing == ("TraceReader(parser='msgspec') needs msgspec: pip install "
+                       "'gpubudget[traces]'")
