@@ -95,8 +95,6 @@ class _Replay:
         self.roots: list[int] = []
         self.blocks: dict[int, tuple[_Member, int, int]] = {}  # -> (member, address, bytes)
         self.stacks: dict[int, tuple[str, ...]] = {}  # replayed address -> recorded stack
-        self.high_water = 0  # the highest end of a replayed block, in bytes
-        self.low_water = -1  # the lowest replayed address, -1 before the first
         self.shortfall = 0  # stop_at_denial: how much more limit the refused request needed
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
@@ -143,17 +141,15 @@ class _Replay:
                         self.index = index
                         self.refused_or_released(member)
                     else:
-                        address = member.context.run(budget.allocate, event.size, event.align,
-                                                     tag=event.tag)
+                        # With a tag, allocate reads no context variable: no context to run
+                        # it in (without one it reads the current label: the member's none).
+                        address = (budget.allocate(event.size, event.align, tag=event.tag)
+                                   if event.tag is not None else member.context.run(
+                                       budget.allocate, event.size, event.align))
                         if address is None:
                             self.deny(member, event.nbytes)
                         else:
                             blocks[event.ptr] = (member, address, event.nbytes)
-                            end = address + event.nbytes
-                            if end > self.high_water:
-                                self.high_water = end
-                            if address < self.low_water or self.low_water < 0:
-                                self.low_water = address
                             if event.stack is not None:
                                 stacks[address] = event.stack
                             if granted_peaks:
@@ -298,9 +294,6 @@ class _Replay:
         if address is None:
             self.deny(member, event.nbytes)
         else:
-            end = address + event.nbytes
-            if end > self.high_water:
-                self.high_water = end
             budget.free(address)
 
     def resize(self, event: Resize) -> None:
@@ -316,9 +309,6 @@ class _Replay:
             self.blocks[event.ptr] = (member, moved, event.nbytes)
             if moved != address and address in self.stacks:
                 self.stacks[moved] = self.stacks.pop(address)
-            end = moved + event.nbytes
-            if end > self.high_water:
-                self.high_water = end
             if self.granted_peaks:
                 member.note_granted()
 
