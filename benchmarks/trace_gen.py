@@ -69,12 +69,12 @@ def _serve(serve: Budget, rng: random.Random, events: int) -> None:
                 weights.free(block)
 
 
-def _churn(budget: object, rng: random.Random, events: int, *, live: int, high: int,
-           pages: object = None, deny: int = 0) -> None:
+def _churn(budget: Budget, rng: random.Random, events: int, *, live: int, high: int,
+           pages: Budget | None = None, deny: int = 0) -> None:
     """About ``events`` events of free-one/allocate-one on ``budget``; every 500th step
     frees a kv page on a stream and takes one again, every 997th asks ``deny`` bytes."""
-    allocate = budget.allocate  # type: ignore[attr-defined]
-    free = budget.free  # type: ignore[attr-defined]
+    allocate = budget.allocate
+    free = budget.free
     blocks: list[int] = []
     step = written = 0
     while written < events:
@@ -93,9 +93,9 @@ def _churn(budget: object, rng: random.Random, events: int, *, live: int, high: 
                 free(batch)
                 written += 1
         if pages is not None and step % 500 == 0:
-            page = pages.allocate(2 * MiB, tag="kv", stream=1)  # type: ignore[attr-defined]
+            page = pages.allocate(2 * MiB, tag="kv", stream=1)
             if page is not None:
-                pages.free(page, stream=1)  # type: ignore[attr-defined]
+                pages.free(page, stream=1)
                 written += 2
     for block in blocks:
         free(block)
