@@ -24,7 +24,9 @@ Devices, threads, contexts:
   and passes the others on (in C where the C core runs: CuPy calls it for every array);
 - :func:`separate_roots`: in the current context, root budgets are separate on purpose (a
   replay's), so entering one in a thread while another is open is not warned about;
-- :func:`holder`: the budget of this process holding the live block at an address.
+- :func:`holder`: the budget of this process holding the live block at an address;
+- :func:`hand_clock`: a clock set by hand (a replay's, on the recorded times), which the C
+  core reads without calling Python.
 
 Usage probes (what an adapter holds of a budget, for its report) are methods of ``Budget``
 itself: ``add_probe``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
@@ -44,8 +46,9 @@ from .roots import holder
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["by_device", "callback", "callback_failed", "current_device", "holder",
-           "interrupt_due", "pass_on_interrupt", "protect", "separate_roots"]
+__all__ = ["HandClock", "by_device", "callback", "callback_failed", "current_device",
+           "hand_clock", "holder", "interrupt_due", "pass_on_interrupt", "protect",
+           "separate_roots"]
 
 R = TypeVar("R")
 
@@ -122,3 +125,29 @@ def by_device(current: Callable[[], object], device: object, here: Callable[...,
     kind: Any = native.Router if native is not None else _ByDevice
     route: Callable[..., R] = kind(current, device, here, elsewhere)
     return route
+
+
+class HandClock:
+    """A clock set by hand: ``clock.now = t``; ``clock()`` answers ``t`` (seconds)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hand_clock() -> HandClock:
+    """A :class:`HandClock` (the C core's ``Clock`` where it runs: its fast path reads it
+    without calling Python, and a backend's ``clock`` of any other kind sends every call
+    through the Python methods).
+
+    >>> clock = hand_clock()
+    >>> clock.now = 1.5
+    >>> clock()
+    1.5
+    """
+    made: HandClock = native.Clock() if native is not None else HandClock()
+    return made

@@ -166,7 +166,8 @@ class Recorder:
     # -- one method per event: count, log, trace -----------------------------------------
 
     def granted(self, stats: Stats, budget: int, size: int, alignment: int, tag: str | None,
-                address: int, nbytes: int, used: int, total: int) -> None:
+                address: int, nbytes: int, used: int, total: int,
+                stack: tuple[str, ...] | None = None) -> None:
         stats.allocations += 1
         stats.bytes_allocated += nbytes
         blocks = stats.blocks = stats.blocks + 1
@@ -176,7 +177,7 @@ class Recorder:
             stats.tag_grew(tag, nbytes)
         self.events.append((self._now(), "alloc", budget, nbytes, tag, used, total))
         if self.writer is not None:
-            self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes)
+            self._trace(self.writer.alloc, budget, size, alignment, tag, address, nbytes, stack)
 
     def freed(self, stats: Stats, budget: int, address: int, nbytes: int, tag: str | None,
               used: int, total: int) -> None:

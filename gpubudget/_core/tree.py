@@ -164,7 +164,8 @@ class Tree:
                         charge(account, nbytes)  # the commit: ledger, registry, record
                         self.live[address] = (node, nbytes, tag, stack)
                         self.recorder.granted(node.stats, node.id, size, align, tag, address,
-                                              nbytes, account.used, self.root.account.used)
+                                              nbytes, account.used, self.root.account.used,
+                                              stack)
             lock.release()
         except BaseException:
             unlock(lock)

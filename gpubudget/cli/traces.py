@@ -16,7 +16,7 @@ from ..errors import GpuBudgetError
 from ..plot import plot_format
 from ..replay import Fit, ReplayResult, fit, replay
 from ..replay.fit import reading_progress
-from ..report import BudgetReport
+from ..report import BudgetReport, LiveBlock
 from ..tracefile import TraceReader, printable
 from ..units import GiB, KiB, MiB, format_size
 from .output import EXIT_BAD_INPUT, Failure, Progress, say
@@ -27,6 +27,13 @@ _NAMES_LISTED: Final = 5
 """Root names a message lists at most."""
 _NAME_COLUMN: Final = 40
 """Characters of a budget name the fit table shows at most."""
+_DEEPEST: Final = 24
+"""Levels of a tree that the text report and the fit table indent. Deeper budgets are
+drawn at that indentation, their depth beside their name: a chain 10,000 deep prints in
+lines proportional to its depth, not characters proportional to its square."""
+_NESTED_BLOCKS: Final = 19
+"""``with`` blocks the printed code nests at most (Python compiles 20 nested blocks at
+most); a chain deeper than that continues in one ``contextlib.ExitStack``."""
 
 
 def _safe_report(report: BudgetReport) -> BudgetReport:
@@ -39,12 +46,37 @@ def _safe_report(report: BudgetReport) -> BudgetReport:
             children=tuple(made.pop(id(child)) for child in item.children),
             denials=tuple(dataclasses.replace(d, refused_by=printable(d.refused_by))
                           for d in item.denials),
-            live_blocks=tuple(dataclasses.replace(b, tag=printable(b.tag)) if b.tag else b
-                              for b in item.live_blocks),
+            live_blocks=tuple(_safe_block(block) for block in item.live_blocks),
             by_tag=tuple(dataclasses.replace(u, tag=printable(u.tag)) for u in item.by_tag),
             callback_errors=tuple(printable(error) for error in item.callback_errors),
         )
     return made[id(report)]
+
+
+def _safe_block(block: LiveBlock) -> LiveBlock:
+    """``block`` with its tag and stack printable."""
+    if block.tag is None and block.stack is None:
+        return block
+    return dataclasses.replace(
+        block, tag=None if block.tag is None else printable(block.tag),
+        stack=None if block.stack is None else tuple(printable(f) for f in block.stack))
+
+
+def _report_text(report: BudgetReport) -> str:
+    """``str(report)``, but deeper than :data:`_DEEPEST` levels indented no further."""
+    lines: list[str] = []
+    stack: list[tuple[BudgetReport, str, str, int]] = [(report, "", "", 0)]
+    while stack:
+        item, first, rest, depth = stack.pop()
+        if depth > _DEEPEST:
+            item = dataclasses.replace(item, name=f"{item.name} (depth {depth})")
+        item._render(lines, first, rest)
+        last = len(item.children) - 1
+        deeper = rest if depth < _DEEPEST else rest[: 3 * (_DEEPEST - 1)]
+        for index in range(last, -1, -1):
+            stack.append((item.children[index], deeper + ("└─ " if index == last else "├─ "),
+                          deeper + ("   " if index == last else "│  "), depth + 1))
+    return "\n".join(lines)
 
 
 def _names(reports: Sequence[BudgetReport]) -> str:
@@ -127,7 +159,7 @@ def report_command(trace: str, plot: str | None, as_json: bool, root: str | None
     if as_json:
         print(_report_json(trace, chosen, result))
     else:
-        print("\n\n".join(str(_safe_report(report)) for report in chosen))
+        print("\n\n".join(_report_text(_safe_report(report)) for report in chosen))
     if plot is not None:
         _plot_one(chosen, root, plot)
 
@@ -169,18 +201,21 @@ class _Group:
         self.largest_denied = max(self.largest_denied, found.largest_denied)
         self.limit = max(self.limit, found.limit)
 
-    def walk(self, first: str = "", rest: str = "") -> Iterator[tuple[str, str, _Group]]:
-        """``(prefix of its line, prefix of its children's lines, group)``, depth first,
-        parents first, with a stack instead of recursion (trees may be deep)."""
-        stack: list[tuple[str, str, _Group]] = [(first, rest, self)]
+    def walk(self) -> Iterator[tuple[str, int, _Group]]:
+        """``(prefix of its line, depth, group)``, depth first, parents first, with a stack
+        instead of recursion (trees may be deep); deeper than :data:`_DEEPEST` levels the
+        prefix grows no longer."""
+        stack: list[tuple[str, str, int, _Group]] = [("", "", 0, self)]
         while stack:
-            head, tail, group = stack.pop()
-            yield head, tail, group
+            head, tail, depth, group = stack.pop()
+            yield head, depth, group
             children = list(group.children.values())
+            if depth >= _DEEPEST:
+                tail = tail[: 3 * (_DEEPEST - 1)]
             for index in range(len(children) - 1, -1, -1):
                 last = index == len(children) - 1
                 stack.append((tail + ("└─ " if last else "├─ "),
-                              tail + ("   " if last else "│  "), children[index]))
+                              tail + ("   " if last else "│  "), depth + 1, children[index]))
 
 
 def _group(fits: Sequence[Fit], into: dict[str, _Group]) -> None:
@@ -195,16 +230,17 @@ def _group(fits: Sequence[Fit], into: dict[str, _Group]) -> None:
         placed[found.budget] = group
 
 
-def _cell(name: str, count: int) -> str:
+def _cell(name: str, count: int, depth: int) -> str:
     shown = printable(name)
     if len(shown) > _NAME_COLUMN:
         shown = shown[: _NAME_COLUMN - 1] + "…"
-    return shown + (f" (×{count})" if count > 1 else "")
+    return (shown + (f" (×{count})" if count > 1 else "")
+            + (f" (depth {depth})" if depth > _DEEPEST else ""))
 
 
 def _fit_table(forest: dict[str, _Group]) -> list[str]:
-    rows = [(head + _cell(group.name, group.count), group)
-            for root in forest.values() for head, _, group in root.walk()]
+    rows = [(head + _cell(group.name, group.count, depth), group)
+            for root in forest.values() for head, depth, group in root.walk()]
     width = max(len("budget"), *(len(cell) for cell, _ in rows))
     lines = [f"{'budget':<{width}}  {'recorded':>10}  {'peak':>10}  {'denied':>10}  "
              f"{'fits in':>10}"]
@@ -225,21 +261,47 @@ def _size_literal(nbytes: int) -> str:
 
 
 def _fit_code(forest: dict[str, _Group]) -> list[str]:
-    """Nested ``with gpu_budget(...)`` blocks that reproduce the run without a denial."""
+    """Nested ``with gpu_budget(...)`` blocks that reproduce the run without a denial; a
+    chain deeper than Python nests continues in a ``contextlib.ExitStack``."""
     lines = []
     for root in forest.values():
-        for _, tail, group in root.walk():
-            indent = "    " * (len(tail) // 3)
-            reserve = f", reserve={_size_literal(group.reserve)}" if group.reserve else ""
-            notes = [format_size(group.limit)] if _size_literal(group.limit).isdigit() else []
-            if group.count > 1:
-                notes.append(f"the largest of {group.count}")
-            comment = f"  # {', '.join(notes)}" if notes else ""
-            lines.append(f"{indent}with gpu_budget({_size_literal(group.limit)}, "
-                         f"align={group.align}{reserve}, name={group.name!r}):{comment}")
+        stacked = False  # inside the ExitStack of a deep chain
+        for _, depth, group in root.walk():
+            call = _budget_call(group)
+            if depth < _NESTED_BLOCKS:
+                stacked = False
+                indent = "    " * depth
+                lines.append(f"{indent}with {call}:{_note(group)}")
+                if not group.children:
+                    lines.append(f"{indent}    ...")
+                continue
+            indent = "    " * _NESTED_BLOCKS
+            if not stacked:
+                stacked = True
+                lines.append(f"{indent}with contextlib.ExitStack() as deeper:  # a chain "
+                             f"deeper than Python nests 'with' blocks")
+            lines.append(f"{indent}    deeper.enter_context({call}){_note(group)}")
+            if len(group.children) > 1:
+                lines.append(f"{indent}    # {group.name!r} has {len(group.children)} "
+                             f"children here, entered one after another: see the table")
             if not group.children:
                 lines.append(f"{indent}    ...")
+    if any("contextlib.ExitStack" in line for line in lines):
+        lines.insert(0, "import contextlib\n")
     return lines
+
+
+def _budget_call(group: _Group) -> str:
+    reserve = f", reserve={_size_literal(group.reserve)}" if group.reserve else ""
+    return (f"gpu_budget({_size_literal(group.limit)}, align={group.align}{reserve}, "
+            f"name={group.name!r})")
+
+
+def _note(group: _Group) -> str:
+    notes = [format_size(group.limit)] if _size_literal(group.limit).isdigit() else []
+    if group.count > 1:
+        notes.append(f"the largest of {group.count}")
+    return f"  # {', '.join(notes)}" if notes else ""
 
 
 def _trace_files(paths: Sequence[str]) -> list[str]:

@@ -14,10 +14,13 @@ Requests that were denied by a limit or by fragmentation are replayed too, as *p
 reason (an invalid size, alignment or tag, a released budget) are not replayed: no limit
 changes them.
 
+Stacks recorded with ``track_stacks=True`` are kept beside the replayed blocks (a replay
+cannot hand a stack to ``Budget.allocate``): the reports' live blocks carry them.
+
 A file is read as a stream (:class:`~gpubudget.tracefile.TraceReader`): ``replay`` holds
-the budgets and the blocks live at once, never the whole trace. ``fit`` keeps each root's
-events in memory (in flat arrays, about 60 bytes an event) while it searches that root's
-limit.
+the budgets, the blocks live at once and their stacks, never the whole trace; a budget
+knows its parent, not a copy of its chain of ancestors. ``fit`` keeps each root's events in
+memory (in flat arrays, about 70 bytes an event) while it searches that root's limit.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from ..units import format_size, round_up
 from .run import (
     PROBE_REASONS,
     ReplayError,
-    ReplayResult,
     TraceSource,
     _last_uses,
     _Replay,
@@ -69,11 +68,17 @@ def fit(
     ask for more than the peak: with its children at their fitted limits, the root is tried
     at its peak, then at growing steps above it (1, 2, 4... alignments), then by bisection
     between the last step denied and the first granted, over multiples of its alignment.
-    The search assumes that a larger limit never denies what a smaller one granted, true of
-    best fit in practice though not guaranteed; the limit returned was replayed without a
-    denial.
+    A replay of that search stops at its first denial, which says how much the refused
+    request lacked (its size less the largest free hole, or less what the ledger had left):
+    the limits below that are skipped, were everything placed as it was. That is a guess,
+    checked at the end: the limit just below the one returned is replayed and denied, or
+    the search bisects again without guesses. The search assumes that a larger limit never
+    denies what a smaller one granted, true of best fit mostly though not always (so
+    another search order can end on another limit, a little above or below); the limit
+    returned was replayed without a denial, and the one an alignment below with one.
 
-    Each root is fitted on its own events, so the cost is linear in the number of roots.
+    Each root is fitted on its own events, so the cost is linear in the number of roots,
+    and a replay walks no budget's chain of ancestors but the core's own.
     Results come root by root, each root before its descendants, in the order of entry.
     ``progress`` receives a short message at each replay. A last line cut short (the writing
     process was killed) is skipped, as a :class:`~gpubudget.tracefile.TraceReader` does: to
@@ -155,8 +160,13 @@ class _TreeEvents:
         self.nbytes = array("q")
         self.tags = array("l")  # indexes into ``strings``; 0 is None
         self.reasons = array("l")
+        self.stacks = array("l")  # indexes into ``stack_list``; 0 is None
         self.strings: list[str | None] = [None]
         self._string_index: dict[str | None, int] = {None: 0}
+        self.stack_list: list[tuple[str, ...] | None] = [None]
+        self._stack_index: dict[tuple[str, ...] | None, int] = {None: 0}
+        self.probes = False  # whether any allocation was denied for a limit
+        self.resizes = False
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -168,11 +178,23 @@ class _TreeEvents:
             self.strings.append(text)
         return index
 
+    def _stack(self, stack: tuple[str, ...] | None) -> int:
+        index = self._stack_index.get(stack)
+        if index is None:
+            index = self._stack_index[stack] = len(self.stack_list)
+            self.stack_list.append(stack)
+        return index
+
     def append(self, event: TraceEvent) -> None:
+        stack = 0
         if type(event) is Alloc:
             row = (_ALLOC, event.size, event.align,
                    -1 if event.ptr is None else event.ptr, event.nbytes,
                    self._string(event.tag), self._string(event.reason))
+            if event.stack is not None:
+                stack = self._stack(event.stack)
+            if event.ptr is None and event.reason in PROBE_REASONS:
+                self.probes = True
         elif type(event) is Free:
             row = (_FREE, 0, 0, event.ptr, 0, 0, 0)
         elif type(event) is Enter:
@@ -180,6 +202,7 @@ class _TreeEvents:
             self.enters.append(event)
         elif type(event) is Resize:
             row = (_RESIZE, event.size, event.align, event.ptr, event.nbytes, 0, 0)
+            self.resizes = True
         else:
             row = (_EXIT, 0, 0, 0, 0, 0, 0)
         kind, size, align, address, nbytes, tag, reason = row
@@ -192,16 +215,18 @@ class _TreeEvents:
         self.nbytes.append(nbytes)
         self.tags.append(tag)
         self.reasons.append(reason)
+        self.stacks.append(stack)
 
     def __iter__(self) -> Iterator[TraceEvent]:
-        strings, enters = self.strings, self.enters
+        strings, enters, stacks = self.strings, self.enters, self.stack_list
         make = tuple.__new__  # what the NamedTuple constructors call, without their frame
-        for kind, t, budget, size, align, address, nbytes, tag, reason in zip(
+        for kind, t, budget, size, align, address, nbytes, tag, reason, stack in zip(
                 self.kinds, self.times, self.budgets, self.sizes, self.aligns, self.addresses,
-                self.nbytes, self.tags, self.reasons):
+                self.nbytes, self.tags, self.reasons, self.stacks):
             if kind == _ALLOC:
                 yield make(Alloc, (t, budget, size, align, strings[tag],
-                                   None if address < 0 else address, nbytes, strings[reason]))
+                                   None if address < 0 else address, nbytes, strings[reason],
+                                   stacks[stack]))
             elif kind == _FREE:
                 yield make(Free, (t, budget, address))
             elif kind == _ENTER:
@@ -253,63 +278,110 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     steps = 0
     last_uses = _last_uses(events)
 
-    def run(limits: dict[int, int], granted_peaks: bool = False) -> ReplayResult:
+    def run(limits: dict[int, int], granted_peaks: bool) -> _Replay:
         nonlocal steps
         steps += 1
         tell(steps)
-        return _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses).run(events)
+        replay = _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses,
+                         reports=False)
+        replay.run(events)
+        return replay
 
     root = events.enters[0]
     members = [event.budget for event in events.enters]
-    free = _unlimited(root, events, members, run)
+    # Peaks counting only what was granted differ from the peaks only where probes (or a
+    # resize that moves in the replay) raised them: track them apart only then.
+    granted = events.probes or events.resizes
+    unlimited = _unlimited(root, events, members, lambda limits: run(limits, granted))
+    # What the search and the result need of it, then let it go: its budgets hold the
+    # core's state for the whole tree, which the next replays rebuild.
+    numbers = {bid: (member.entry, member.budget.peak if member.budget is not None else 0,
+                     member.granted_peak, member.largest_probe, member.limit)
+               for bid, member in unlimited.members.items()}
+    del unlimited
     limits = {}
     for bid in members[1:]:
-        child = free.budgets[bid]
-        limits[bid] = round_up(max(child.peak, child.reserve, child.align), child.align)
+        entry, peak = numbers[bid][:2]
+        limits[bid] = round_up(max(peak, entry.reserve, entry.align), entry.align)
     align = root.align
-    ceiling = free.budgets[root.budget].limit
+    ceiling = numbers[root.budget][4]
 
-    def denied(limit: int) -> bool:
+    def shortfall(limit: int) -> int:
+        """0 if the tree replays at ``limit`` without a denial; else at least one alignment:
+        how much more the request refused first lacked (see ``_Replay.missing``)."""
+        nonlocal steps
+        steps += 1
+        tell(steps)
         limits[root.budget] = limit
-        return bool(run(limits).denials)
+        replay = _Replay(limits, last_uses=last_uses, reports=False)
+        if not replay.denied(events):
+            return 0
+        return max(align, round_up(replay.shortfall, align))
 
-    need = round_up(max(free.budgets[root.budget].peak, align), align)
-    low, high, step = need - align, need, align  # below the peak is always denied
-    while denied(high):  # step up, doubling, from the peak
+    need = round_up(max(numbers[root.budget][1], align), align)
+    low, high = _search(need, align, ceiling, shortfall, root.name)
+    limits[root.budget] = high
+    return [Fit(bid, entry.name, entry.parent, entry.limit, entry.align, entry.reserve,
+                granted_peak if granted else peak, largest_probe, limits[bid])
+            for bid, (entry, peak, granted_peak, largest_probe, _) in numbers.items()]
+
+
+def _search(need: int, align: int, ceiling: int,
+            shortfall: Callable[[int], int], name: str) -> tuple[int, int]:
+    """The smallest limit (a multiple of ``align``, from ``need`` up to ``ceiling``) that
+    ``shortfall`` grants, and the largest below it that it was seen to deny.
+
+    Tries ``need`` (the peak: nothing below can do), then steps up, doubling, then
+    bisects between the last step denied and the first granted. A denied replay says what its first refusal lacked: the limits below that are skipped, were
+    everything placed as it was. That is a guess, so the limit just below the answer is
+    replayed at the end, and if it is granted the bisection goes on without guesses.
+    """
+    low = need - align  # below the peak is always denied
+    seen = low  # the largest limit replayed and denied (or ruled out by the peak)
+    high, step = need, align
+    while lacking := shortfall(high):  # step up, doubling, from the peak
         if high >= ceiling:
-            raise ReplayError(f"budget {root.name!r} is denied at every limit up to "
+            raise ReplayError(f"budget {name!r} is denied at every limit up to "
                               f"{format_size(ceiling)}, which granted everything with its "
                               f"children unlimited: is the trace consistent?")
-        low, high, step = high, min(high + step, ceiling), step * 2
-    while high - low > align:  # then bisect
-        middle = (low + high) // 2 // align * align
-        if denied(middle):
-            low = middle
-        else:
-            high = middle
-    limits[root.budget] = high
-    return [Fit(bid, b.name, b.parent, b.recorded_limit, b.align, b.reserve, b.granted_peak,
-                b.largest_probe, limits[bid])
-            for bid, b in free.budgets.items()]
+        seen, low = high, high + lacking - align
+        high, step = min(max(high + step, low + align), ceiling), step * 2
+    guessing = True
+    while True:
+        low = min(low, high - align)  # a guess beyond the first limit granted
+        while high - low > align:  # then bisect
+            middle = (low + high) // 2 // align * align
+            lacking = shortfall(middle)
+            if lacking:
+                seen = middle
+                low = middle + lacking - align if guessing else middle
+            else:
+                high = middle
+            low = min(low, high - align)
+        if low <= seen or not guessing:
+            return low, high
+        if shortfall(low):  # the guess held: the limit below the answer is denied
+            return low, high
+        guessing, low, high = False, seen, low  # it did not: bisect again, by replays only
 
 
 def _unlimited(root: Enter, events: _TreeEvents, members: list[int],
-               run: Callable[[dict[int, int], bool], ReplayResult]) -> ReplayResult:
+               run: Callable[[dict[int, int]], _Replay]) -> _Replay:
     """A replay with every budget of the tree at one ceiling (at first the root's recorded
     limit plus its tree's largest probe), doubled until nothing is denied."""
     largest = max((e.nbytes for e in events
                    if type(e) is Alloc and e.ptr is None and e.reason in PROBE_REASONS),
-                  default=0)
+                  default=0) if events.probes else 0
     ceiling = round_up(root.limit + largest, root.align)
     for doublings in range(_MAX_DOUBLINGS):
         try:
-            result = run(dict.fromkeys(members, ceiling), True)
+            result = run(dict.fromkeys(members, ceiling))
         except ReplayError:
             before = (f"; at {format_size(ceiling // 2)} the replay still had denials"
                       if doublings else "")
             raise ReplayError(f"cannot fit budget {root.name!r}: host memory cannot map "
                               f"{format_size(ceiling)}, even untouched{before}") from None
-        if not result.denials:
+        if not any(member.denials for member in result.members.values()):
             return result
         ceiling *= 2
     raise ReplayError(f"cannot fit budget {root.name!r}: denied even at "  # pragma: no cover

@@ -1,21 +1,18 @@
 """Replaying a trace: budgets re-entered under their recorded parents, on a backend that
-touches no memory and whose clock is the trace's (see the package's docstring)."""
+touches no memory and whose clock is the trace's (see the package's docstring); the loop,
+and :func:`replay`."""
 
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Final, Union
+from dataclasses import replace
 
-from ..backends.host import HostBackend
 from ..budget import Budget
-from ..context import SEPARATE_ROOTS
+from ..adapter import separate_roots
 from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
-    LIMIT_REASONS,
     MAX_TRACE_BYTES,
     Alloc,
     Enter,
@@ -23,169 +20,197 @@ from ..tracefile import (
     Free,
     Resize,
     Trace,
-    TraceError,
     TraceEvent,
     TraceReader,
 )
-from ..units import format_size
+from ..units import format_size, round_up
+from .results import (
+    PROBE_REASONS,
+    Recorded,
+    ReplayBackend,
+    ReplayError,
+    ReplayResult,
+    TraceSource,
+)
 
-__all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult", "replay"]
-PROBE_REASONS: Final = LIMIT_REASONS
-"""Denial reasons whose requests are replayed as probes (a larger limit would grant them)."""
-TraceSource = Union[Trace, TraceReader, str, "os.PathLike[str]"]
-"""What ``replay`` and ``fit`` read: a trace in memory, an open reader, or a file name."""
-
-
-class ReplayError(TraceError):
-    """A valid trace that cannot be replayed or fitted here (a limit larger than the host's
-    address space can map, even untouched)."""
-
-
-class ReplayBackend(HostBackend):
-    """Host memory mapped without reserving it, whose clock is the trace's.
-
-    The replay sets :attr:`now` to each event's recorded ``t`` before repeating it; budgets
-    on this backend stamp their timelines with :meth:`clock`, so a replay's report keeps the
-    recorded times.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(noreserve=True)
-        self.now = 0.0
-        """The ``t`` of the event being replayed, in seconds."""
-
-    def clock(self) -> float:
-        """The recorded time of the event being replayed."""
-        return self.now
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """One budget of a trace: as recorded, and what its replay did."""
-
-    id: int
-    name: str
-    parent: int | None
-    limit: int
-    """The limit used in the replay (the recorded one unless overridden)."""
-    recorded_limit: int
-    reserve: int
-    align: int
-    entered_at: float
-    """The ``t`` of its entry, seconds since the trace began."""
-    peak: int = 0
-    """Its peak ``used`` in the replay, probes included."""
-    granted_peak: int = 0
-    """Its peak ``used`` counting only what the recording granted (``fit`` computes it;
-    ``replay`` leaves 0)."""
-    largest_probe: int = 0
-    """The largest request it was denied in the recording (replayed as a probe), 0 if none."""
-    denials: int = 0
-    """Requests refused in the replay (its own, and its entry if that was refused)."""
-    after_release: int = 0
-    """Allocations skipped because the budget was already released in the replay (see
-    :func:`replay`)."""
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a replay produced: one report per root budget, and every budget by id."""
-
-    reports: tuple[BudgetReport, ...]
-    """The root budgets' reports, in the order they were entered."""
-    roots: tuple[int, ...]
-    """The root budgets' ids, in the same order."""
-    budgets: dict[int, Recorded]
-    cut_short: str | None = None
-    """Set when the trace's last line was cut short and skipped (see ``TraceReader``)."""
-
-    @property
-    def denials(self) -> dict[int, int]:
-        """Budget id -> requests refused in the replay, for the budgets that refused any."""
-        return {bid: b.denials for bid, b in self.budgets.items() if b.denials}
-
-    @property
-    def after_release(self) -> int:
-        """Allocations skipped because their budget was already released in the replay."""
-        return sum(b.after_release for b in self.budgets.values())
-
-    def root_of(self, budget: int) -> int:
-        """The id of the root of ``budget``'s tree."""
-        while (parent := self.budgets[budget].parent) is not None:
-            budget = parent
-        return budget
+__all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
+           "TraceSource", "replay"]
 
 
 class _Member:
-    """One recorded budget during a replay."""
+    """One recorded budget during a replay. It knows its parent, never its whole chain of
+    ancestors: a chain 10,000 deep costs 10,000 members, not 50 million references."""
 
-    __slots__ = ("entry", "limit", "chain", "budget", "context", "denials", "largest_probe",
+    __slots__ = ("entry", "limit", "parent", "budget", "context", "denials", "largest_probe",
                  "granted_peak", "after_release")
 
-    def __init__(self, entry: Enter, limit: int, chain: tuple[_Member, ...]) -> None:
+    def __init__(self, entry: Enter, limit: int, parent: _Member | None) -> None:
         self.entry = entry
         self.limit = limit
-        self.chain = (self,) + chain  # itself, then its ancestors
+        self.parent = parent
         self.budget: Budget | None = None  # None when its entry was refused
         self.context = contextvars.Context()
-        self.context.run(SEPARATE_ROOTS.set, True)  # a replay's roots: no thread-trap warning
+        self.context.run(separate_roots)  # a replay's roots: no thread-trap warning
         self.denials = 0
         self.largest_probe = 0
         self.granted_peak = 0
         self.after_release = 0
 
     def note_granted(self) -> None:
-        """After a change that the recording granted: raise the chain's granted peaks."""
-        for member in self.chain:
-            if member.budget is not None and member.budget.used > member.granted_peak:
-                member.granted_peak = member.budget.used
+        """After a change that the recording granted: raise the granted peaks of this budget
+        and its ancestors (a walk up the parents, as the core's own charge walks them)."""
+        member: _Member | None = self
+        while member is not None:
+            budget = member.budget
+            if budget is not None and budget.used > member.granted_peak:
+                member.granted_peak = budget.used
+            member = member.parent
+
+
+class _Denied(Exception):
+    """Raised out of a replay that only asks whether anything is denied, at the first."""
 
 
 class _Replay:
-    """One replay's state: the budgets opened, and the recorded address -> replayed block."""
+    """One replay's state: the budgets opened, and the recorded address -> replayed block.
+
+    ``granted_peaks``: track each budget's peak counting only what the recording granted
+    (see :attr:`Recorded.granted_peak`). ``stop_at_denial``: a replay that only asks
+    whether anything is denied (``fit``'s search) stops at the first denial, and then
+    :meth:`run` returns ``None``. ``reports``: build the roots' reports (``fit`` needs none).
+    """
 
     def __init__(self, limits: dict[int, int], *, granted_peaks: bool = False,
-                 last_uses: dict[int, int] | None = None) -> None:
+                 last_uses: dict[int, int] | None = None, stop_at_denial: bool = False,
+                 reports: bool = True) -> None:
         self.limits = limits
         self.granted_peaks = granted_peaks
+        self.stop_at_denial = stop_at_denial
+        self.reports = reports
         self.last_uses = last_uses or {}  # budget id -> index of the last event using it
         self.unpins: dict[int, list[Budget]] = {}  # event index -> budgets to unpin after it
         self.index = 0  # of the event being replayed
         self.backend = ReplayBackend()
         self.members: dict[int, _Member] = {}
         self.roots: list[int] = []
-        self.blocks: dict[int, tuple[_Member, int]] = {}
+        self.blocks: dict[int, tuple[_Member, int, int]] = {}  # -> (member, address, bytes)
+        self.stacks: dict[int, tuple[str, ...]] = {}  # replayed address -> recorded stack
+        self.shortfall = 0  # stop_at_denial: how much more limit the refused request needed
 
     def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
-        backend = self.backend
-        unpins = self.unpins
+        """Replay ``events`` (up to the first denial, with ``stop_at_denial``); the roots'
+        reports and every budget's numbers."""
         try:
-            for index, event in enumerate(events):
-                self.index = index
-                backend.now = event.t
-                if type(event) is Alloc:  # the most frequent first
-                    self.alloc(event)
-                elif type(event) is Free:
-                    self.free(event)
-                elif type(event) is Enter:
-                    self.enter(event)
-                elif type(event) is Exit:
-                    self.exit(event)
-                elif type(event) is Resize:
-                    self.resize(event)
-                if unpins and index in unpins:
-                    for budget in unpins.pop(index):
-                        budget.unpin()
-            reports = tuple(self.report(root) for root in self.roots)
+            try:
+                self.play(events)
+            except _Denied:
+                pass
+            reports = tuple(self.report(root) for root in self.roots) if self.reports else ()
             budgets = {bid: self.recorded(member) for bid, member in self.members.items()}
         finally:
             self.close()
         return ReplayResult(reports, tuple(self.roots), budgets)
 
+    def denied(self, events: Iterable[TraceEvent]) -> bool:
+        """Whether replaying ``events`` is refused anything (stops at the first refusal, and
+        :attr:`shortfall` says what the refused request lacked, 0 if unknown)."""
+        self.stop_at_denial = True
+        return bool(self.run(events).denials)
+
+    def play(self, events: Iterable[TraceEvent]) -> None:
+        """The loop: granted allocations and frees inline (most events), the rest by
+        method."""
+        backend = self.backend
+        unpins = self.unpins
+        members = self.members
+        blocks = self.blocks
+        stacks = self.stacks
+        granted_peaks = self.granted_peaks
+        index = -1
+        for event in events:
+            index += 1
+            backend.now = event.t
+            if type(event) is Alloc:
+                if event.ptr is None:
+                    self.index = index
+                    self.probe(event)
+                else:
+                    member = members[event.budget]
+                    budget = member.budget
+                    if budget is None or budget.state == "released":
+                        self.index = index
+                        self.refused_or_released(member)
+                    else:
+                        # With a tag, allocate reads no context variable: no context to run
+                        # it in (without one it reads the current label: the member's none).
+                        address = (budget.allocate(event.size, event.align, tag=event.tag)
+                                   if event.tag is not None else member.context.run(
+                                       budget.allocate, event.size, event.align))
+                        if address is None:
+                            self.deny(member, event.nbytes)
+                        else:
+                            blocks[event.ptr] = (member, address, event.nbytes)
+                            if event.stack is not None:
+                                stacks[address] = event.stack
+                            if granted_peaks:
+                                member.note_granted()
+            elif type(event) is Free:
+                found = blocks.pop(event.ptr, None)
+                if found is not None and found[0].budget is not None:
+                    found[0].budget.free(found[1])
+                    if stacks:
+                        stacks.pop(found[1], None)
+            else:
+                self.index = index
+                if type(event) is Enter:
+                    self.enter(event)
+                elif type(event) is Exit:
+                    self.exit(event)
+                elif type(event) is Resize:
+                    self.resize(event)
+            if unpins and index in unpins:
+                for budget in unpins.pop(index):
+                    budget.unpin()
+
+    def deny(self, member: _Member, nbytes: int = 0) -> None:
+        """Count a refusal of ``nbytes`` (0: an entry) by ``member``; stop the replay there
+        if it only asks whether anything is refused."""
+        member.denials += 1
+        if self.stop_at_denial:
+            self.shortfall = self.missing(nbytes) if nbytes else 0
+            raise _Denied
+
+    def missing(self, nbytes: int) -> int:
+        """How much more limit the root being replayed needed to grant ``nbytes`` now, were
+        everything placed as it is: less than the request minus the largest free hole (the
+        one after the last block included), or the request minus what its ledger has left;
+        0 where it cannot tell. ``fit`` skips the limits below that, and checks the limit
+        it returns still. (The root is the last entered: ``fit`` replays one tree.)"""
+        root = self.members[self.roots[-1]] if self.roots else None
+        start = self.backend.reserved_at
+        if root is None or root.budget is None or start is None:
+            return 0
+        align = root.entry.align
+        base = round_up(start, align)
+        ends = sorted((address, size) for _, address, size in self.blocks.values())
+        largest = at = 0
+        for address, size in ends:
+            largest = max(largest, address - base - at)
+            at = max(at, address - base + size)
+        largest = max(largest, round_up(root.limit, align) - at)
+        short = nbytes - largest
+        over = root.budget.used + nbytes - root.limit
+        if over > 0:
+            short = over if short <= 0 else min(short, over)
+        return max(short, 0)
+
     def report(self, root: int) -> BudgetReport:
         budget = self.members[root].budget
         assert budget is not None  # a root whose entry fails ends the replay
-        return budget.report()
+        report = budget.report()
+        if self.stacks:
+            report = _with_stacks(report, self.stacks)
+        return report
 
     @staticmethod
     def recorded(member: _Member) -> Recorded:
@@ -202,7 +227,7 @@ class _Replay:
             for budget in budgets:
                 budget.unpin()
         self.unpins.clear()
-        for member, address in self.blocks.values():
+        for member, address, _ in self.blocks.values():
             if member.budget is not None:
                 member.budget.free(address)
         self.blocks.clear()
@@ -213,12 +238,11 @@ class _Replay:
     def enter(self, event: Enter) -> None:
         limit = self.limits.get(event.budget, event.limit)
         parent = self.members.get(event.parent) if event.parent is not None else None
-        member = self.members[event.budget] = _Member(
-            event, limit, parent.chain if parent is not None else ())
+        member = self.members[event.budget] = _Member(event, limit, parent)
         if parent is None:
             self.roots.append(event.budget)
         elif parent.budget is None:
-            member.denials += 1  # its parent could not be opened
+            self.deny(member)  # its parent could not be opened
             return
         # A replay is never traced (trace=False), even where GPUBUDGET_TRACE asks every root
         # to be: that could be the very file being read.
@@ -234,10 +258,10 @@ class _Replay:
                 raise ReplayError(f"cannot replay root budget {event.name!r}: its limit of "
                                   f"{format_size(limit)} cannot be mapped in host memory, "
                                   f"even untouched ({exc})") from None
-            member.denials += 1  # its reserve did not fit in its parent
+            self.deny(member)  # its reserve did not fit in its parent
             return
         except GpuBudgetError:
-            member.denials += 1
+            self.deny(member)
             return
         member.budget = budget
         if self.granted_peaks and parent is not None:
@@ -247,47 +271,44 @@ class _Replay:
             budget.pin()
             self.unpins.setdefault(last, []).append(budget)
 
-    def alloc(self, event: Alloc) -> None:
-        probe = event.ptr is None
-        if probe and event.reason not in PROBE_REASONS:
+    def refused_or_released(self, member: _Member) -> None:
+        """An allocation through a budget whose entry was refused, or already released."""
+        if member.budget is None:
+            self.deny(member)
+        else:  # see replay(): kept alive in the recording
+            member.after_release += 1
+
+    def probe(self, event: Alloc) -> None:
+        """A request the recording denied: allocated and freed at once, if a limit denied
+        it (see the module docstring)."""
+        if event.reason not in PROBE_REASONS:
             return  # not a matter of limits: see the module docstring
         member = self.members[event.budget]
-        if probe and event.nbytes > member.largest_probe:
+        if event.nbytes > member.largest_probe:
             member.largest_probe = event.nbytes
         budget = member.budget
-        if budget is None:
-            member.denials += 1
-            return
-        if budget.state == "released":  # see replay(): kept alive in the recording
-            member.after_release += 1
+        if budget is None or budget.state == "released":
+            self.refused_or_released(member)
             return
         address = member.context.run(budget.allocate, event.size, event.align, tag=event.tag)
         if address is None:
-            member.denials += 1
-        elif probe:
-            budget.free(address)
+            self.deny(member, event.nbytes)
         else:
-            assert event.ptr is not None
-            self.blocks[event.ptr] = (member, address)
-            if self.granted_peaks:
-                member.note_granted()
-
-    def free(self, event: Free) -> None:
-        found = self.blocks.pop(event.ptr, None)
-        if found is not None and found[0].budget is not None:
-            found[0].budget.free(found[1])
+            budget.free(address)
 
     def resize(self, event: Resize) -> None:
         found = self.blocks.get(event.ptr)
         if found is None or found[0].budget is None:
             return  # its allocation was denied in this replay: counted there
-        member, address = found
+        member, address, _ = found
         assert member.budget is not None
         moved = member.budget.resize(address, event.size, event.align)
         if moved is None:
-            self.members[event.budget].denials += 1
+            self.deny(self.members[event.budget], event.nbytes)
         else:
-            self.blocks[event.ptr] = (member, moved)
+            self.blocks[event.ptr] = (member, moved, event.nbytes)
+            if moved != address and address in self.stacks:
+                self.stacks[moved] = self.stacks.pop(address)
             if self.granted_peaks:
                 member.note_granted()
 
@@ -295,6 +316,20 @@ class _Replay:
         member = self.members[event.budget]
         if member.budget is not None and member.budget.state == "open":
             member.context.run(member.budget.__exit__, None, None, None)
+
+
+def _with_stacks(report: BudgetReport, stacks: dict[int, tuple[str, ...]]) -> BudgetReport:
+    """``report`` whose live blocks carry the stacks recorded for them (a replay cannot
+    hand a stack to ``Budget.allocate``: it keeps them beside, by replayed address)."""
+    made: dict[int, BudgetReport] = {}
+    for item in reversed(report.walk()):  # children before parents: no recursion
+        blocks = tuple(replace(block, stack=stacks[block.address])
+                       if block.stack is None and block.address in stacks else block
+                       for block in item.live_blocks)
+        made[id(item)] = replace(item, live_blocks=blocks,
+                                 children=tuple(made.pop(id(child))
+                                                for child in item.children))
+    return made[id(report)]
 
 
 def replay(

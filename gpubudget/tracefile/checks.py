@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
-from .format import FORMAT, LIMIT_REASONS, VERSION, _quote
+from .format import FORMAT, LIMIT_REASONS, MAX_FRAMES, VERSION, _quote
 
 __all__ = ["Bad", "Validator", "header"]
 
@@ -91,10 +91,12 @@ class Validator:
     def __init__(self) -> None:
         self.budgets: dict[int, _Budget] = {}
         self.live: dict[int, int] = {}  # address -> the id of the budget that holds it
+        self.frames: dict[int, str] = {}  # frame id -> its text (``frame`` lines)
+        self.frame_lines: dict[int, int] = {}  # frame id -> the line that defined it
         self.line = 0  # the line being checked
-        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent]] = {
+        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent | None]] = {
             "enter": self.enter, "alloc": self.alloc, "free": self.free,
-            "resize": self.resize, "exit": self.exit,
+            "resize": self.resize, "exit": self.exit, "frame": self.frame,
         }
 
     def known(self, record: dict[str, Any]) -> int:
@@ -147,10 +149,40 @@ class Validator:
                 and type(align) is int and 0 <= align < _INT_RANGE and not align & (align - 1)
                 and (tag is None or type(tag) is str) and type(ptr) is int
                 and 0 <= ptr < _INT_RANGE and ptr not in self.live and type(nbytes) is int
-                and size <= nbytes < _INT_RANGE and get("reason") is None):
+                and size <= nbytes < _INT_RANGE and get("reason") is None
+                and get("stack") is None):
             self.live[ptr] = budget
             return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
         return self.checked_alloc(record)
+
+    def stack(self, record: dict[str, Any]) -> tuple[str, ...] | None:
+        """An allocation's ``stack``: frame ids, each defined on an earlier line."""
+        ids = record.get("stack")
+        if ids is None:
+            return None
+        if type(ids) is not list:
+            raise Bad(f"'stack' must be a list of frame ids or null, got {_quote(ids)}")
+        if len(ids) > MAX_FRAMES:
+            raise Bad(f"'stack' has {len(ids)} frames, more than {MAX_FRAMES}")
+        frames = self.frames
+        for frame in ids:
+            if type(frame) is not int or frame not in frames:
+                if type(frame) is int:
+                    raise Bad(f"'stack' names frame {frame}, which no earlier line defines")
+                raise Bad(f"'stack' must hold frame ids (integers), got {_quote(frame)}")
+        return tuple([frames[frame] for frame in ids])
+
+    def frame(self, record: dict[str, Any]) -> None:
+        """A ``frame`` line: defines a frame id for the ``stack`` of later allocations."""
+        frame = _integer(record, "id", 0)
+        text = _text(record, "at", optional=False)
+        assert text is not None
+        earlier = self.frame_lines.get(frame)
+        if earlier is not None:
+            raise Bad(f"frame id {frame} was already defined, at line {earlier}")
+        self.frames[frame] = text
+        self.frame_lines[frame] = self.line
+        return None
 
     def checked_alloc(self, record: dict[str, Any]) -> Alloc:
         t = _time(record)
@@ -161,13 +193,14 @@ class Validator:
         ptr = _field(record, "ptr")
         reason = _text(record, "reason", optional=True)
         nbytes = _optional_integer(record, "bytes", -_INT_RANGE)
+        stack = self.stack(record)
         if ptr is None:
             if reason is None:
                 raise Bad("a denied allocation ('ptr' null) needs a 'reason'")
             if reason in LIMIT_REASONS and size < 1:
                 raise Bad(f"a request denied for {reason} needs 'size' >= 1, got {size}")
             return Alloc(t, budget, size, align, tag, None, size if nbytes is None else nbytes,
-                         reason)
+                         reason, stack)
         ptr = _integer(record, "ptr", 0)
         if reason is not None:
             raise Bad(f"a granted allocation ('ptr' {ptr:#x}) has 'reason' {_quote(reason)}")
@@ -184,7 +217,7 @@ class Validator:
         # A block live in another tree: that tree was garbage-collected with the block (a
         # leak) and its memory went back, to be handed out again. It is gone.
         self.live[ptr] = budget
-        return Alloc(t, budget, size, align, tag, ptr, nbytes, None)
+        return Alloc(t, budget, size, align, tag, ptr, nbytes, None, stack)
 
     def held(self, record: dict[str, Any], budget: int) -> int:
         ptr = _integer(record, "ptr", 0)

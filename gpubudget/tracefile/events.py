@@ -33,7 +33,9 @@ class Enter(NamedTuple):
 
 class Alloc(NamedTuple):
     """An allocation by ``budget``: granted at ``ptr``, or denied (``ptr`` ``None``) for
-    ``reason``."""
+    ``reason``. ``nbytes`` is the aligned size charged (the line's ``bytes``); ``stack``
+    the frames of the code that asked (``"file:line in function"``, outermost first), or
+    ``None`` where the budget did not keep stacks (``track_stacks``)."""
 
     t: float
     budget: int
@@ -43,6 +45,7 @@ class Alloc(NamedTuple):
     ptr: int | None
     nbytes: int
     reason: str | None
+    stack: tuple[str, ...] | None = None
 
 
 class Free(NamedTuple):

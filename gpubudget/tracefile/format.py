@@ -12,6 +12,7 @@ __all__ = [
     "FLUSH_SECONDS",
     "FORMAT",
     "LIMIT_REASONS",
+    "MAX_FRAMES",
     "MAX_LINE_BYTES",
     "MAX_TEXT",
     "MAX_TRACE_BYTES",
@@ -34,6 +35,8 @@ MAX_TEXT: Final = 1024
 is cut to ``MAX_TEXT - 1`` characters and ``…``. JSON writes a character in 12 bytes at most
 (a surrogate pair), and a line holds two such texts, so every line written stays far below
 :data:`MAX_LINE_BYTES`: every trace gpubudget writes, gpubudget reads."""
+MAX_FRAMES: Final = 512
+"""Most frames an allocation's ``stack`` holds: the writer keeps the innermost ones."""
 MAX_TRACE_BYTES: Final = 4 << 30
 """Largest trace a reader accepts unless told otherwise (4 GiB, about 40 million events)."""
 

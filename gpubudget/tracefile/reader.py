@@ -15,6 +15,7 @@ from typing import Any, BinaryIO, Final
 from ..units import format_size
 from .checks import Bad, Validator, header
 from .events import Header, TraceEvent
+from .fastparse import AVAILABLE, fast_lines
 from .format import (
     MAX_LINE_BYTES,
     MAX_TRACE_BYTES,
@@ -23,9 +24,15 @@ from .format import (
     printable,
 )
 
-__all__ = ["Trace", "TraceReader", "read_trace"]
+__all__ = ["PARSERS", "PARSER_ENV", "Trace", "TraceReader", "read_trace"]
 _READ_PROGRESS_EVERY: Final = 16_384
 """Lines between two calls of a reader's progress callback."""
+_BUFFER: Final = 1 << 20
+"""Bytes a reader reads from a file at a time."""
+PARSERS: Final = ("auto", "msgspec", "json")
+"""What ``TraceReader(parser=...)`` takes."""
+PARSER_ENV: Final = "GPUBUDGET_TRACE_PARSER"
+"""Set to ``json`` to make ``parser="auto"`` use the plain path (comparisons, tests)."""
 
 
 def _reject_constant(name: str) -> None:
@@ -56,7 +63,7 @@ def _open(path: str | os.PathLike[str], display: str) -> BinaryIO:
         raise TraceError(f"{display}: not a regular file ({_file_kind(info.st_mode)}); "
                          f"to read a stream, pipe it into '-'")
     try:
-        return open(name, "rb")  # noqa: SIM115 - closed by TraceReader.close
+        return open(name, "rb", buffering=_BUFFER)  # noqa: SIM115 - closed by TraceReader.close
     except OSError as exc:
         raise TraceError(f"{display}: cannot read: {_reason(exc)}") from None
 
@@ -89,6 +96,12 @@ class TraceReader:
         Refuse a trace longer than this (default :data:`MAX_TRACE_BYTES`).
     progress
         Called with ``(lines, bytes)`` read so far every 16,384 lines.
+    parser
+        ``"msgspec"``: the fast path (the ``traces`` extra, ``pip install
+        'gpubudget[traces]'``; :class:`ImportError` without it); ``"json"``: the standard
+        library's alone; ``"auto"`` (default): msgspec where it is installed, unless the
+        environment variable ``GPUBUDGET_TRACE_PARSER`` is ``json``. Events and error
+        messages are the same either way (see :mod:`gpubudget.tracefile.fastparse`).
 
     Examples
     --------
@@ -103,7 +116,18 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 parser: str = "auto") -> None:
+        if parser not in PARSERS:
+            raise ValueError(f"parser must be one of {', '.join(PARSERS)}, got {parser!r}")
+        if parser == "msgspec" and not AVAILABLE:
+            raise ImportError("TraceReader(parser='msgspec') needs msgspec: pip install "
+                              "'gpubudget[traces]'")
+        if parser == "auto":
+            plain = not AVAILABLE or os.environ.get(PARSER_ENV, "").strip().lower() == "json"
+            parser = "json" if plain else "msgspec"
+        self.parser = parser
+        """The parser that reads the lines: ``"msgspec"`` or ``"json"``."""
         self.name = printable(os.fspath(path))
         """The file's name as given, safe to print."""
         self.max_bytes = max_bytes
@@ -113,6 +137,7 @@ class TraceReader:
         self.cut_short: str | None = None
         """Set when the last line was cut short and skipped: a sentence saying so."""
         self._progress = progress
+        self._next_progress = _READ_PROGRESS_EVERY
         self._prefix = ""  # what a problem on the current line means, before the message
         self._iterated = False
         self._file = _open(path, self.name)
@@ -148,7 +173,18 @@ class TraceReader:
         self._iterated = True
         validator = Validator()
         handlers = validator.handlers
-        for record in self._records():
+        fast = fast_lines(validator) if self.parser == "msgspec" else None
+        for raw in self._raw_lines():
+            if fast is not None:
+                found = fast(raw)
+                if found is not None:
+                    yield found
+                    continue
+            record = self._record(raw)
+            if record is None:
+                if self.cut_short is not None:
+                    return
+                continue
             validator.line = self.lines
             kind = record.get("ev")
             handler = handlers.get(kind) if type(kind) is str else None
@@ -159,7 +195,8 @@ class TraceReader:
                 event = handler(record)
             except Bad as exc:
                 raise self._error(f"{kind} event: {exc}") from None
-            yield event
+            if event is not None:  # None: a frame line, kept by the validator
+                yield event
 
     def _error(self, message: str) -> TraceError:
         return TraceError(f"{self.name}:{self.lines}: {self._prefix}{message}")
@@ -181,7 +218,31 @@ class TraceReader:
 
     def _records(self) -> Iterator[dict[str, Any]]:
         """Each non-blank line as a JSON object, checked for size, encoding and syntax."""
+        for raw in self._raw_lines():
+            record = self._record(raw)
+            if record is not None:
+                yield record
+            elif self.cut_short is not None:
+                return
+
+    def _record(self, raw: bytes) -> dict[str, Any] | None:
+        """``raw`` as a JSON object; ``None`` for a blank line, or for a last line cut short
+        (then :attr:`cut_short` says so)."""
+        try:
+            return self._parse(raw)
+        except Bad as exc:
+            if raw.endswith(b"\n"):
+                raise self._error(str(exc)) from None
+            self.cut_short = (f"{self.name}:{self.lines}: the last line is cut short "
+                              f"(the writing process was killed?); skipped")
+            return None
+
+    def _raw_lines(self) -> Iterator[bytes]:
+        """Each line but the empty ones, checked for size, counted, progress told. A run of
+        empty lines is skipped a buffer at a time (a file of nothing else reads at disk
+        speed)."""
         readline = self._file.readline
+        peek = getattr(self._file, "peek", None)
         limit = MAX_LINE_BYTES
         while True:
             try:
@@ -192,23 +253,35 @@ class TraceReader:
                 return
             self.lines += 1
             self.bytes_read += len(raw)
+            if raw == b"\n" and peek is not None:
+                self._skip_empty(peek)
             if self.bytes_read > self.max_bytes:
                 raise self._error(f"the trace passes the limit of "
                                   f"{format_size(self.max_bytes)}")
-            if self._progress is not None and self.lines % _READ_PROGRESS_EVERY == 0:
+            if self._progress is not None and self.lines >= self._next_progress:
+                self._next_progress = (self.lines // _READ_PROGRESS_EVERY + 1) * _READ_PROGRESS_EVERY
                 self._progress(self.lines, self.bytes_read)
             if len(raw) > limit:
                 raise self._error(f"line longer than {format_size(limit)}")
+            if raw != b"\n":
+                yield raw
+
+    def _skip_empty(self, peek: Callable[[int], bytes]) -> None:
+        """After an empty line: skip the empty lines that follow, a buffer at a time, and
+        count them (stops at the limit of ``max_bytes``, which the caller then refuses)."""
+        while self.bytes_read <= self.max_bytes:
             try:
-                record = self._parse(raw)
-            except Bad as exc:
-                if raw.endswith(b"\n"):
-                    raise self._error(str(exc)) from None
-                self.cut_short = (f"{self.name}:{self.lines}: the last line is cut short "
-                                  f"(the writing process was killed?); skipped")
+                buffered = peek(1)
+            except OSError:
+                return  # the next readline says why
+            run = len(buffered) - len(buffered.lstrip(b"\n"))
+            if not run:
                 return
-            if record is not None:
-                yield record
+            self._file.read(run)
+            self.lines += run
+            self.bytes_read += run
+            if run < len(buffered):
+                return
 
     @staticmethod
     def _parse(raw: bytes) -> dict[str, Any] | None:

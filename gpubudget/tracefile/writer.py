@@ -26,7 +26,16 @@ from typing import Any, Final
 from ..callers import user_stacklevel
 from ..errors import TraceWriteError
 from .files import TraceBusy, file_id, open_for_writing, per_process, reopen, resolve
-from .format import FLUSH_EVERY, FLUSH_SECONDS, FORMAT, MAX_TEXT, VERSION, TraceError, printable
+from .format import (
+    FLUSH_EVERY,
+    FLUSH_SECONDS,
+    FORMAT,
+    MAX_FRAMES,
+    MAX_TEXT,
+    VERSION,
+    TraceError,
+    printable,
+)
 
 __all__ = ["TraceWriter", "shortened", "writer_for", "writer_from_env"]
 
@@ -69,7 +78,7 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_pending", "_t0", "_flushed_at", "__weakref__")
+                 "_pending", "_frames", "_next_frame", "_t0", "_flushed_at", "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
@@ -83,6 +92,8 @@ class TraceWriter:
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
         self._pending: list[str] = []
+        self._frames: dict[str, int] = {}  # frame text -> its id, once its line is written
+        self._next_frame = 0  # ids are never reused, even after a failed flush
         self._t0 = time.perf_counter()
         self._flushed_at = -math.inf  # so that the header is flushed at once
         _every.add(self)  # flushed at exit, forgotten in a forked child, cached or not
@@ -154,12 +165,36 @@ class TraceWriter:
                               "backend": None if backend is None else shortened(str(backend))})
 
     def alloc(self, budget: int, size: int, align: int, tag: str | None, address: int,
-              nbytes: int) -> None:
-        """``budget`` was granted ``nbytes`` (aligned) at ``address`` for ``size`` asked."""
+              nbytes: int, stack: tuple[str, ...] | None = None) -> None:
+        """``budget`` was granted ``nbytes`` (aligned) at ``address`` for ``size`` asked;
+        ``stack``, outermost frame first, is written as frame ids (its innermost
+        :data:`MAX_FRAMES` frames), each new frame on a ``frame`` line of its own first."""
         if tag is not None and len(tag) > MAX_TEXT:
             tag = shortened(tag)
-        self._event("alloc", {"b": budget, "size": size, "align": align, "tag": tag,
-                              "ptr": address, "bytes": nbytes, "reason": None})
+        fields: dict[str, Any] = {"b": budget, "size": size, "align": align, "tag": tag,
+                                  "ptr": address, "bytes": nbytes, "reason": None}
+        if stack is None:
+            self._event("alloc", fields)
+            return
+        now = time.perf_counter()
+        record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
+        with self._lock:  # the frames' lines and the one naming them, in this order
+            if self._closed is not None:
+                raise ValueError(self._closed)
+            frames, pending = self._frames, self._pending
+            ids = []
+            for frame in stack[-MAX_FRAMES:]:
+                found = frames.get(frame)
+                if found is None:
+                    found = frames[frame] = self._next_frame
+                    self._next_frame += 1
+                    pending.append(json.dumps({"ev": "frame", "id": found,
+                                               "at": shortened(frame)}) + "\n")
+                ids.append(found)
+            record["stack"] = ids
+            pending.append(json.dumps(record) + "\n")
+            if len(pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+                self._flush(now)
 
     def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
              reason: str) -> None:
@@ -250,6 +285,9 @@ class TraceWriter:
                 written = os.write(fd, view)
                 self._size += written
                 view = view[written:]
+        except OSError:
+            self._frames.clear()  # their lines may be lost: write them again, new ids
+            raise
         finally:
             self._close_if_idle()
         self._flushed_at = now
