@@ -143,11 +143,13 @@ def run_trace(
     free: Callable[[Any], object],
     warmup: Trace,
     timed: Trace,
+    collect: bool = True,
 ) -> float:
     """Seconds for the timed steps; every step must succeed. ``allocate`` returns a handle
     (an address, or an allocator's own object) that ``free`` takes back."""
     slots: dict[int, Any] = {}
-    gc.collect()  # every allocator starts timing from the same collector state
+    if collect:
+        gc.collect()  # every allocator starts timing from the same collector state
     for slot, size in warmup:
         address = allocate(size)
         assert address is not None, "warm-up allocation denied"
@@ -175,10 +177,11 @@ def _threaded(count: int, steps: int, make: Callable[[int], tuple[Any, Callable[
 
     def work(allocator: Any, warm: Trace, timed: Trace) -> None:
         barrier.wait()
-        run_trace(allocator.allocate, allocator.free, warm, timed)
+        run_trace(allocator.allocate, allocator.free, warm, timed, collect=False)
 
     threads = [threading.Thread(target=work, args=(allocator, *share))
                for (allocator, _), share in zip(made, shares)]
+    gc.collect()  # once, before the clock starts: not once a thread inside the timing
     for thread in threads:
         thread.start()
     barrier.wait()
