@@ -24,7 +24,11 @@ def _run(script: str, *args: str, pure: str, timeout: float = 120) -> str:
                           capture_output=True, text=True, timeout=timeout,
                           env=subprocess_env(GPUBUDGET_PURE=pure, GPUBUDGET_BACKEND="host"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr
+    # Python 3.12 warns of every fork in a process with threads (DeprecationWarning): these
+    # scripts fork with threads on purpose; any other warning still fails the test
+    stderr = "\n".join(line for line in done.stderr.splitlines()
+                       if "is multi-threaded, use of fork() may lead to deadlocks" not in line)
+    assert "Traceback" not in stderr and "Warning" not in stderr, done.stderr
     assert "still live at exit" not in done.stderr, done.stderr  # the parent's, not listed
     return done.stdout
 

@@ -3,9 +3,20 @@ is raised, and its failure holds the report (run in a separate pytest with pytes
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
 pytest_plugins = ["pytester"]
+
+
+def _plugin_flags() -> tuple[str, ...]:
+    """``-p gpubudget.pytest_plugin`` where the package runs without being installed (its
+    ``pytest11`` entry point unknown: a source tree on ``PYTHONPATH``), nothing where pytest
+    loads it by itself."""
+    installed = any(entry.value == "gpubudget.pytest_plugin"
+                    for entry in importlib.metadata.entry_points(group="pytest11"))
+    return () if installed else ("-p", "gpubudget.pytest_plugin")
 
 _TEST = """
 import pytest
@@ -24,7 +35,7 @@ def test_inference():
 def _run(pytester: pytest.Pytester, limit: str, extra: str = "",
          free: str = "budget.free(block)") -> pytest.RunResult:
     pytester.makepyfile(test_model=_TEST.format(limit=limit, extra=extra, free=free))
-    return pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    return pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", *_plugin_flags())
 
 
 def test_a_test_that_overspends_fails_and_passes_with_a_higher_limit(
@@ -49,7 +60,7 @@ def test_a_denial_the_test_tolerates_still_fails_it_with_the_report(
             small = budget.allocate("1MiB") if big is None else big
             budget.free(small)
     """)
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", *_plugin_flags())
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "*gpubudget: 1 request(s) denied (largest 3.00 MiB)*",
