@@ -22,6 +22,7 @@ from .errors import (
     GpuBudgetError,
     InvariantError,
     TraceError,
+    TraceWriteError,
 )
 from ._core.recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
@@ -43,6 +44,7 @@ __all__ = [
     "InvariantError",
     "LiveBlock",
     "TraceError",
+    "TraceWriteError",
     "bind",
     "current_budget",
     "current_label",
