@@ -471,3 +471,22 @@ def test_the_registry_answers_as_the_dict_it_stands_for() -> None:
         registry["x"] = (owners[0], 1, None, None)
     with pytest.raises(TypeError):
         registry[256] = "not an entry"
+
+
+@pytest.mark.parametrize("maxlen", [1, 3, 64, 1000])
+def test_both_event_logs_keep_and_count_the_same(maxlen: int) -> None:
+    """The C event log against the Python one: the events kept, oldest first, and how many
+    were ever logged (what a report says was dropped)."""
+    assert native is not None
+    from gpubudget._core.recorder import _EventLog
+
+    c, py = native.EventLog(maxlen), _EventLog(maxlen)
+    rng = random.Random(maxlen)
+    for step in range(2500):
+        event = (step * 0.5, rng.choice(["alloc", "free", "deny"]), rng.randrange(9),
+                 rng.choice([256, 2**70]), rng.choice([None, "t"]), step, step * 2)
+        c.append(event)
+        py.append(event)
+        if step % 97 == 0:
+            assert list(c) == list(py) and len(c) == len(py) and c.logged == py.logged
+    assert list(c) == list(py) and c.logged == py.logged == 2500 and c.maxlen == py.maxlen

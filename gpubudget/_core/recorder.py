@@ -116,6 +116,7 @@ class _EventLog:
 
     def append(self, event: Event) -> None:
         self._events.append(event)
+        self.logged += 1
 
     def __len__(self) -> int:
         return len(self._events)
