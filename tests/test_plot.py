@@ -3,6 +3,7 @@ capped."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def test_the_time_axis_is_in_a_readable_unit_without_an_offset(tmp_path: Path) -
     name, _ = time_unit(report.timeline[-1].time)
     assert name in ("microseconds", "milliseconds") and name in text
     assert ">seconds<" not in text
-    assert "1e" not in text.replace("1e3", "") and "×10" not in text  # no offset, no exponent
+    words = re.sub(r'(?:id|href|xlink:href|clip-path)="[^"]*"|url\(#[^)]*\)', "", text)
+    assert "1e" not in words.replace("1e3", "") and "×10" not in words  # no offset, no exponent
 
 
 def test_the_legend_says_the_peak_the_line_draws_after_reset_peak(tmp_path: Path) -> None:
