@@ -231,12 +231,17 @@ class Trees(RuleBasedStateMachine):
     @rule(limit=st.integers(1, 300), reserve=st.sampled_from([None, 0, 1, 5, 64]),
           align=st.sampled_from([1, 256, 512, 4096]))
     def enter(self, limit: int, reserve: int | None, align: int) -> None:
+        self.enter_both(limit, f"c{len(self.known)}", align=align,
+                        reserve=None if reserve is None else reserve * KiB)
+
+    def enter_both(self, limit: int, name: str, **options: Any) -> None:
+        """A child of the innermost open pair entered on both sides, each in its context:
+        entered on both or refused on both with the same error."""
         outcomes = []
         pair = []
         for context, parent in zip(self.contexts, self.open[-1]):
             try:
-                child = gpu_budget(limit * KiB, name=f"c{len(self.known)}", parent=parent,
-                                   align=align, reserve=None if reserve is None else reserve * KiB)
+                child = gpu_budget(limit * KiB, name=name, parent=parent, **options)
                 context.run(child.__enter__)
                 outcomes.append("entered")
                 pair.append(child)

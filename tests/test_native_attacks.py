@@ -309,20 +309,7 @@ class MoreTrees(Trees):
 
     @rule(limit=st.integers(1, 300), stacks=st.booleans())
     def enter_stacks(self, limit: int, stacks: bool) -> None:
-        outcomes, pair = [], []
-        for context, parent in zip(self.contexts, self.open[-1]):
-            try:
-                child = gpu_budget(limit * KiB, name=f"s{len(self.known)}", parent=parent,
-                                   track_stacks=stacks)
-                context.run(child.__enter__)
-                outcomes.append("entered")
-                pair.append(child)
-            except Exception as exc:  # noqa: BLE001 - both must fail alike
-                outcomes.append(f"{type(exc).__name__}: {exc}")
-        assert outcomes[0] == outcomes[1]
-        if outcomes[0] == "entered":
-            self.open.append((pair[0], pair[1]))
-            self.known.append((pair[0], pair[1]))
+        self.enter_both(limit, f"s{len(self.known)}", track_stacks=stacks)
 
     @rule(target=Trees.blocks, which=st.integers(0, 50), size=st.integers(1, 80 * KiB),
           odd=st.sampled_from([7, _Text("sub"), "ok", None]))
