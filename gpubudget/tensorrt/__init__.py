@@ -27,15 +27,20 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from .callbacks import argument_order as _argument_order
 from .lifetime import allocator, allocator_of, attach, require_budget
 from .module import MODULE_NAMES, load_module
+from .order import AllocatorOrder, OutputOrder
 
 __all__ = [
     "MODULE_NAMES",
+    "AllocatorOrder",
     "Builder",
+    "OutputOrder",
     "Runtime",
     "allocator",
     "allocator_of",
+    "argument_order",
     "attach",
     "load_module",
 ]
@@ -78,6 +83,23 @@ def _runtime_class(module: ModuleType) -> type:
                 "__doc__": base.__doc__,
             })
         return cls
+
+
+def argument_order(trt_module: ModuleType | str | None = None) -> AllocatorOrder:
+    """How the TensorRT module's binding passes the allocator's arguments, found by calling
+    its own C++ trampoline once when gpubudget made its allocator class.
+
+    ``stream_index`` 3: ``allocate_async(size, alignment, flags, stream)`` (TensorRT-RTX);
+    2: ``(size, alignment, stream, flags)`` (TensorRT 10); ``None``: not established, and the
+    allocator reads no stream at all (``found`` says why).
+
+    Examples
+    --------
+    >>> from gpubudget import tensorrt as gbt
+    >>> gbt.argument_order("tensorrt_rtx_bindings").stream_index    # doctest: +SKIP
+    3
+    """
+    return _argument_order(load_module(trt_module))
 
 
 def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
