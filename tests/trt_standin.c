@@ -6,8 +6,8 @@
  * Built by tests/trt_standin.py with -DSTANDIN_NAME=<module> and one of:
  *   -DSTREAM_THIRD   allocate_async(size, alignment, stream, flags), as TensorRT 10's bindings
  *                    (python/src/infer/pyCore.cpp, PyGpuAsyncAllocator::allocateAsync) call it;
- *   -DDROPS_STREAM   allocate_async(size, alignment, flags, 0): an order that cannot be
- *                    established (the stream never arrives).
+ *   -DDROPS_STREAM   allocate_async(size, alignment, flags, 0) and reallocate_output_async(...,
+ *                    0): orders that cannot be established (the stream never arrives).
  * Its IOutputAllocator has TensorRT 10's three slots (reallocateOutput, reallocateOutputAsync,
  * notifyShape); TensorRT-RTX 1.7's has two (no reallocateOutput).
  */
@@ -112,6 +112,9 @@ static void *reallocate_output(Cpp *cpp, const char *name, void *memory, uint64_
 static void *reallocate_output_async(Cpp *cpp, const char *name, void *memory, uint64_t size,
                                      uint64_t alignment, void *stream)
 {
+#if defined(DROPS_STREAM)
+    stream = NULL;
+#endif
     return call_pointer(cpp, "reallocate_output_async", "(sKKKK)", name,
                         (unsigned long long)(uintptr_t)memory, (unsigned long long)size,
                         (unsigned long long)alignment, (unsigned long long)(uintptr_t)stream);

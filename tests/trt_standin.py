@@ -5,8 +5,8 @@ pybind11 trampolines, so gpubudget's probe inspects and drives them as it does t
 
 - ``stream_third``: ``allocate_async(size, alignment, stream, flags)``, the order of
   TensorRT 10's published bindings;
-- ``drops_stream``: ``allocate_async(size, alignment, flags, 0)``, an order that cannot be
-  established.
+- ``drops_stream``: ``allocate_async(size, alignment, flags, 0)`` and a
+  ``reallocate_output_async`` without its stream: orders that cannot be established.
 """
 
 from __future__ import annotations
