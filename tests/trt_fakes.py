@@ -28,7 +28,7 @@ class FakeEngine:
 
     def __init__(self, trt: Any, *, per_batch: int = 4 * KiB, max_batch: int = 16,
                  profiles: int = 1, streamable: int = 0, weights: int = 64 * KiB,
-                 name: str = "fake") -> None:
+                 name: str = "fake", allocator: Trampoline | None = None) -> None:
         self.trt = trt
         self.name = name
         self.per_batch = per_batch
@@ -37,7 +37,10 @@ class FakeEngine:
         self.streamable_weights_size = streamable
         self._resident = streamable  # weight_streaming_budget_v2: everything resident
         self.weights = weights
-        self.weights_loaded = True
+        self.allocator = allocator  # the runtime's, through NVIDIA's trampoline
+        self.weights_at: int | None = None
+        self.weights_loaded = False
+        self.load_weights(b"plan")
         self.live_contexts = 0
         self.strategies: list[Any] = []
         self.num_io_tensors = 2
@@ -92,12 +95,19 @@ class FakeEngine:
     def unload_weights(self) -> bool:
         if not self.weights_loaded:
             return False
+        if self.allocator is not None and self.weights_at is not None:
+            assert self.allocator.deallocate(self.weights_at)
+        self.weights_at = None
         self.weights_loaded = False
         return True
 
     def load_weights(self, blob: Any) -> bool:
         if self.weights_loaded:
             return False
+        if self.allocator is not None:
+            self.weights_at = self.allocator.allocate(self.weights, 256, 0)
+            if self.weights_at is None:
+                return False
         self.weights_loaded = True
         return True
 
@@ -172,3 +182,31 @@ class FakeContext:
                 return False
             side.notify_shape("y", (found,))
         return True
+
+
+def real_plan(trt: Any) -> bytes:
+    """A real serialized engine, built here by TensorRT-RTX's builder (which builds without a
+    GPU): y = relu(x @ W) for x of shape (1..16, 64), weights streamable. Deserializing it
+    needs a GPU TensorRT-RTX supports, which no test machine here has."""
+    import numpy as np
+
+    logger = trt.Logger(trt.Logger.ERROR)
+    builder = trt.Builder(logger)
+    network = builder.create_network(
+        1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    x = network.add_input("x", trt.float32, (-1, 64))
+    weights = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+    constant = network.add_constant((64, 64), trt.Weights(weights))
+    product = network.add_matrix_multiply(x, trt.MatrixOperation.NONE, constant.get_output(0),
+                                          trt.MatrixOperation.NONE)
+    relu = network.add_activation(product.get_output(0), trt.ActivationType.RELU)
+    relu.get_output(0).name = "y"
+    network.mark_output(relu.get_output(0))
+    config = builder.create_builder_config()
+    config.set_flag(trt.BuilderFlag.WEIGHT_STREAMING)
+    profile = builder.create_optimization_profile()
+    profile.set_shape("x", (1, 64), (4, 64), (16, 64))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    assert plan is not None, "TensorRT-RTX could not build the test network"
+    return bytes(plan)

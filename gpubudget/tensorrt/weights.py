@@ -32,7 +32,6 @@ from .module import module_of
 
 __all__ = ["WeightStreaming", "load_weights", "stream_weights", "unload_weights", "weights_size"]
 
-_ROUNDS = 4  # settling the resident weights and the context memory together
 
 
 @dataclass(frozen=True)
@@ -84,23 +83,40 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
                          "BuilderFlag.WEIGHT_STREAMING (and a strongly typed network)")
     room = target.available - kept
     original = engine.weight_streaming_budget_v2
-    resident = min(streamable, room - contexts * int(engine.device_memory_size_v2))
-    for attempt in range(_ROUNDS + 1):
-        resident = max(resident, 0) if attempt < _ROUNDS else 0
+
+    granule = max(target.align, 256)  # a context's region is charged rounded up to it
+
+    def fits(resident: int) -> int | None:
+        """Set ``resident``; each context's memory then, if it all fits in the room."""
         engine.weight_streaming_budget_v2 = resident
         per_context = int(engine.device_memory_size_v2)
-        if resident + contexts * per_context <= room:
-            return WeightStreaming(streamable, resident, per_context,
-                                   int(engine.weight_streaming_scratch_memory_size), contexts,
-                                   room, _automatic(engine))
-        if resident == 0:
-            break
-        resident = min(resident - 1, room - contexts * per_context)
-    engine.weight_streaming_budget_v2 = original  # all or nothing
-    raise BudgetError(
-        f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
-        f"{contexts} context(s); even with every streamable weight streamed the contexts need "
-        f"{format_size(contexts * per_context)}")
+        charged = -(-per_context // granule) * granule
+        return per_context if resident + contexts * charged <= room else None
+
+    # the most that could fit, then (the contexts' scratch grows as fewer weights stay)
+    # the largest that does, by bisection, to within 1/1024 of the streamable weights
+    high = max(min(streamable, room - contexts * int(engine.device_memory_size_v2)), 0)
+    if fits(high) is None:
+        if fits(0) is None:
+            per_context = int(engine.device_memory_size_v2)
+            engine.weight_streaming_budget_v2 = original  # all or nothing
+            raise BudgetError(
+                f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
+                f"{contexts} context(s); even with every streamable weight streamed the "
+                f"contexts need {format_size(contexts * per_context)}")
+        low, tolerance = 0, max(streamable >> 10, 1)
+        while high - low > tolerance:
+            middle = (low + high) // 2
+            if fits(middle) is None:
+                high = middle
+            else:
+                low = middle
+        high = low
+    settled = fits(high)
+    assert settled is not None
+    return WeightStreaming(streamable, high, settled,
+                           int(engine.weight_streaming_scratch_memory_size), contexts, room,
+                           _automatic(engine))
 
 
 def _automatic(engine: Any) -> int | None:
@@ -132,6 +148,8 @@ def load_weights(engine: Any, plan: Any, budget: Budget | None = None) -> int:
     (``get_engine_stat(TOTAL_WEIGHTS_SIZE)``, where the binding has it)."""
     target = require_budget(budget, "load_weights()")
     _require(engine, "load_weights")
+    if getattr(engine, "weights_loaded", False) is True:
+        raise RuntimeError("the engine's weights are already loaded")
     need = weights_size(engine)
     if need is not None and need > target.available:
         raise BudgetError(f"budget {target.name!r} has {format_size(target.available)} "
