@@ -180,3 +180,32 @@ def test_inspect_vtable_checks_before_it_reads() -> None:
     assert "not a OutputAllocator" in str(
         vtable.inspect_vtable(probe, trt.IGpuAsyncAllocator, "OutputAllocator"))
     assert "not an instance" in str(vtable.inspect_vtable(object(), trt.IGpuAsyncAllocator, "x"))
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
+        binding: str, standins: dict[str, Any], capfd: pytest.CaptureFixture[str]) -> None:
+    module = module_for(binding, standins)
+    with gpu_budget("64KiB", name="g", backend="host") as budget:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        assert cpp.allocate_async(2**63, 0, 1, 0x5A0) is None  # absurd size
+        assert cpp.allocate_async(KiB, 3, 0, 0x5A0) is None  # alignment not a power of two
+        assert cpp.allocate_async(0, 256, 0, 0x5A0) is None  # nothing
+        assert cpp.deallocate_async(0xDEAD000, 0x5A0) is False  # not ours
+        assert cpp.reallocate(0xDEAD000, 0, KiB) is None
+        original = type(budget).allocate
+        try:
+            type(budget).allocate = lambda *a, **k: 1 // 0  # type: ignore[method-assign]
+            assert cpp.allocate_async(KiB, 0, 0, 0x5A0) is None
+        finally:
+            type(budget).allocate = original  # type: ignore[method-assign]
+        assert any("ZeroDivisionError" in e for e in budget.report().callback_errors)
+        late = cpp.allocate_async(KiB, 0, 0, 0x5A0)
+    assert late is not None  # after the scope: the bound budget still serves
+    assert cpp.deallocate_async(late, 0x5A0) and budget.report().state == "released"
+    assert cpp.allocate_async(KiB, 0, 0, 0x5A0) is None  # released: a null pointer, no crash
+    assert cpp.deallocate_async(late, 0x5A0) is False
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ZeroDivisionError" not in err
+    assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment",
+                                                          "invalid_size"}
