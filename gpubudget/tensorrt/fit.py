@@ -37,7 +37,20 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class EngineNeeds:
     """What an engine needs on the device, in bytes; ``None`` where not known (see
-    ``unknown``). ``context_memory`` is per optimization profile."""
+    ``unknown``). ``context_memory`` is per optimization profile.
+
+    Examples
+    --------
+    >>> from gpubudget.tensorrt import EngineNeeds
+    >>> plan_only = EngineNeeds(plan_bytes=300 << 20, weights=None, context_memory=None,
+    ...                         context_memory_max=None, streamable_weights=None, contexts=1,
+    ...                         room=4 << 30, module="tensorrt")
+    >>> plan_only.weights_bound == 300 << 20, plan_only.fits   # context memory needs a GPU
+    (True, None)
+    >>> exact = EngineNeeds(300 << 20, 280 << 20, (512 << 20,), 512 << 20, 0, 2, 1 << 30, None)
+    >>> exact.lower == exact.upper == (280 + 2 * 512) << 20, exact.fits
+    (True, False)
+    """
 
     plan_bytes: int | None
     weights: int | None
