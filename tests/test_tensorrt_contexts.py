@@ -79,7 +79,8 @@ def test_shapes_shrink_in_place_grow_in_place_or_move_and_tensorrt_is_told() -> 
 def test_a_denial_is_a_clear_error_before_tensorrt_is_called() -> None:
     model = engine(per_batch=4 * KiB, max_batch=16)  # needs 64 KiB
     with gpu_budget("32KiB", name="small", backend="host") as budget:
-        with pytest.raises(AllocationDenied, match=r"'small'.*64\.00 KiB"):
+        with pytest.raises(AllocationDenied, match=r"shapes the largest of every profile.*"
+                           r"'small'.*64\.00 KiB"):
             gbt.execution_context(model, trt_module=trt)
         assert model.strategies == []  # TensorRT was never asked for a context
         assert budget.used == 0 and budget.report().denials[0].reason == "over_limit"

@@ -170,10 +170,13 @@ class ContextMemory:
                 self._address = self.budget.allocate(size, ALIGNMENT, tag="context",
                                                      raise_on_denial=True)
             except AllocationDenied as exc:
+                shapes = (_shapes(self.engine, context) if context is not None else
+                          "the largest of every profile" if self.profile is None else
+                          f"the largest of profile {self.profile}")
                 raise AllocationDenied(
-                    f"execution-context memory of {_name(self.engine)}: {exc}", budget=exc.budget,
-                    refused_by=exc.refused_by, reason=exc.reason, size=exc.size,
-                    charged=exc.charged) from None
+                    f"execution-context memory of {_name(self.engine)} for input shapes "
+                    f"{shapes}: {exc}", budget=exc.budget, refused_by=exc.refused_by,
+                    reason=exc.reason, size=exc.size, charged=exc.charged) from None
             self._size = size
             return
         if size == self._size or (size < self._size and not shrink):
