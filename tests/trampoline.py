@@ -3,7 +3,9 @@
 A pybind11 instance holds its C++ object's address in the first word after ``PyObject_HEAD``;
 that object's vtable slots 4-8 are ``allocate``, ``reallocate``, ``deallocate``,
 ``allocateAsync`` and ``deallocateAsync`` (seen with TensorRT-RTX 1.7.1). :func:`verify_slots` proves the mapping
-with a recording probe before any test relies on it.
+with a recording probe before any test relies on it. :class:`OutputTrampoline` does the same
+for an ``IOutputAllocator``, whose slots differ between bindings (:func:`output_slots` finds
+them).
 """
 
 from __future__ import annotations

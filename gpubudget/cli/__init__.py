@@ -1,7 +1,8 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
 ``view``, ``export``, ``ray``, ``top``, ``metrics``, ``engine``.
 
-Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow; 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow (``engine
+--limit``: the engine does not fit, or cannot be shown to); 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
