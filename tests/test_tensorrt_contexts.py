@@ -189,3 +189,32 @@ def test_tensorrt_refusing_a_context_gives_the_region_back() -> None:
             gbt.execution_context(model, trt_module=trt)
         assert budget.used == 0
         consistent(budget)
+
+
+def test_interpreter_exit_with_live_contexts_and_outputs_is_silent(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.helpers import subprocess_env
+
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent("""
+        import tensorrt_rtx_bindings as trt
+        from gpubudget import gpu_budget
+        from gpubudget import tensorrt as gbt
+        from tests.trampoline import OutputTrampoline
+        from tests.trt_fakes import FakeEngine
+        pool = gpu_budget("1MiB", name="pool").__enter__()
+        engine = FakeEngine(trt)
+        memory = gbt.ContextMemory(engine, trt_module=trt)
+        contexts = [memory.create_context(), memory.create_context()]
+        outputs = gbt.output_allocator(contexts[0], trt_module=trt)
+        side = OutputTrampoline(outputs, trt.IOutputAllocator)
+        assert side.reallocate_output_async("y", 0, 5000, 256, 7)
+        assert contexts[0].execute_async_v3(7, budget=pool, trt=trt)
+        print("done")
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=subprocess_env(GPUBUDGET_BACKEND="host"), timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
