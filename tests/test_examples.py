@@ -17,6 +17,7 @@ EXPECTED = {
     "two_models.py": ["over its 1.5 GiB cap", "├─ detector", "└─ classifier", "denied 1x"],
     "nested_report.py": ["model-b asks for 800 KiB: None", "reserve 256.00 KiB", "never-freed"],
     "tensorrt_two_models.py": [],  # see test_the_tensorrt_example_says_what_happened_here
+    "tensorrt_full.py": [],  # see tests/test_tensorrt_example.py
     "ray_two_models.py": [
         "classifier: 3.00 GiB of activations refused (over its 3.00 GiB cap)",
         "GPU 0 (simulated, 8.00 GiB): 2 actors alive, limits 6.00 GiB, used 1.50 GiB",

@@ -3,7 +3,9 @@
 A pybind11 instance holds its C++ object's address in the first word after ``PyObject_HEAD``;
 that object's vtable slots 4-8 are ``allocate``, ``reallocate``, ``deallocate``,
 ``allocateAsync`` and ``deallocateAsync`` (seen with TensorRT-RTX 1.7.1). :func:`verify_slots` proves the mapping
-with a recording probe before any test relies on it.
+with a recording probe before any test relies on it. :class:`OutputTrampoline` does the same
+for an ``IOutputAllocator``, whose slots differ between bindings (:func:`output_slots` finds
+them).
 """
 
 from __future__ import annotations
@@ -112,3 +114,84 @@ def verify_slots(trt: Any, base_name: str = "IGpuAsyncAllocator") -> None:
         answers = [0x1000, 0x2000, True, 0x1000, True]
     assert calls == expected, f"vtable slots do not map as expected: {calls}"
     assert results == answers, results
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("nbDims", ctypes.c_int32), ("d", ctypes.c_int64 * 8)]
+
+
+REALLOCATE_OUTPUT = ctypes.CFUNCTYPE(_ptr, _ptr, ctypes.c_char_p, _ptr, _u64, _u64)
+REALLOCATE_OUTPUT_ASYNC = ctypes.CFUNCTYPE(_ptr, _ptr, ctypes.c_char_p, _ptr, _u64, _u64, _ptr)
+NOTIFY_SHAPE = ctypes.CFUNCTYPE(None, _ptr, ctypes.c_char_p, ctypes.POINTER(_Dims))
+_output_layouts: dict[type, dict[str, int]] = {}
+
+
+def output_slots(base: Any) -> dict[str, int]:
+    """Which vtable slot of ``base`` (an ``IOutputAllocator``) reaches which Python method,
+    found with a recording probe: TensorRT-RTX 1.7 has ``reallocate_output_async`` at 4 and
+    ``notify_shape`` at 5; TensorRT 10 has ``reallocate_output`` first (4, 5, 6)."""
+    if base in _output_layouts:
+        return _output_layouts[base]
+    calls: list[str] = []
+
+    class Probe(base):  # type: ignore[misc]
+        def __init__(self) -> None:
+            base.__init__(self)
+
+        def reallocate_output(self, *args: Any) -> int:
+            calls.append("reallocate_output")
+            return 0
+
+        def reallocate_output_async(self, *args: Any) -> int:
+            calls.append("reallocate_output_async")
+            return 0
+
+        def notify_shape(self, *args: Any) -> None:
+            calls.append("notify_shape")
+
+    probe = Probe()
+    cpp = ctypes.c_void_p.from_address(id(probe) + _PYOBJECT_HEAD).value
+    assert cpp, "no C++ object behind the probe"
+    vtable = ctypes.cast(cpp, ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)))[0]
+    dims = _Dims(1, (ctypes.c_int64 * 8)(3))
+    universal = ctypes.CFUNCTYPE(_ptr, _ptr, ctypes.c_char_p, _ptr, _u64, _u64, _ptr)
+    layout: dict[str, int] = {}
+    for index in range(4, 7):
+        if not vtable[index]:
+            break
+        universal(vtable[index])(cpp, b"probe", ctypes.addressof(dims), 1, 256, 0)
+        assert len(calls) == 1, calls
+        layout[calls.pop()] = index
+    assert {"reallocate_output_async", "notify_shape"} <= set(layout), layout
+    _output_layouts[base] = layout
+    return layout
+
+
+class OutputTrampoline:
+    """The C++ side of an ``IOutputAllocator``: call it as ``execute_async_v3`` does."""
+
+    def __init__(self, allocator: Any, base: Any) -> None:
+        self.owner = allocator
+        cpp = ctypes.c_void_p.from_address(id(allocator) + _PYOBJECT_HEAD).value
+        assert cpp, "no C++ object behind this output allocator"
+        self.cpp: int = cpp
+        vtable = ctypes.cast(cpp, ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)))[0]
+        layout = output_slots(base)
+        self._async = REALLOCATE_OUTPUT_ASYNC(vtable[layout["reallocate_output_async"]])
+        self._shape = NOTIFY_SHAPE(vtable[layout["notify_shape"]])
+        sync = layout.get("reallocate_output")
+        self._sync = REALLOCATE_OUTPUT(vtable[sync]) if sync is not None else None
+
+    def reallocate_output_async(self, name: str, memory: int, size: int, alignment: int,
+                                stream: int) -> int | None:
+        result: int | None = self._async(self.cpp, name.encode(), memory, size, alignment, stream)
+        return result
+
+    def reallocate_output(self, name: str, memory: int, size: int, alignment: int) -> int | None:
+        assert self._sync is not None, "this binding has no reallocateOutput"
+        result: int | None = self._sync(self.cpp, name.encode(), memory, size, alignment)
+        return result
+
+    def notify_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        dims = _Dims(len(shape), (ctypes.c_int64 * 8)(*shape))
+        self._shape(self.cpp, name.encode(), ctypes.byref(dims))

@@ -1,7 +1,8 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
-``view``, ``export``, ``ray``, ``top``, ``metrics``.
+``view``, ``export``, ``ray``, ``top``, ``metrics``, ``engine``.
 
-Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow; 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow (``engine
+--limit``: the engine does not fit, or cannot be shown to); 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
@@ -24,6 +25,7 @@ from ..errors import GpuBudgetError
 from ..tracefile import MAX_TRACE_BYTES, printable
 from ..units import format_size, parse_size
 from .demo import demo
+from .engine import add_engine_parser
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -134,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
                             "RAY_ADDRESS, else the cluster started on this machine)")
     ray_parser.add_argument("--json", action="store_true", help="print one JSON document")
     _host_commands(commands)
+    add_engine_parser(commands)
     return parser
 
 
@@ -220,6 +223,10 @@ def _run(argv: Sequence[str] | None) -> int:
                                  directory=args.ledger_dir, interval=args.interval,
                                  idle=args.all)
             return top_command(options, once=args.once, as_json=args.json)
+        if args.command == "engine":
+            from .engine import engine_command
+
+            return engine_command(args)
         if args.command == "metrics":
             from ..metrics import metrics_command
 

@@ -11,11 +11,16 @@ Usage::
         with gpu_budget("2GiB", name="detector"):
             detector = runtime.deserialize_cuda_engine(plan_a)   # charged to detector and pool
 
-Three parts: :mod:`~gpubudget.tensorrt.module` finds the TensorRT module,
+The parts: :mod:`~gpubudget.tensorrt.module` finds the TensorRT module,
+:mod:`~gpubudget.tensorrt.order` asks its binding in which order it passes arguments,
 :mod:`~gpubudget.tensorrt.callbacks` is the allocator (routing, answers, never raising) and
 :mod:`~gpubudget.tensorrt.lifetime` keeps allocators and budgets alive as long as TensorRT
-may call them. This file adds ``Builder`` and ``Runtime``, which attach an allocator and tag
-allocations with their phase ("build", "deserialize", "runtime").
+may call them. The other doors of TensorRT: :mod:`~gpubudget.tensorrt.contexts`
+(execution-context memory and scratch), :mod:`~gpubudget.tensorrt.outputs` (outputs whose
+shape depends on the data), :mod:`~gpubudget.tensorrt.weights` (weight streaming, and
+TensorRT-RTX's weight unload and load), and :mod:`~gpubudget.tensorrt.fit` (what an engine
+needs, before loading it). This file adds ``Builder`` and ``Runtime``, which attach an
+allocator and tag allocations with their phase ("build", "deserialize", "runtime").
 
 TensorRT's trampoline prints ``[ERROR] Return value of allocate() could not be interpreted as
 an int`` when it receives ``None``; that line is TensorRT's, and means "denied".
@@ -27,17 +32,39 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from .callbacks import argument_order as _argument_order
+from .contexts import ContextMemory, context_memory, execution_context, fit_shapes
+from .fit import EngineNeeds, PlanError, engine_needs, plan_needs
 from .lifetime import allocator, allocator_of, attach, require_budget
 from .module import MODULE_NAMES, load_module
+from .order import AllocatorOrder, OutputOrder
+from .outputs import output_allocator
+from .weights import WeightStreaming, load_weights, stream_weights, unload_weights
 
 __all__ = [
     "MODULE_NAMES",
+    "AllocatorOrder",
     "Builder",
+    "ContextMemory",
+    "EngineNeeds",
+    "OutputOrder",
+    "PlanError",
     "Runtime",
+    "WeightStreaming",
     "allocator",
     "allocator_of",
+    "argument_order",
     "attach",
+    "context_memory",
+    "engine_needs",
+    "execution_context",
+    "fit_shapes",
     "load_module",
+    "load_weights",
+    "output_allocator",
+    "plan_needs",
+    "stream_weights",
+    "unload_weights",
 ]
 
 _lock = threading.Lock()
@@ -78,6 +105,23 @@ def _runtime_class(module: ModuleType) -> type:
                 "__doc__": base.__doc__,
             })
         return cls
+
+
+def argument_order(trt_module: ModuleType | str | None = None) -> AllocatorOrder:
+    """How the TensorRT module's binding passes the allocator's arguments, found by calling
+    its own C++ trampoline once when gpubudget made its allocator class.
+
+    ``stream_index`` 3: ``allocate_async(size, alignment, flags, stream)`` (TensorRT-RTX);
+    2: ``(size, alignment, stream, flags)`` (TensorRT 10); ``None``: not established, and the
+    allocator reads no stream at all (``found`` says why).
+
+    Examples
+    --------
+    >>> from gpubudget import tensorrt as gbt
+    >>> gbt.argument_order("tensorrt_rtx_bindings").stream_index    # doctest: +SKIP
+    3
+    """
+    return _argument_order(load_module(trt_module))
 
 
 def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802

@@ -7,6 +7,13 @@ or calls after the block has exited). Frees and resizes find the owning budget b
 An allocation asked while another CUDA device than the budget's is current is denied
 (``wrong_device``): TensorRT would get memory of the wrong device.
 
+Arguments. NVIDIA's bindings disagree on where ``allocate_async`` gets its stream
+(TensorRT-RTX: ``(size, alignment, flags, stream)``; TensorRT 10: ``(size, alignment, stream,
+flags)``). Each allocator class asks its binding once, when it is made
+(:mod:`~gpubudget.tensorrt.order`), and reads the stream where the binding puts it; where the
+order cannot be established, no allocation carries a stream (a block freed on a stream then
+waits for that stream's work before anyone reuses it) and ``reallocate`` refuses.
+
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
 catches everything (``BaseException``): an error is recorded in the budget's report and
@@ -23,8 +30,9 @@ from typing import Any, TypeVar
 from ..adapter import callback, callback_failed, current_device, pass_on_interrupt
 from ..budget import Budget
 from ..scope import current_budget, current_label
+from .order import AllocatorOrder, allocator_order
 
-__all__ = ["AllocatorMethods", "allocator_class"]
+__all__ = ["AllocatorMethods", "allocator_class", "argument_order"]
 
 A = TypeVar("A")
 _lock = threading.Lock()
@@ -43,16 +51,25 @@ class AllocatorMethods:
     lock: threading.Lock
     closed: bool  # at interpreter exit: answer everything, touch nothing
 
+    argument_order: AllocatorOrder  # how this class's binding passes its arguments
+
     @callback
     def allocate(self, size: int, alignment: int, flags: int) -> int | None:
         """TensorRT callback: a block of ``size`` bytes, or ``None`` (denied)."""
-        return self.allocate_async(size, alignment, flags, None)
+        return self._allocate(size, alignment, None, "allocate")
 
     @callback
-    def allocate_async(self, size: int, alignment: int, flags: int,
-                       stream: int | None) -> int | None:
-        """TensorRT callback: a block for use on ``stream``, or ``None`` (denied); tagged
-        with the current label, else this allocator's phase."""
+    def allocate_async(self, size: int, alignment: int, third: int, fourth: int) -> int | None:
+        """TensorRT callback: a block for use on the stream, or ``None`` (denied); tagged
+        with the current label, else this allocator's phase. The stream is ``fourth``
+        (TensorRT-RTX) or ``third`` (TensorRT 10), as :attr:`argument_order` found; none
+        when it could not be found."""
+        index = self.argument_order.stream_index
+        stream = None if index is None else (third if index == 2 else fourth)
+        return self._allocate(size, alignment, stream, "allocate_async")
+
+    def _allocate(self, size: int, alignment: int, stream: int | None,
+                  where: str) -> int | None:
         try:
             if self.closed:
                 return None
@@ -66,7 +83,7 @@ class AllocatorMethods:
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
-            return self._failed("allocate" if stream is None else "allocate_async", exc, None)
+            return self._failed(where, exc, None)
         pass_on_interrupt()
         return address
 
@@ -93,8 +110,8 @@ class AllocatorMethods:
         """TensorRT callback: resize in place, else move (copying ``min(old, new)`` bytes),
         else ``None`` with the old block still valid."""
         try:
-            if self.closed:
-                return None
+            if self.closed or not self.argument_order.resize:
+                return None  # an order not established: TensorRT keeps its block
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
         except BaseException as exc:  # noqa: BLE001
@@ -120,6 +137,7 @@ def allocator_class(module: ModuleType) -> type:
         cls = _classes.get(module.__name__)
         if cls is None:
             base = getattr(module, "IGpuAsyncAllocator", None) or module.IGpuAllocator
+            order = allocator_order(base)  # asks the binding itself; never raises
 
             def __init__(self: Any, budget: Budget) -> None:
                 base.__init__(self)
@@ -133,5 +151,13 @@ def allocator_class(module: ModuleType) -> type:
 
             cls = _classes[module.__name__] = type(
                 "BudgetAllocator", (AllocatorMethods, base),
-                {"__init__": __init__, "__module__": __name__})
+                {"__init__": __init__, "__module__": __name__, "argument_order": order})
         return cls
+
+
+def argument_order(module: ModuleType) -> AllocatorOrder:
+    """How ``module``'s binding passes the allocator's arguments, as found when its
+    allocator class was made (see :mod:`~gpubudget.tensorrt.order`)."""
+    order = allocator_class(module).__dict__["argument_order"]
+    assert isinstance(order, AllocatorOrder)
+    return order

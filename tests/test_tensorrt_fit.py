@@ -1,0 +1,163 @@
+"""What an engine needs, before loading it (gpubudget.tensorrt.fit), and ``gpubudget engine``.
+
+Plans are real: TensorRT-RTX's builder makes them without a GPU. Deserializing them needs a
+GPU TensorRT-RTX supports; none is here, so the exact numbers are checked against fake engines
+with TensorRT's method names, and no test claims that an engine was deserialized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpubudget import gpu_budget
+from gpubudget import tensorrt as gbt
+from gpubudget.cli import main
+from gpubudget.tensorrt.fit import EngineNeeds
+from tests.trt_fakes import KiB, FakeEngine, real_plan
+
+trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plans") / "model.plan"
+    path.write_bytes(real_plan(trt))
+    return path
+
+
+def deserializes_here(needs: EngineNeeds) -> bool:
+    return needs.context_memory_max is not None
+
+
+def test_a_plan_without_a_gpu_gives_its_size_and_names_what_needs_one(plan_file: Path) -> None:
+    needs = gbt.plan_needs(plan_file, room=4 << 20, trt_module=trt)
+    assert needs.plan_bytes == plan_file.stat().st_size and needs.module == trt.__name__
+    assert needs.weights is None and needs.context_memory_max is None
+    assert needs.streamable_weights is None and needs.fits is None
+    assert needs.weights_bound == needs.plan_bytes  # the plan bounds the weights
+    text = needs.text()
+    for row in ("weights", "context (largest)", "streamable weights"):
+        assert f"{row}" in text
+    assert text.count("needs a GPU") == 3 and "cannot tell" in text
+    assert gbt.plan_needs(plan_file.read_bytes(), trt_module=trt).plan_bytes == needs.plan_bytes
+
+
+def test_deserializing_where_no_gpu_can_says_why(plan_file: Path) -> None:
+    needs = gbt.plan_needs(plan_file, room=4 << 20, trt_module=trt, deserialize=True)
+    if deserializes_here(needs):
+        pytest.skip("this machine deserialized the plan: its GPU is one TensorRT-RTX supports")
+    assert needs.unknown is not None and "could not deserialize it here" in needs.unknown
+    assert needs.fits is None
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"", "empty"),
+    (b"vtrt", "shorter than"),
+    (os.urandom(4096), "malformed engine"),
+    (b"ftrt" + b"\0" * 4092, "malformed engine"),
+])
+def test_what_is_not_a_plan_is_a_plan_error(content: bytes, why: str) -> None:
+    with pytest.raises(gbt.PlanError, match=why):
+        gbt.plan_needs(content, trt_module=trt)
+
+
+def test_files_that_cannot_be_plans(tmp_path: Path) -> None:
+    with pytest.raises(gbt.PlanError, match="directory"):
+        gbt.plan_needs(tmp_path, trt_module=trt)
+    with pytest.raises(FileNotFoundError):
+        gbt.plan_needs(tmp_path / "missing.plan", trt_module=trt)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(gbt.PlanError, match="not a regular file"):
+        gbt.plan_needs(fifo, trt_module=trt)  # never waits for a writer
+    with pytest.raises(TypeError, match="plan"):
+        gbt.plan_needs(42, trt_module=trt)  # type: ignore[arg-type]
+
+
+def test_exact_numbers_of_an_engine_and_the_verdicts() -> None:
+    engine = FakeEngine(trt, per_batch=4 * KiB, max_batch=16, profiles=2, streamable=96 * KiB,
+                        weights=200 * KiB)
+    needs = gbt.engine_needs(engine, room=400 * KiB, contexts=2)
+    assert needs.weights == 200 * KiB and needs.context_memory == (64 * KiB, 32 * KiB)
+    assert needs.context_memory_max == 64 * KiB and needs.streamable_weights == 96 * KiB
+    assert needs.upper == needs.lower == 328 * KiB and needs.fits is True
+    assert gbt.engine_needs(engine, room=300 * KiB, contexts=2).fits is False
+    with gpu_budget("1MiB", backend="host") as budget:
+        budget.allocate(900 * KiB)
+        assert gbt.engine_needs(engine, budget=budget).fits is False  # 124 KiB of room
+    text = needs.text()
+    assert "context, profile 1" in text and "fits" in text
+    assert needs.as_dict()["context_memory"] == [64 * KiB, 32 * KiB]
+
+
+def test_bounds_decide_only_what_they_can() -> None:
+    def needs(plan: int | None, weights: int | None, context: int | None,
+              room: int) -> EngineNeeds:
+        return EngineNeeds(plan, weights, None, context, None, 1, room, "m")
+
+    assert needs(100, None, 50, 150).fits is True  # the plan's size bounds the weights
+    assert needs(100, None, 50, 120).fits is None  # weights may be less than the plan
+    assert needs(100, 90, 50, 120).fits is False  # exact numbers decide
+    assert needs(100, None, None, 10**9).fits is None  # context memory needs a GPU
+    assert needs(100, 200, None, 150).fits is False  # exact weights alone are too much
+    with pytest.raises(ValueError, match="room"):
+        gbt.engine_needs(FakeEngine(trt), room=-1)
+    with pytest.raises(ValueError, match="contexts"):
+        gbt.engine_needs(FakeEngine(trt), contexts=0)
+
+
+# -- gpubudget engine ----------------------------------------------------------------------
+
+def run(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = main(["engine", *args])
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def test_the_command_reports_a_plan_and_says_what_needs_a_gpu(
+        plan_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capfd, str(plan_file), "--trt-module", trt.__name__, "--no-gpu")
+    assert status == 0 and err == ""
+    assert f"{plan_file.stat().st_size / 1024:.2f} KiB" in out and "needs a GPU" in out
+    here = gbt.plan_needs(plan_file, trt_module=trt, deserialize=True)
+    status, out, _ = run(capfd, str(plan_file), "--trt-module", trt.__name__, "--limit",
+                         "1GiB")
+    if not deserializes_here(here):  # a gate never passes on numbers it does not have
+        assert status == 1 and "cannot tell" in out and "could not deserialize" in out
+    status, out, _ = run(capfd, str(plan_file), "--trt-module", trt.__name__, "--json",
+                         "--no-gpu", "--contexts", "3")
+    document = json.loads(out)
+    assert status == 0 and document["plan_bytes"] == plan_file.stat().st_size
+    assert document["contexts"] == 3 and document["fits"] is None
+
+
+@pytest.mark.parametrize("make", ["missing", "directory", "empty", "garbage", "short", "fifo"])
+def test_a_bad_plan_file_is_one_line_and_exit_2(
+        make: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "model.plan"
+    if make == "directory":
+        path.mkdir()
+    elif make == "empty":
+        path.write_bytes(b"")
+    elif make == "garbage":
+        path.write_bytes(os.urandom(10_000))
+    elif make == "short":
+        path.write_bytes(b"vtrt\0\0")
+    elif make == "fifo":
+        os.mkfifo(path)
+    status, out, err = run(capfd, str(path), "--trt-module", trt.__name__)
+    assert status == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("gpubudget: error: "), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--limit", "lots"], ["--contexts", "0"], []])
+def test_bad_arguments_exit_2(args: list[str], plan_file: Path,
+                              capfd: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capfd, *([str(plan_file)] if args else []), *args)
+    assert status == 2 and len(err.splitlines()) == 1

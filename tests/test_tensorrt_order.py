@@ -1,0 +1,211 @@
+"""Where each binding puts the stream: asked of the binding, and stream-ordered reuse that is
+safe with either order (and with none).
+
+Three bindings, each driven through its C++ virtual methods as TensorRT drives it:
+
+- TensorRT-RTX 1.7 (NVIDIA's own trampoline): ``allocate_async(size, alignment, flags, stream)``;
+- a stand-in with TensorRT 10's order, ``allocate_async(size, alignment, stream, flags)``
+  (``tests/trt_standin.c``: NVIDIA's layout, not NVIDIA's code);
+- a stand-in whose order cannot be established (it drops the stream).
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpubudget import gpu_budget
+from gpubudget import tensorrt as gbt
+from gpubudget.tensorrt import vtable
+from gpubudget.tensorrt.order import allocator_order, output_order
+from gpubudget.units import KiB
+from tests.helpers import StreamBackend, consistent, fill, holds
+from tests.trampoline import Trampoline, verify_slots
+from tests.trt_standin import build
+
+trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
+BINDINGS = ("rtx", "stream_third", "drops_stream")
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("standin")
+    return {variant: build(variant, directory) for variant in ("stream_third", "drops_stream")}
+
+
+def module_for(binding: str, standins: dict[str, Any]) -> Any:
+    if binding == "rtx":
+        verify_slots(trt, "IGpuAsyncAllocator")
+        return trt
+    return standins[binding]
+
+
+def test_the_order_found_for_each_binding(standins: dict[str, Any]) -> None:
+    rtx = gbt.argument_order(trt)
+    assert (rtx.stream_index, rtx.frees, rtx.resize) == (3, True, True)
+    assert "allocate_async(size, alignment, flags, stream)" in rtx.found
+    third = gbt.argument_order(standins["stream_third"])
+    assert (third.stream_index, third.frees, third.resize) == (2, True, True)
+    assert "allocate_async(size, alignment, stream, flags)" in third.found
+    unclear = gbt.argument_order(standins["drops_stream"])
+    assert (unclear.stream_index, unclear.resize, unclear.known) == (None, False, False)
+    assert "not established" in unclear.found and "safe reading" in unclear.found
+    # found once, when the class was made: the class carries it
+    assert gbt.allocator_of(object()) is None
+    with gpu_budget("64KiB", backend="host"):
+        alloc = gbt.allocator(trt_module=standins["stream_third"])
+        assert type(alloc).argument_order is third
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+@pytest.mark.parametrize(("stream_a", "flags"), [(0, 0), (0, 1), (0x5A0, 0), (0x5A0, 1)])
+def test_a_block_freed_on_a_stream_waits_for_it_before_another_stream_gets_it(
+        binding: str, stream_a: int, flags: int, standins: dict[str, Any]) -> None:
+    module = module_for(binding, standins)
+    known = gbt.argument_order(module).known
+    stream_b = 0x5B0
+    backend = StreamBackend()
+    with gpu_budget("64KiB", name="pool", backend=backend) as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        block = cpp.allocate_async(4 * KiB, 0, flags, stream_a)
+        assert block is not None
+        fill(block, 4 * KiB, 0xA5)
+        assert cpp.deallocate_async(block, stream_a)  # stream A's kernels may still read it
+        other = cpp.allocate_async(4 * KiB, 0, flags, stream_b)
+        assert other is not None and other != block  # never to stream B before A is done
+        assert holds(block, 4 * KiB, 0xA5)
+        again = cpp.allocate_async(4 * KiB, 0, flags, stream_a)
+        assert again is not None
+        if known:
+            assert again == block  # reused at once on A: A's work runs in order
+        else:
+            assert again != block  # the safe reading: no stream is trusted, so no reuse
+            backend.finish(stream_a)  # A's work is done: now anyone may have it
+            after = cpp.allocate_async(4 * KiB, 0, flags, stream_b)
+            assert after == block
+            assert cpp.deallocate_async(after, stream_b)
+        consistent(pool)
+        for address in (other, again):
+            assert cpp.deallocate_async(address, stream_b)
+        backend.finish()
+    assert pool.report().invalid_frees == 0
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_synchronous_calls_carry_the_default_stream_in_either_order(
+        binding: str, standins: dict[str, Any]) -> None:
+    module = module_for(binding, standins)
+    backend = StreamBackend()
+    with gpu_budget("64KiB", backend=backend) as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        block = cpp.allocate(4 * KiB, 0, 1)  # RESIZABLE: must never be read as stream 1
+        assert block is not None and cpp.deallocate_async(block, 1)  # freed on stream 1
+        other = cpp.allocate(4 * KiB, 0, 1)
+        assert other is not None and other != block
+        assert cpp.deallocate(other)
+        backend.finish()
+        consistent(pool)
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_reallocate_is_trusted_only_where_its_order_was_found(
+        binding: str, standins: dict[str, Any]) -> None:
+    module = module_for(binding, standins)
+    with gpu_budget("64KiB", backend="host") as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        block = cpp.allocate(KiB, 0, 1)
+        assert block is not None
+        fill(block, KiB, 0x3C)
+        grown = cpp.reallocate(block, 0, 4 * KiB)
+        if gbt.argument_order(module).resize:
+            assert grown == block and pool.size_of(block) == 4 * KiB
+        else:
+            assert grown is None and pool.size_of(block) == KiB  # TensorRT keeps its block
+        assert holds(block, KiB, 0x3C) and cpp.deallocate(block)
+        consistent(pool)
+
+
+def test_a_pure_python_stand_in_gets_the_safe_reading() -> None:
+    """A module whose allocator classes are plain Python (no C++ object behind them): nothing
+    can be called, so no stream is trusted."""
+    fake = types.ModuleType("fake_tensorrt")
+
+    class IGpuAllocator:
+        def __init__(self) -> None:
+            pass
+
+    class IGpuAsyncAllocator(IGpuAllocator):
+        pass
+
+    fake.IGpuAllocator = IGpuAllocator  # type: ignore[attr-defined]
+    fake.IGpuAsyncAllocator = IGpuAsyncAllocator  # type: ignore[attr-defined]
+    order = gbt.argument_order(fake)
+    assert not order.known and "not defined by an extension module" in order.found
+    backend = StreamBackend()
+    with gpu_budget("64KiB", backend=backend):
+        alloc = gbt.allocator(trt_module=fake)
+        block = alloc.allocate_async(4 * KiB, 0, 0x5A0, 0x5A0)
+        assert block is not None and alloc.deallocate_async(block, 0x5A0)
+        assert alloc.allocate_async(4 * KiB, 0, 0x5A0, 0x5A0) != block
+        assert alloc.reallocate(block, 0, KiB) is None
+
+
+def test_the_probe_is_silent_and_never_calls_a_layout_it_does_not_know(
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for base in (trt.IGpuAsyncAllocator, trt.IGpuAllocator):
+        assert allocator_order(base).found  # ran again, from scratch
+    assert output_order(trt.IOutputAllocator).stream
+    # IOutputAllocator has six virtual methods: the allocator probe refuses to call slot 7
+    wrong = allocator_order(trt.IOutputAllocator)
+    assert not wrong.known and "virtual methods, not 9" in wrong.found
+    monkeypatch.setattr(vtable, "MAPS", "/nonexistent/maps")
+    blind = allocator_order(trt.IGpuAsyncAllocator)
+    assert not blind.known and "memory map cannot be read" in blind.found
+    assert capfd.readouterr() == ("", "")
+
+
+def test_inspect_vtable_checks_before_it_reads() -> None:
+    class Probe(trt.IGpuAsyncAllocator):  # type: ignore[misc]
+        def __init__(self) -> None:
+            trt.IGpuAsyncAllocator.__init__(self)
+
+    probe = Probe()
+    table = vtable.inspect_vtable(probe, trt.IGpuAsyncAllocator, "GpuAsyncAllocator")
+    assert isinstance(table, vtable.VTable) and len(table.slots) == 9
+    assert table.class_name.endswith("PyGpuAsyncAllocatorE")
+    assert Path(table.library).name.startswith("tensorrt_rtx")
+    assert "not a OutputAllocator" in str(
+        vtable.inspect_vtable(probe, trt.IGpuAsyncAllocator, "OutputAllocator"))
+    assert "not an instance" in str(vtable.inspect_vtable(object(), trt.IGpuAsyncAllocator, "x"))
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
+        binding: str, standins: dict[str, Any], capfd: pytest.CaptureFixture[str]) -> None:
+    module = module_for(binding, standins)
+    with gpu_budget("64KiB", name="g", backend="host") as budget:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        assert cpp.allocate_async(2**63, 0, 1, 0x5A0) is None  # absurd size
+        assert cpp.allocate_async(KiB, 3, 0, 0x5A0) is None  # alignment not a power of two
+        assert cpp.allocate_async(0, 256, 0, 0x5A0) is None  # nothing
+        assert cpp.deallocate_async(0xDEAD000, 0x5A0) is False  # not ours
+        assert cpp.reallocate(0xDEAD000, 0, KiB) is None
+        original = type(budget).allocate
+        try:
+            type(budget).allocate = lambda *a, **k: 1 // 0  # type: ignore[method-assign]
+            assert cpp.allocate_async(KiB, 0, 0, 0x5A0) is None
+        finally:
+            type(budget).allocate = original  # type: ignore[method-assign]
+        assert any("ZeroDivisionError" in e for e in budget.report().callback_errors)
+        late = cpp.allocate_async(KiB, 0, 0, 0x5A0)
+    assert late is not None  # after the scope: the bound budget still serves
+    assert cpp.deallocate_async(late, 0x5A0) and budget.report().state == "released"
+    assert cpp.allocate_async(KiB, 0, 0, 0x5A0) is None  # released: a null pointer, no crash
+    assert cpp.deallocate_async(late, 0x5A0) is False
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ZeroDivisionError" not in err
+    assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment",
+                                                          "invalid_size"}

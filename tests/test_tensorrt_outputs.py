@@ -1,0 +1,161 @@
+"""Outputs whose shape depends on the data, in a budget (gpubudget.tensorrt.outputs).
+
+Every callback goes through an ``IOutputAllocator`` C++ trampoline, as ``execute_async_v3``
+calls it: TensorRT-RTX's own (``reallocateOutputAsync``, ``notifyShape``), and the stand-ins
+of tests/trt_standin.c with TensorRT 10's three slots. The contexts are fakes.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+from typing import Any
+
+import pytest
+
+from gpubudget import gpu_budget
+from gpubudget import tensorrt as gbt
+from gpubudget.tensorrt.outputs import output_allocator_class
+from tests.helpers import StreamBackend, consistent, fill, holds
+from tests.trampoline import OutputTrampoline
+from tests.trt_fakes import KiB, FakeEngine
+from tests.trt_standin import build
+
+trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("standin")
+    return {variant: build(variant, directory) for variant in ("stream_third", "drops_stream")}
+
+
+def outputs_of(context: Any, module: Any = trt, **kwargs: Any) -> tuple[Any, OutputTrampoline]:
+    made = gbt.output_allocator(context, trt_module=module, **kwargs)
+    return made, OutputTrampoline(made, module.IOutputAllocator)
+
+
+def test_buffers_grow_inside_the_budget_and_shapes_are_kept() -> None:
+    backend = StreamBackend()
+    with gpu_budget("64KiB", name="model", backend=backend) as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        assert isinstance(made, trt.IOutputAllocator) and context.get_output_allocator("y") is made
+        assert type(made).argument_order.stream and type(made).argument_order.shape
+        first = cpp.reallocate_output_async("y", 0, 1000, 256, 0x5A0)
+        assert first is not None and first % 256 == 0 and budget.size_of(first) == 1024
+        fill(first, 1000, 0x77)
+        cpp.notify_shape("y", (125,))
+        assert (made.address("y"), made.shape("y"), made.nbytes("y")) == (first, (125,), 1000)
+        assert cpp.reallocate_output_async("y", first, 900, 256, 0x5A0) == first  # big enough
+        second = cpp.reallocate_output_async("y", first, 4000, 256, 0x5A0)
+        assert second is not None and second != first
+        assert budget.used == 4096  # the old buffer is uncharged at once...
+        assert holds(first, 1000, 0x77)  # ...but waits for stream 0x5A0's work
+        assert budget.allocate(1024, stream=0x5B0) != first
+        assert budget.allocate(1024, stream=0x5A0) == first  # same stream: reused at once
+        tags = {b.address: b.tag for b in budget.report().live_blocks}
+        assert tags[second] == "output:y"
+        consistent(budget)
+
+
+def test_a_refusal_is_a_null_pointer_and_keeps_the_old_buffer(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    with gpu_budget("8KiB", name="small", backend="host") as budget:
+        context = gbt.execution_context(FakeEngine(trt, per_batch=256, max_batch=4),
+                                        scratch=False, trt_module=trt)
+        made, cpp = outputs_of(context)
+        first = cpp.reallocate_output_async("y", 0, 2 * KiB, 256, 0)
+        assert first is not None
+        assert cpp.reallocate_output_async("y", first, 64 * KiB, 256, 0) is None
+        assert made.address("y") == first and budget.size_of(first) == 2 * KiB
+        assert budget.used == 3 * KiB  # the context's 1 KiB and the output's 2 KiB
+        assert context.execute_async_v3(0, found=100_000, budget=budget, trt=trt) is False
+        assert budget.report().denials[0].reason == "over_limit"
+    err = capfd.readouterr().err  # only NVIDIA's binding speaks: a null pointer
+    assert err and all("could not be interpreted as an int" in line
+                       for line in err.splitlines() if line.strip()), err
+
+
+def test_garbage_and_exceptions_inside_never_escape(capfd: pytest.CaptureFixture[str]) -> None:
+    with gpu_budget("64KiB", name="g", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        assert cpp.reallocate_output_async("y", 0, 100, 3, 0) is None  # alignment 3
+        assert cpp.reallocate_output_async("y", 0, 2**63, 256, 0) is None  # absurd size
+        assert made.reallocate_output_async(b"y", 0, 100, 256, 0) is None  # not a name
+        assert made.reallocate_output_async("y", 0, 1.5, 256, 0) is None  # not a size
+        made.notify_shape("y", object())  # not a shape: recorded as an error
+        original = type(budget).allocate
+        try:
+            type(budget).allocate = lambda *a, **k: 1 // 0  # type: ignore[method-assign]
+            assert cpp.reallocate_output_async("y", 0, 100, 256, 0) is None
+        finally:
+            type(budget).allocate = original  # type: ignore[method-assign]
+        errors = budget.report().callback_errors
+        assert any("ZeroDivisionError" in e for e in errors)
+        assert any(e.startswith("notify_shape") for e in errors)
+        assert budget.used == 0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ZeroDivisionError" not in err
+
+
+def test_buffers_are_freed_with_the_context_and_later_calls_refused() -> None:
+    with gpu_budget("64KiB", name="m", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        assert cpp.reallocate_output_async("y", 0, 3000, 256, 0) is not None
+    assert budget.report().state == "exited"
+    assert cpp.reallocate_output_async("y", 0, 9000, 256, 0) is not None  # after the scope
+    assert budget.used == 9216
+    del context
+    gc.collect()
+    assert budget.used == 0 and budget.state == "released"
+    assert cpp.reallocate_output_async("y", 0, 100, 256, 0) is None  # the context is gone
+    assert budget.report().invalid_frees == 0
+
+
+def test_a_binding_with_tensorrt_10s_slots(standins: dict[str, Any]) -> None:
+    module = standins["stream_third"]
+    with gpu_budget("64KiB", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context, module)
+        assert isinstance(made, module.IOutputAllocator)
+        first = cpp.reallocate_output_async("y", 0, 1000, 256, 0x5A0)
+        cpp.notify_shape("y", (4, 2))
+        assert first is not None and made.shape("y") == (4, 2)
+        older = cpp.reallocate_output("y", first, 5000, 256)  # the form without a stream
+        assert older is not None and older != first
+        assert budget.size_of(first) == 1024  # no stream: kept until the context ends
+        del context
+        gc.collect()
+        assert budget.used == 0
+
+
+def test_an_order_not_established_keeps_replaced_buffers_until_the_end(
+        standins: dict[str, Any]) -> None:
+    module = standins["drops_stream"]
+    backend = StreamBackend()
+    with gpu_budget("64KiB", backend=backend) as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context, module)
+        assert not type(made).argument_order.stream
+        first = cpp.reallocate_output_async("y", 0, 1000, 256, 0x5A0)
+        second = cpp.reallocate_output_async("y", first or 0, 8000, 256, 0x5A0)
+        assert first is not None and second is not None and budget.size_of(first) == 1024
+        assert budget.allocate(1024, stream=0) != first  # never handed on while it may be read
+        del context
+        gc.collect()
+        assert budget.report().invalid_frees == 0
+        consistent(budget)
+
+
+def test_arguments_of_output_allocator() -> None:
+    context = FakeEngine(trt).create_execution_context()
+    with gpu_budget("64KiB", backend="host"):
+        with pytest.raises(TypeError, match="names"):
+            gbt.output_allocator(context, "y", trt_module=trt)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="'z'"):
+            gbt.output_allocator(context, ["z"], trt_module=trt)
+    with pytest.raises(ValueError, match="no IOutputAllocator"):
+        output_allocator_class(types.ModuleType("no_outputs"))

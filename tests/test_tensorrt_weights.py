@@ -1,0 +1,114 @@
+"""Weight streaming from a budget's room, and TensorRT-RTX's weight unload/load against it
+(gpubudget.tensorrt.weights). Engines are fakes with TensorRT's method names; the weights of
+the unload/load tests go through a gpubudget allocator by NVIDIA's TensorRT-RTX trampoline."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+from gpubudget import BudgetError, gpu_budget
+from gpubudget import tensorrt as gbt
+from gpubudget.tensorrt.weights import weights_size
+from tests.helpers import consistent
+from tests.trampoline import Trampoline
+from tests.trt_fakes import KiB, FakeEngine
+
+trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
+
+
+def streaming(streamable: int = 512 * KiB) -> FakeEngine:
+    return FakeEngine(trt, per_batch=4 * KiB, max_batch=16, streamable=streamable)
+
+
+@pytest.mark.parametrize("contexts", [1, 2, 3])
+def test_resident_weights_and_contexts_fit_the_room(contexts: int) -> None:
+    model = streaming()
+    with gpu_budget("600KiB", backend="host") as budget:
+        budget.allocate(100 * KiB)  # another model's
+        plan = gbt.stream_weights(model, contexts=contexts)
+        room = 500 * KiB
+        assert plan.room == room and plan.streamable == 512 * KiB
+        assert plan.resident == model.weight_streaming_budget_v2 < 512 * KiB
+        assert plan.context_memory == model.device_memory_size_v2  # at the setting made
+        assert plan.scratch == model.weight_streaming_scratch_memory_size > 0
+        charged = -(-plan.context_memory // 256) * 256  # a region is charged aligned
+        assert plan.resident + contexts * charged <= room
+        assert plan.automatic == 256 * KiB  # TensorRT's guess, shown, not used
+        more = plan.resident + 512 * KiB // 1024 + 1  # as good as bisection promises
+        model.weight_streaming_budget_v2 = more
+        assert more + contexts * -(-model.device_memory_size_v2 // 256) * 256 > room
+        model.weight_streaming_budget_v2 = plan.resident
+        memory = gbt.ContextMemory(model, trt_module=trt)
+        made = [memory.create_context()]  # the contexts fit beside the resident weights
+        assert budget.used - 100 * KiB == charged
+        del made
+        gc.collect()
+
+
+def test_a_roomy_budget_keeps_every_weight_resident_and_keep_is_set_aside() -> None:
+    model = streaming(64 * KiB)
+    with gpu_budget("1MiB", backend="host"):
+        plan = gbt.stream_weights(model)
+        assert plan.resident == 64 * KiB and plan.scratch == 0
+        tighter = gbt.stream_weights(model, keep="900KiB")
+        assert tighter.room == 124 * KiB and 0 < tighter.resident < 64 * KiB
+        assert tighter.resident + tighter.context_memory <= tighter.room
+        assert "resident" in tighter.text()
+
+
+def test_nothing_fits_is_an_error_and_the_setting_is_unchanged() -> None:
+    model = streaming()
+    with gpu_budget("32KiB", name="tiny", backend="host"):
+        with pytest.raises(BudgetError, match="'tiny'"):
+            gbt.stream_weights(model)
+    assert model.weight_streaming_budget_v2 == 512 * KiB  # all or nothing
+
+
+def test_bad_arguments_and_engines_without_streaming() -> None:
+    with gpu_budget("1MiB", backend="host"):
+        with pytest.raises(ValueError, match="WEIGHT_STREAMING"):
+            gbt.stream_weights(FakeEngine(trt))
+        for contexts in (0, True, 1.5):
+            with pytest.raises(ValueError, match="contexts"):
+                gbt.stream_weights(streaming(), contexts=contexts)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="keep"):
+            gbt.stream_weights(streaming(), keep="lots")
+    with pytest.raises(BudgetError, match="stream_weights"):
+        gbt.stream_weights(streaming())
+
+
+def test_unload_gives_the_budget_back_and_load_is_refused_before_tensorrt_without_room() -> None:
+    with gpu_budget("256KiB", name="gpu", backend="host") as budget:
+        runtime = gbt.Runtime(trt.Logger(trt.Logger.ERROR), trt_module=trt)
+        cpp = Trampoline(gbt.allocator_of(runtime))
+        model = FakeEngine(trt, weights=160 * KiB, allocator=cpp)
+        assert budget.used == 160 * KiB and weights_size(model) == 160 * KiB
+        assert gbt.unload_weights(model) == 160 * KiB and budget.used == 0
+        other = budget.allocate(128 * KiB)  # another model uses the room meanwhile
+        with pytest.raises(BudgetError, match=r"'gpu' has 128\.00 KiB available"):
+            gbt.load_weights(model, b"plan")
+        assert not model.weights_loaded  # TensorRT was not asked
+        assert other is not None and budget.free(other)
+        assert gbt.load_weights(model, b"plan") == 160 * KiB and model.weights_loaded
+        with pytest.raises(RuntimeError, match="already loaded"):
+            gbt.load_weights(model, b"plan")
+        assert gbt.unload_weights(model) == 160 * KiB
+        with pytest.raises(RuntimeError, match="refused to unload"):
+            gbt.unload_weights(model)
+        consistent(budget)
+        del runtime, cpp
+
+
+def test_engines_without_weight_loading() -> None:
+    class Plain:
+        pass
+
+    with gpu_budget("1MiB", backend="host"):
+        with pytest.raises(TypeError, match="TensorRT-RTX"):
+            gbt.unload_weights(Plain())
+        with pytest.raises(TypeError, match="TensorRT-RTX"):
+            gbt.load_weights(Plain(), b"")
+    assert weights_size(Plain()) is None
