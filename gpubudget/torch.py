@@ -238,10 +238,12 @@ class _Pool(RoutedPool):
                 _kept.discard(self)
 
 
-def _empty_and_reconcile(torch: Any, pools: list[_Pool]) -> None:
-    """``torch.cuda.empty_cache()``, then give back what PyTorch freed of ``pools``."""
+def _empty_and_reconcile(torch: Any, pools: list[_Pool], empty: bool = True) -> None:
+    """``torch.cuda.empty_cache()`` (unless not ``empty``), then give back what PyTorch freed
+    of ``pools``."""
     retired = {pool: pool.retired_now() for pool in pools}  # before the snapshot
-    torch.cuda.empty_cache()
+    if empty:
+        torch.cuda.empty_cache()
     if not any(retired.values()):
         for pool in pools:
             pool.forget_if_done()
@@ -249,6 +251,28 @@ def _empty_and_reconcile(torch: Any, pools: list[_Pool]) -> None:
     listed = {int(entry["address"]) for entry in torch.cuda.memory_snapshot()}
     for pool in pools:
         pool.reconcile(retired[pool], listed)
+
+
+_freed_seen: dict[int, int] = {}  # device -> PyTorch's count of segments freed, last seen
+
+
+def _give_back_freed(torch: Any) -> None:
+    """Before a block routes: if a retired pool still holds segments and PyTorch has freed
+    segments since the last look (``torch.cuda.empty_cache()`` called by anyone), give back
+    those it freed. One ``memory_stats`` per device while pools drain; nothing otherwise."""
+    with _lock:
+        draining = [pool for pool in _kept if pool.retired]
+    if not draining:
+        return
+    changed = False
+    for device in {pool.device for pool in draining}:
+        freed = torch.cuda.memory_stats(device).get("num_device_free")
+        with _lock:
+            if freed is not None and _freed_seen.get(device) != freed:
+                _freed_seen[device] = freed
+                changed = True
+    if changed:
+        _empty_and_reconcile(torch, draining, empty=False)
 
 
 class _Route:
@@ -317,6 +341,7 @@ class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
 
     def prepare(self, module: Any) -> None:
         release_lock_on_malloc(module)
+        _give_back_freed(module)
 
     def new_pool(self, module: Any, budget: Budget) -> _Pool:
         return _Pool(module, budget)

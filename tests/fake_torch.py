@@ -85,7 +85,7 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
     violations: list[str] = []
     hazards: list[str] = []
     settings: dict[str, Any] = {"last": "", "release_lock_on_cudamalloc": False}
-    counts = {"made": 0, "destroyed": 0}
+    counts = {"made": 0, "destroyed": 0, "num_device_free": 0}
     ids = itertools.count(1)
 
     def violate(message: str) -> None:
@@ -137,6 +137,7 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
             for address, segment in list(self.segments.items()):
                 if segment.used == 0:
                     del self.segments[address]
+                    counts["num_device_free"] += 1
                     if self.allocator is not None:
                         _, ran = _python_ran(self.allocator.free, address, segment.size, 0,
                                              segment.stream or None)
@@ -309,6 +310,10 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
             return default.snapshot() + [entry for pool in pools.values()
                                          for entry in pool.snapshot()]
 
+    def memory_stats(device: int | None = None) -> dict[str, int]:
+        with lock:
+            return {"num_device_free": counts["num_device_free"]}
+
     def set_allocator_settings(text: str) -> None:
         parsed = dict(item.split(":", 1) for item in text.split(",") if item)
         with lock:
@@ -356,6 +361,7 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
                                    _snapshot=snapshot_all)
     torch.cuda = types.SimpleNamespace(
         MemPool=MemPool, empty_cache=empty_cache, memory_snapshot=memory_snapshot,
+        memory_stats=memory_stats,
         current_stream=current_stream, stream=StreamContext, device=DeviceContext,
         memory=memory)
     torch._C = types.SimpleNamespace(
@@ -407,3 +413,24 @@ class _Ones:
 
     def __getitem__(self, index: int) -> _Ones:
         return self
+
+
+def install(monkeypatch: Any, **options: Any) -> Any:
+    """A new fake PyTorch as ``torch`` for one test, with gpubudget.torch's process-wide state
+    as a new process would have it (no workspace made, no setting applied)."""
+    from gpubudget import torch as gbt
+    from gpubudget import torchstate
+
+    module = fake_torch(**options)
+    monkeypatch.setattr(gbt, "_freed_seen", {})
+    monkeypatch.setitem(sys.modules, "torch", module)
+    monkeypatch.setattr(torchstate, "_workspace_pools", {})
+    monkeypatch.setattr(torchstate, "_made", threading.local())
+    monkeypatch.setattr(torchstate, "_settings_done", [False])
+    return module
+
+
+def assert_nothing_would_have_aborted(module: Any) -> None:
+    """What would have aborted PyTorch, or could deadlock it, fails the test."""
+    assert module.violations == [], module.violations
+    assert module.hazards == [], module.hazards

@@ -9,30 +9,25 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpubudget import BudgetError, gpu_budget
 from gpubudget import torch as gbt
-from gpubudget import torchstate
 from gpubudget.units import KiB, MiB
+from tests.fake_torch import assert_nothing_would_have_aborted, install
 from tests.fakes import LT_WORKSPACE, SEGMENT, WORKSPACE, DeviceHostBackend, fake_torch
 from tests.helpers import consistent, subprocess_env
 
 
 @pytest.fixture
 def torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    module = fake_torch()
-    monkeypatch.setitem(sys.modules, "torch", module)
-    monkeypatch.setattr(torchstate, "_workspace_pools", {})  # a new PyTorch: nothing made yet
-    monkeypatch.setattr(torchstate, "_made", threading.local())
-    monkeypatch.setattr(torchstate, "_settings_done", [False])
+    module = install(monkeypatch)
     yield module
-    # what would have aborted PyTorch, or could deadlock it, fails the test
-    assert module.violations == [] and module.hazards == []
+    assert_nothing_would_have_aborted(module)
 
 
 def outside(torch: Any) -> int:
