@@ -62,28 +62,39 @@ def fake_cupy() -> Any:
             self.mem, self.ptr = mem, mem.ptr + offset
 
     class MemoryPool:
-        """Caches whole chunks: a freed array's chunk is reused by a request that fits."""
+        """Caches whole chunks: a freed array's chunk is reused by a request that fits. As
+        CuPy's, safe to use from several threads at once (a lock; the allocator is called
+        outside it)."""
 
         def __init__(self, allocator: Any) -> None:
             self.allocator = allocator
+            self.lock = threading.RLock()
             self.cached: list[MemoryPointer] = []
             self.in_use: dict[int, MemoryPointer] = {}
 
         def malloc(self, size: int) -> Any:
-            index = next((i for i, c in enumerate(self.cached) if c.mem.size >= size), None)
-            chunk = self.cached.pop(index) if index is not None else self.allocator(size)
-            self.in_use[id(chunk)] = chunk
+            with self.lock:
+                index = next((i for i, c in enumerate(self.cached) if c.mem.size >= size), None)
+                chunk = self.cached.pop(index) if index is not None else None
+            if chunk is None:
+                chunk = self.allocator(size)
+            with self.lock:
+                self.in_use[id(chunk)] = chunk
             return Pooled(self, chunk)
 
         def release(self, chunk: MemoryPointer) -> None:
-            del self.in_use[id(chunk)]
-            self.cached.append(chunk)
+            with self.lock:
+                del self.in_use[id(chunk)]
+                self.cached.append(chunk)
 
         def free_all_blocks(self) -> None:
-            self.cached.clear()  # dropping a chunk drops its owner
+            with self.lock:
+                dropped, self.cached = self.cached, []
+            dropped.clear()  # dropping a chunk drops its owner
 
         def used_bytes(self) -> int:
-            return sum(chunk.mem.size for chunk in self.in_use.values())
+            with self.lock:
+                return sum(chunk.mem.size for chunk in self.in_use.values())
 
     class Pooled:
         def __init__(self, pool: MemoryPool, chunk: MemoryPointer) -> None:
