@@ -148,6 +148,9 @@ class _Pool(RoutedPool):
                                stream or 0)
             with self.lock:
                 self.segments[address] = segment
+            if segment.mempool is None:  # it returns only when the process ends
+                self.budget.record_error("torch alloc: a segment asked by a thread that "
+                                         "routes into none of the budget's pools")
             with _lock:
                 _kept.add(self)
             if not has_workspaces(device, stream or 0):
@@ -223,7 +226,10 @@ class _Pool(RoutedPool):
             left = {segment.mempool for segment in self.segments.values()}
             self.retired -= {mempool for mempool in retired if mempool not in left}
         for address, segment in gone:
-            if not self.budget.free(address, stream=segment.stream):
+            if self.budget.free(address, stream=segment.stream):
+                continue
+            self.torch.cuda.synchronize(self.device)  # no event on its stream: wait for all
+            if not self.budget.free(address):
                 self.budget.record_error(f"torch free: segment {address:#x} was not the "
                                          f"budget's")
         self.forget_if_done()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import importlib
 import json
 import os
 import random
@@ -154,20 +155,15 @@ def frameworks(fake: bool, threads: int) -> tuple[list[Work], Any]:
         works.append(CupyWork(sys.modules["cupy"], True))
         backend: Any = DeviceHostBackend(0)
     else:
-        import torch
-
+        torch = importlib.import_module("torch")
         works = [TorchWork(torch, False) for _ in range(threads)]
         try:
-            import cupy
-
-            works.append(CupyWork(cupy, False))
+            works.append(CupyWork(importlib.import_module("cupy"), False))
         except ImportError:
             pass
         backend = None
     try:
-        import tensorrt_rtx_bindings as trt
-
-        works.append(TrtWork(trt))
+        works.append(TrtWork(importlib.import_module("tensorrt_rtx_bindings")))
     except ImportError:
         pass
     return works, backend

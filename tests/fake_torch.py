@@ -361,7 +361,7 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
                                    _snapshot=snapshot_all)
     torch.cuda = types.SimpleNamespace(
         MemPool=MemPool, empty_cache=empty_cache, memory_snapshot=memory_snapshot,
-        memory_stats=memory_stats,
+        memory_stats=memory_stats, synchronize=lambda device=None: None,
         current_stream=current_stream, stream=StreamContext, device=DeviceContext,
         memory=memory)
     torch._C = types.SimpleNamespace(

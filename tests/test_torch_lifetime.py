@@ -83,7 +83,7 @@ def test_budgets_end_while_another_thread_routes(torch: Any) -> None:
     before (a MemPool destroyed while the router routed: the fake's violation)."""
     with gpu_budget("128MiB", name="pool", backend=DeviceHostBackend(0)) as pool:
         with Router(torch, pool) as router:
-            models = []
+            made: list[tuple[Budget, Any]] = []
             for index in range(5):
                 with gpu_budget("16MiB", name=f"model{index}") as model:
                     with gbt.allocations():
@@ -91,10 +91,11 @@ def test_budgets_end_while_another_thread_routes(torch: Any) -> None:
                         scratch = torch.empty(5 * MiB)
                     del scratch
                 assert model.state == "exited" and model.used == 3 * MiB  # scratch's came back
-                models.append((model, kept))
+                made.append((model, kept))
             assert torch.captures != []  # the router routed all along
-        assert all(model.state == "exited" for model, _ in models)
-        models = [model for model, _ in models]  # the tensors die
+        assert all(model.state == "exited" for model, _ in made)
+        models = [model for model, _ in made]
+        made.clear()  # the tensors die
         del kept
         gbt.release_cached()
         assert [model.report().state for model in models] == ["released"] * 5
