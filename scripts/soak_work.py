@@ -140,8 +140,10 @@ class TrtWork(Work):
 
     def __init__(self, trt: Any) -> None:
         from gpubudget import tensorrt as gbtrt
-        from tests.trampoline import Trampoline
+        from tests.trampoline import Trampoline, verify_slots
 
+        for base in ("IGpuAsyncAllocator", "IGpuAllocator"):  # the vtable slots, proven first
+            verify_slots(trt, base)
         self.trt, self.gbtrt, self.trampoline = trt, gbtrt, Trampoline
 
     def route(self) -> Any:

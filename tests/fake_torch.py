@@ -152,19 +152,22 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
 
     default = Pool(None, (0, 0))
 
-    def private(pool_id: tuple[int, int], what: str) -> Pool:
+    def private(pool_id: tuple[int, int], what: str, fatal: bool = False) -> Pool:
+        """A failed assertion: a RuntimeError from Python, an abort from a destructor."""
         pool = pools.get(pool_id)
         if pool is None:
-            violate(f"it != graph_pools.end() INTERNAL ASSERT FAILED: {what} of a pool "
-                    f"PyTorch has already freed")
+            if fatal:
+                violate(f"it != graph_pools.end() INTERNAL ASSERT FAILED: {what} of a pool "
+                        f"PyTorch has already freed")
             raise RuntimeError(f"{what}: no pool {pool_id}")
         return pool
 
-    def release_pool(pool_id: tuple[int, int], what: str) -> Pool:
-        pool = private(pool_id, what)
+    def release_pool(pool_id: tuple[int, int], what: str, fatal: bool = False) -> Pool:
+        pool = private(pool_id, what, fatal)
         pool.use_count -= 1
         if pool.use_count < 0:
-            violate(f"uc >= 0 INTERNAL ASSERT FAILED: {what} of a retired pool")
+            if fatal:
+                violate(f"uc >= 0 INTERNAL ASSERT FAILED: {what} of a retired pool")
             raise RuntimeError(f"{what}: pool {pool_id} released twice")
         if pool.use_count == 0:
             released.add(pool_id)
@@ -197,7 +200,7 @@ def fake_torch(version: str = "2.11.0", *, abort: bool = False) -> Any:
             with lock:
                 counts["destroyed"] += 1
                 try:
-                    pool = release_pool(self.id, "~MemPool")
+                    pool = release_pool(self.id, "~MemPool", fatal=True)
                 except RuntimeError:
                     return
                 if pool.use_count == 0 and captures:
