@@ -9,8 +9,8 @@ routing is under way), and also when one is destroyed after PyTorch has freed it
 segment. No destructor of a ``MemPool`` made here ever runs: each gets one reference that is
 never given back, so neither normal code nor interpreter teardown deallocates it. Once its
 budget is done with it, a pool is *retired* instead (``torch._C._cuda_releasePool``), which
-lets ``torch.cuda.empty_cache()`` free its segments; the object itself stays (a few hundred
-bytes; see ``docs/frameworks.md``).
+lets ``torch.cuda.empty_cache()`` free its segments; the object itself stays (small: see
+``docs/frameworks.md``).
 
 Why PyTorch never calls Python with its lock held. PyTorch calls a pool's allocator with its
 allocator lock held, unless ``release_lock_on_cudamalloc`` is set, and always frees a segment
@@ -54,9 +54,10 @@ def mempools_kept() -> int:
     """How many ``torch.cuda.MemPool`` objects :mod:`gpubudget.torch` has made in this
     process; none is ever destroyed (PyTorch 2.11 can abort the process when one is).
 
-    Each costs a few hundred bytes of host memory for the rest of the process: a server that
-    loads and unloads models makes one per model and per thread routing into it at once, and
-    one more each time :func:`gpubudget.torch.release_cached` retires an idle pool.
+    Each stays in host memory for the rest of the process (``python3 -m scripts.soak
+    --measure N`` measures how much): a server that loads and unloads models makes one per
+    model and per thread routing into it at once, and one more each time
+    :func:`gpubudget.torch.release_cached` retires an idle pool that caches something.
 
     Examples
     --------
