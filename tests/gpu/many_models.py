@@ -43,7 +43,7 @@ def default_pool_bytes(torch: Any) -> int:
 
 def side_by_side() -> dict[str, Any]:
     torch = importlib.import_module("torch")
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the comparison says if not
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     models: dict[str, Any] = {}
@@ -108,8 +108,12 @@ def side_by_side() -> dict[str, Any]:
     equal = sorted(name for name, outputs in results.items()
                    if len(outputs) == PASSES
                    and all(torch.equal(a, b) for a, b in zip(outputs, reference[name])))
+    largest_difference = {
+        name: max(float((a - b).abs().max()) for a, b in zip(outputs, reference[name]))
+        for name, outputs in results.items() if outputs}
     settings = torch.cuda.memory._snapshot()["allocator_settings"]
     return {"bitwise_equal": equal, "served": sorted(results), "refused": refusals,
+            "largest_difference": largest_difference,
             "problems": problems, "hung": hung, "default_pool_before": default_before,
             "default_pool_after": default_after, "pool_used_before_release": used_before_release,
             "pool_used_after_release": used_after, "states": states,
