@@ -23,8 +23,12 @@ request is asked once more; then CuPy's ``OutOfMemoryError`` is raised (also an
 Lifetime. Arrays may outlive the blocks. Once the budget's scope has ended and no
 ``allocations`` block uses its pool, the pool's cache goes back to the budget; chunks still
 under arrays return when those arrays are gone and :func:`release_cached` runs (a later
-``allocations`` block of any budget does it too). Returning a chunk synchronizes its device
-first, as ``cudaFree`` does. CuPy is optional and imported on first use.
+``allocations`` block of any budget does it for retired pools too); ``report().usage``
+says what waits (``waiting_in_use``, ``waiting_cached``). A block may enter the budget again
+after its scope ended: the same pool serves it and retires again when it leaves. Returning a
+chunk synchronizes its device first, as ``cudaFree`` does; a pool gives back only chunks no
+array uses, so pools retire while other threads route. CuPy is optional and imported on
+first use.
 
 Library memory. A cached FFT plan keeps its work area for as long as it stays in CuPy's plan
 cache (one per thread and device). A plan made inside a block takes its work area from the
@@ -143,12 +147,17 @@ class _Pool(RoutedPool):
         with self.cp.cuda.Device(self.device):
             return int(self.pool.used_bytes())
 
-    def usage(self) -> tuple[int, int, int, int]:
+    def usage(self) -> tuple[int, ...]:
         """(bytes charged for chunks, bytes of them under live arrays, bytes of them that
-        cached FFT plans hold, 0: nothing outside the budget)."""
+        cached FFT plans hold, 0: nothing outside the budget, and once the pool is retired
+        the bytes under arrays and the bytes cached that wait to go back)."""
         with self.lock:
             charged = sum(self.chunks.values())
-        return charged, self.in_use(), sum(nbytes for _, _, nbytes in self.plans()), 0
+        in_use = self.in_use()
+        library = sum(nbytes for _, _, nbytes in self.plans())
+        if not self.unused():
+            return charged, in_use, library, 0, 0, 0
+        return charged, in_use, library, 0, in_use, max(charged - in_use, 0)
 
     def remember_plan_cache(self) -> None:
         """In a thread leaving a block: keep its FFT plan cache for this device (if it has
@@ -187,15 +196,23 @@ class _Pool(RoutedPool):
     def retire(self) -> None:
         """Drop the FFT plans whose work areas are the budget's (CuPy makes them again at
         next use), give the cache back, and keep the pool while arrays still use its chunks
-        (dropping it would free them under the arrays)."""
+        (dropping it would free them under the arrays). A plan cache is CuPy's per thread:
+        a plan deleted from another thread's cache stays valid for a call that holds it."""
         for cache, key, _ in self.plans():
             with contextlib.suppress(KeyError):
                 del cache[key]
         with self.lock:
             self.plan_caches.clear()
         with _lock:
-            _draining.append(self)
-        release_cached()
+            if self not in _draining:
+                _draining.append(self)
+        _release([self])
+
+    def done(self) -> bool:
+        """Retired with no chunk left: nothing more will come back."""
+        with self.lock:
+            empty = not self.chunks
+        return empty and self.unused()
 
 
 def _inside(address: int, chunks: list[tuple[int, int]]) -> bool:
@@ -234,18 +251,23 @@ def _current_device() -> int:
 
 def release_cached() -> None:
     """Give the chunks that budgets' CuPy pools cache back to the budgets, and let go of the
-    retired pools whose arrays are all gone."""
+    retired pools whose arrays are all gone. Safe while other threads route: a pool frees
+    only the chunks no array uses."""
+    pools = allocations.pools()
     with _lock:
-        pools = list(allocations._pools.values()) + list(_draining)
-    done = []
+        pools += [pool for pool in _draining if pool not in pools]
+    _release(pools)
+
+
+def _release(pools: list[_Pool]) -> None:
+    """Free the caches of ``pools``; forget those retired with nothing left."""
     for pool in pools:
         pool.free_cache()
-        if pool.retired and pool.in_use() == 0:
-            done.append(pool)
-    with _lock:
-        for pool in done:
-            if pool in _draining:
-                _draining.remove(pool)
+    for pool in pools:
+        if pool.done() and allocations.forget(pool):
+            with _lock:
+                if pool in _draining:
+                    _draining.remove(pool)
 
 
 def _out_of_memory(cp: Any, denied: AllocationDenied) -> BaseException:
@@ -283,8 +305,10 @@ class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
         return _cupy()
 
     def prepare(self, module: Any) -> None:
-        if _draining:  # retired pools whose arrays may be gone by now
-            release_cached()
+        if _draining:  # retired pools whose arrays may be gone by now (busy ones untouched)
+            with _lock:
+                draining = list(_draining)
+            _release(draining)
 
     def new_pool(self, module: Any, budget: Budget) -> _Pool:
         assert budget.device is not None

@@ -55,7 +55,8 @@ class AdapterHooks:
         """For adapters: ``probe()`` answers, for ``source`` (``"torch"``, ``"cupy"``),
         ``(bytes charged, bytes of them in live arrays or tensors)``, optionally followed by
         ``(bytes of them that libraries keep across calls, bytes of library memory kept
-        outside every budget)``; reports show them, and the rest of the charged bytes as
+        outside every budget)`` and then ``(bytes in live objects of retired pools, cached
+        bytes of retired pools)``; reports show them, and the rest of the charged bytes as
         cached. Called outside the tree's lock; one that raises is noted in the report."""
         node = self._node
         with node.lock:

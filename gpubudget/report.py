@@ -83,6 +83,13 @@ class Usage:
     outside: int = 0
     """Library memory the adapter keeps outside every budget on the device (PyTorch's
     cuBLAS/cuBLASLt workspaces, one per thread and stream): never charged, shown here."""
+    waiting_in_use: int = 0
+    """Of ``in_use``, bytes in pools the adapter has retired (the budget's scope ended): they
+    return to the budget once those arrays or tensors are gone and the adapter's
+    ``release_cached()`` runs."""
+    waiting_cached: int = 0
+    """Of ``cached``, bytes in retired pools that return at the adapter's next
+    ``release_cached()``."""
 
 
 @dataclass(frozen=True)
@@ -387,6 +394,10 @@ class BudgetReport:
                 line += f"; libraries keep {format_size(held.library)} of it across calls"
             if held.outside:
                 line += f"; library workspaces outside budgets: {format_size(held.outside)}"
+            if held.waiting_in_use or held.waiting_cached:
+                line += (f"; waiting to return: {format_size(held.waiting_in_use)} under live "
+                         f"objects, {format_size(held.waiting_cached)} at the next "
+                         f"release_cached()")
             lines.append(line)
         if self.outside_bytes is not None:
             lines.append(

@@ -2,16 +2,20 @@
 block that routes a thread's allocations of that framework into it.
 
 A framework allocates through a pool of its own (CuPy's ``MemoryPool``, PyTorch's
-``MemPool``) whose allocator is the budget. :class:`RoutedPool` counts the ``allocations``
-blocks using it and retires it once the budget's scope has ended and none does; what
-retiring means (giving the cache back) is the framework's. :class:`Routing` is the ``with``
-block: it finds the budget, takes its pool, and enters the framework's own routing.
+``MemPool``\\ s) whose allocator is the budget. :class:`RoutedPool` counts the
+``allocations`` blocks using it and, each time the budget's scope has ended and the last
+block has left, retires what the pool holds idle (what retiring means is the framework's);
+a block may still enter an exited budget, so a pool is retired as often as it falls idle.
+Once retired with nothing left, the adapter forgets it (:meth:`Routing.forget`): the map of
+pools does not keep budgets alive. :class:`Routing` is the ``with`` block: it finds the
+budget, takes its pool, and enters the framework's own routing.
 
-Locks. The class lock of a :class:`Routing` subclass guards only its budget -> pool map; a
-pool's own lock guards only its counters. Neither is ever held while the framework or a
-budget is called (a pool is made, installed and retired outside both), so a call that
-comes back into gpubudget (CuPy freeing a chunk, PyTorch emptying its cache) cannot find a
-lock its own thread holds.
+Locks. The class lock of a :class:`Routing` subclass guards only its budget -> pool map and
+who joins a pool (a pool's users change under both, so a pool is never forgotten while a
+block joins it); a pool's own lock guards only its counters. Neither is ever held while the
+framework or a budget is called (a pool is made, installed and retired outside both), so a
+call that comes back into gpubudget (CuPy freeing a chunk) cannot find a lock its own thread
+holds. The order, where both are held: the class lock, then the pool's.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class RoutedPool(ABC):
     """A framework's pool for one budget; see the module docstring.
 
     Made outside every lock, possibly by two threads at once for one budget: only the one
-    that wins the race is :meth:`install`-ed, so making one must have no effect of its own.
+    that wins the race is :meth:`install`-ed and the other is dropped, so making one must
+    have no effect of its own (a framework object whose end has effects, such as PyTorch's
+    ``MemPool``, is made only once the pool is in use).
     """
 
     source: ClassVar[str]
@@ -62,20 +68,16 @@ class RoutedPool(ABC):
         self.budget = budget
         self.lock = threading.Lock()
         self.users = 0  # allocations blocks inside which the pool is in use
-        self.retired = False
 
     def install(self) -> None:
         """The pool is now the budget's: report its usage, retire it when the scope ends."""
         self.budget.report_usage(self.source, self.usage)
         self.budget.call_on_exit(self.retire_if_unused)
 
-    def join(self) -> bool:
-        """One more block uses the pool; ``False`` (and nothing counted) once retired."""
+    def join(self) -> None:
+        """One more block uses the pool (called with the class lock held)."""
         with self.lock:
-            if self.retired:
-                return False
             self.users += 1
-            return True
 
     def leave(self) -> None:
         with self.lock:
@@ -83,20 +85,26 @@ class RoutedPool(ABC):
         self.retire_if_unused()
 
     def retire_if_unused(self) -> None:
-        """Once the scope has ended and no block uses the pool: :meth:`retire` it, once."""
+        """Once the scope has ended and no block uses the pool: :meth:`retire` what it holds
+        idle. A block that enters and leaves the exited budget later retires it again."""
         with self.lock:
-            if self.users or self.retired or self.budget.state == "open":
+            if self.users or self.budget.state == "open":
                 return
-            self.retired = True
         self.retire()
 
+    def unused(self) -> bool:
+        """Whether the budget's scope has ended and no block uses the pool."""
+        with self.lock:
+            return not self.users and self.budget.state != "open"
+
     @abstractmethod
-    def usage(self) -> tuple[int, int, int, int]:
+    def usage(self) -> tuple[int, ...]:
         """What the pool holds of the budget (see ``AdapterHooks.report_usage``)."""
 
     @abstractmethod
     def retire(self) -> None:
-        """Give what the pool caches back to the budget (the framework's way)."""
+        """Give what the pool holds idle back to the budget (the framework's way); never
+        disturb what a block entered meanwhile uses."""
 
 
 class Routing(ABC, Generic[P]):
@@ -165,19 +173,38 @@ class Routing(ABC, Generic[P]):
         """The budget's pool, joined; a new one made (outside the lock) if it has none."""
         with self._lock:
             pool: P | None = self._pools.get(budget)
-        if pool is not None and pool.join():
-            return pool
+            if pool is not None:
+                pool.join()
+                return pool
         fresh = self.new_pool(module, budget)
         with self._lock:
             pool = self._pools.get(budget)
-            ours = pool is None or not pool.join()  # else another thread made one meanwhile,
-            if ours:                                # and ours is dropped unused
+            ours = pool is None  # else another thread made one meanwhile: ours is dropped
+            if ours:
                 self._pools[budget] = pool = fresh
-                fresh.users = 1
+            assert pool is not None
+            pool.join()
         if ours:
             fresh.install()
-        assert pool is not None
         return pool
+
+    @classmethod
+    def forget(cls, pool: RoutedPool) -> bool:
+        """Drop ``pool`` from the budget -> pool map if no block uses it (a block entered
+        later makes a new one); ``False`` if one does."""
+        with cls._lock:
+            with pool.lock:
+                if pool.users:
+                    return False
+            if cls._pools.get(pool.budget) is pool:
+                del cls._pools[pool.budget]
+        return True
+
+    @classmethod
+    def pools(cls) -> list[Any]:
+        """The pools of budgets that have one now."""
+        with cls._lock:
+            return list(cls._pools.values())
 
     @classmethod
     @abstractmethod

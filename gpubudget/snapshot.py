@@ -133,12 +133,14 @@ def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ..
     for source, probe in probes:
         try:
             charged, in_use, *more = probe()
-            library, outside = (int(more[0]), int(more[1])) if more else (0, 0)
+            library, outside, waiting_in_use, waiting_cached = (
+                [int(value) for value in more] + [0, 0, 0, 0])[:4]
         except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
             with node.lock:
                 node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
             continue
-        found.append(Usage(source, charged, in_use, charged - in_use, library, outside))
+        found.append(Usage(source, charged, in_use, charged - in_use, library, outside,
+                           waiting_in_use, waiting_cached))
     return tuple(found)
 
 

@@ -9,43 +9,43 @@
 True
 
 Each budget gets ``torch.cuda.MemPool``\\ s whose allocator is the budget: PyTorch asks it for
-segments (``torch._C._cuda_customAllocator`` takes two C callbacks; gpubudget's are
-``ctypes`` functions, no compiled library needed). PyTorch caches segments: the budget is
-charged for the segments, and ``report().usage`` shows how much of them live tensors hold
-and how much is cached.
+segments (``torch._C._cuda_customAllocator`` takes two C functions; gpubudget's allocating
+one is a ``ctypes`` callback, no compiled library needed). PyTorch caches segments: the budget
+is charged for the segments, and ``report().usage`` shows how much of them live tensors hold,
+how much is cached, and how much waits to come back.
 
 What is routed. Inside :class:`allocations`, every allocation the calling thread makes on
 the budget's device, on any stream, goes to the budget (PyTorch's routing of a pool to the
 current thread). The backward pass, which PyTorch otherwise runs on an autograd thread of
 its own per device, runs on the calling thread inside the block
-(``torch.autograd.set_multithreading_enabled(False)``), so gradients, optimizer state,
-``GradScaler`` state, tensors made by hooks and compiled code are all charged. Threads you
-start yourself (``DataParallel``'s replicas among them) are not routed: enter
-:class:`allocations` in them (``gpubudget.use``/``bind`` carry the budget there). PyTorch
-lets one thread at a time route into a pool, so each thread routing into a budget at the
-same time gets a pool of its own (kept for reuse; all charge the budget).
+(``torch.autograd.set_multithreading_enabled(False)``). Threads you start yourself are not
+routed: enter :class:`allocations` in them. PyTorch lets one thread at a time route into a
+pool, so each thread routing into a budget at the same time gets a ``MemPool`` of its own.
 
 Library workspaces. cuBLAS and cuBLASLt get from PyTorch a workspace per thread and stream
 that lives until the process ends. ``allocations`` makes the calling thread's workspaces for
-its current stream before routing starts, in a pool of gpubudget's outside every budget, so a
-budget is never charged for them or kept from releasing by them; the report shows their total
-(``usage[i].outside``). A stream the block switches to that has no workspace yet gets one
-inside the budget: when such a budget's pools retire with segments still held, gpubudget
-clears PyTorch's cuBLAS workspace cache (PyTorch makes new workspaces at next use).
+its current stream before routing starts, in a pool of gpubudget's outside every budget; the
+report shows their total (``usage[i].outside``). A stream the block switches to that has no
+workspace yet gets one inside the budget: when such a budget's pools retire with segments
+still held, gpubudget clears PyTorch's cuBLAS workspace cache.
 
-Denial. When the budget refuses a segment, PyTorch frees cached segments of the pool and asks
-again, then raises ``torch.OutOfMemoryError``; the denial, with the budget that refused and
-why, is in the report, and an ``OutOfMemoryError`` leaving an ``allocations`` block gets a
-note naming the refusal that raised it. Nothing raises through the C callbacks: an internal
-error is recorded and answered with a null pointer.
+Denial. When the budget refuses a segment, PyTorch raises ``torch.OutOfMemoryError`` (it does
+not empty a pool's cache while a thread routes); the refusal is in the report, and the error
+leaving an ``allocations`` block gets a note naming it. Nothing raises through the callbacks.
 
-Lifetime. Tensors may outlive the blocks. Once the budget's scope has ended and no
-``allocations`` block uses its pools any more, gpubudget drops the pools and calls
-``torch.cuda.empty_cache()``: cached segments return to the budget; segments still holding
-tensors return when PyTorch frees them (after the tensors are gone, at the next
-``torch.cuda.empty_cache()``, which :func:`release_cached` calls). The budget releases when
-the last has returned. At interpreter exit the callbacks go inert. Capturing a CUDA graph
-inside a block is not supported: the graph's memory would come from the budget's pool.
+Lifetime (see ``docs/frameworks.md``). PyTorch 2.11 aborts the process when a ``MemPool`` is
+destroyed while any thread routes into a pool, so gpubudget never lets one be destroyed: every
+``MemPool`` it makes is kept for the rest of the process. Once the budget's scope has ended
+and no block uses its pools, each is *retired*: PyTorch is told the pool is no longer used
+(``torch._C._cuda_releasePool``) and ``torch.cuda.empty_cache()`` frees its cached segments;
+segments under live tensors follow once the tensors are gone, at the next
+:func:`release_cached`. PyTorch frees a segment with its allocator lock held, where a Python
+callback would wait for the GIL (a deadlock with any thread that holds the GIL and waits for
+that lock), so the function PyTorch calls to free one is a C function that does nothing;
+gpubudget gives a retired pool's segment back to its budget once PyTorch's own snapshot no
+longer lists it, and asks PyTorch to release the same lock while it calls the allocating
+callback (``release_lock_on_cudamalloc``). Capturing a CUDA graph inside a block is not
+supported.
 """
 
 from __future__ import annotations
@@ -55,15 +55,18 @@ import ctypes
 import importlib
 import threading
 import weakref
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 from .adapter import callback, callback_failed, pass_on_interrupt
 from .budget import Budget
 from .errors import AllocationDenied
 from .routing import RoutedPool, Routing
 from .scope import current_label
+from .torchstate import (clear_workspaces, has_workspaces, inert_free_address, kept_for_ever,
+                         make_workspaces, mempools_kept, release_lock_on_malloc, routed_mempool,
+                         routes, workspace_bytes)
 
-__all__ = ["allocations", "release_cached", "workspace_bytes"]
+__all__ = ["allocations", "mempools_kept", "release_cached", "workspace_bytes"]
 
 SOURCE: Final = "torch"
 TESTED_WITH: Final = "2.11"
@@ -72,10 +75,8 @@ _NEEDED: Final = ("_cuda_customAllocator", "_cuda_beginAllocateCurrentThreadToPo
                   "_is_multithreading_enabled", "_cuda_getCurrentBlasHandle",
                   "_cuda_clearCublasWorkspaces")
 _ALLOC: Final = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-_FREE: Final = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                ctypes.c_void_p)
 _lock = threading.Lock()
-_kept: list[_Pool] = []  # pools PyTorch may still call: until retired with no segment left
+_kept: set[_Pool] = set()  # pools holding segments: kept until every one is back
 
 
 def _torch() -> Any:
@@ -94,8 +95,14 @@ def _torch() -> Any:
     return torch
 
 
+class _Segment(NamedTuple):
+    charged: int  # bytes of the budget's block
+    mempool: tuple[int, int] | None  # the MemPool it was asked for
+    stream: int  # the stream PyTorch asked it on, which its free is ordered after
+
+
 class _Pool(RoutedPool):
-    """One budget's ``MemPool``\\ s and the C callbacks that charge their segments."""
+    """One budget's ``MemPool``\\ s and the callback that charges their segments."""
 
     source = SOURCE
 
@@ -104,39 +111,30 @@ class _Pool(RoutedPool):
         assert budget.device is not None
         self.torch = torch
         self.device: Final = budget.device
-        self.segments: dict[int, int] = {}  # address -> charged bytes
+        self.segments: dict[int, _Segment] = {}  # address -> what PyTorch was given there
         self.refused: dict[int, AllocationDenied] = {}  # thread -> the last denial it got
         self.closed = False  # interpreter exit: answer without touching anything
         self.idle: list[Any] = []  # MemPools no thread routes into now
-        self.mempools: list[Any] = []  # the budget's MemPools alive, idle or routed into
-        self.ids: set[tuple[int, int]] = set()  # of every MemPool made, dropped ones too
+        self.ids: set[tuple[int, int]] = set()  # of every MemPool made for the budget
+        self.retired: set[tuple[int, int]] = set()  # retired, maybe still holding segments
         self.strange_stream = False  # a segment asked on a stream without our workspaces
         self._alloc = _ALLOC(self._allocate)
-        self._free = _FREE(self._release)
         self.allocator: Any = torch._C._cuda_customAllocator(
-            ctypes.cast(self._alloc, ctypes.c_void_p).value,
-            ctypes.cast(self._free, ctypes.c_void_p).value)
-
-    def install(self) -> None:
-        with _lock:
-            _kept.append(self)
-        super().install()
+            ctypes.cast(self._alloc, ctypes.c_void_p).value, inert_free_address())
 
     def take(self) -> Any:
         """A MemPool of the budget that no thread routes into (made if none is idle)."""
         with self.lock:
             if self.idle:
                 return self.idle.pop()
-        mempool = self.torch.cuda.MemPool(self.allocator)
+        mempool = kept_for_ever(self.torch.cuda.MemPool(self.allocator))
         with self.lock:
-            self.mempools.append(mempool)
             self.ids.add(tuple(mempool.id))
         return mempool
 
     def give(self, mempool: Any) -> None:
         with self.lock:
-            if not self.retired:
-                self.idle.append(mempool)
+            self.idle.append(mempool)
 
     @callback
     def _allocate(self, size: int, device: int, stream: int) -> int | None:
@@ -145,76 +143,142 @@ class _Pool(RoutedPool):
         address = None
         try:
             address = self.budget.allocate(size, tag=current_label() or SOURCE,
-                                           raise_on_denial=True)
-            charged = self.budget.size_of(address)
+                                           stream=stream or 0, raise_on_denial=True)
+            segment = _Segment(self.budget.size_of(address), routed_mempool(self),
+                               stream or 0)
             with self.lock:
-                self.segments[address] = charged
-            if not _has_workspaces(device, stream or 0):
+                self.segments[address] = segment
+            if segment.mempool is None:  # it returns only when the process ends
+                self.budget.record_error("torch alloc: a segment asked by a thread that "
+                                         "routes into none of the budget's pools")
+            with _lock:
+                _kept.add(self)
+            if not has_workspaces(device, stream or 0):
                 self.strange_stream = True  # cuBLAS may put a workspace in the budget
         except AllocationDenied as denied:  # PyTorch raises OutOfMemoryError; say why
             self.refused[threading.get_ident()] = denied
             address = None
         except BaseException as exc:  # noqa: BLE001 - nothing may cross the C callback
-            self._failed("alloc", exc)
+            callback_failed(self.budget, "torch alloc", exc)
             if address is not None and address not in self.segments:
                 self.budget.free(address)  # all or nothing: PyTorch gets no pointer
             address = None
         pass_on_interrupt()
         return address
 
-    @callback
-    def _release(self, address: int, size: int, device: int, stream: int) -> None:
-        if self.closed:
-            return
-        try:
-            with self.lock:
-                self.segments.pop(address, None)
-                done = self.retired and not self.segments
-            self.budget.free(address)  # PyTorch synchronizes before it releases a segment
-            if done:
-                _forget(self)
-        except BaseException as exc:  # noqa: BLE001
-            self._failed("free", exc)
-        pass_on_interrupt()
-
-    def _failed(self, where: str, exc: BaseException) -> None:
-        callback_failed(self.budget, f"torch {where}", exc)
-
-    def usage(self) -> tuple[int, int, int, int]:
+    def usage(self) -> tuple[int, ...]:
         """(bytes charged for segments, bytes of them in live tensors, 0, bytes of library
-        workspaces outside budgets on the device), from PyTorch's own snapshot."""
+        workspaces outside budgets on the device, bytes of retired pools under live tensors,
+        bytes of retired pools that return at the next :func:`release_cached`), from
+        PyTorch's own snapshot."""
         with self.lock:
-            charged = sum(self.segments.values())
-            ids = set(self.ids)
-        in_use = sum(int(segment.get("allocated_size", 0))
-                     for segment in self.torch.cuda.memory_snapshot()
-                     if tuple(segment.get("segment_pool_id", ())) in ids)
-        return charged, in_use, 0, workspace_bytes(self.device)
+            segments = dict(self.segments)
+            retired = set(self.retired)
+        listed = {int(entry["address"]): int(entry.get("allocated_size", 0))
+                  for entry in self.torch.cuda.memory_snapshot()}
+        in_use = waiting_in_use = waiting = 0
+        for address, segment in segments.items():
+            held = listed.get(address, 0)
+            in_use += held
+            if segment.mempool in retired:
+                waiting += segment.charged
+                waiting_in_use += held
+        charged = sum(segment.charged for segment in segments.values())
+        return (charged, in_use, 0, workspace_bytes(self.device), waiting_in_use,
+                waiting - waiting_in_use)
+
+    def retire_idle(self, cached: dict[tuple[int, int], int] | None = None) -> None:
+        """Retire the MemPools no thread routes into (with ``cached``, PyTorch's cached
+        bytes per pool, only those caching some): PyTorch is told each is done with, so
+        that ``empty_cache()`` frees its segments; the objects are kept for ever."""
+        with self.lock:
+            chosen = [m for m in self.idle if cached is None or cached.get(tuple(m.id), 0)]
+            self.idle = [m for m in self.idle if all(m is not c for c in chosen)]
+        for mempool in chosen:
+            self.torch._C._cuda_releasePool(self.device, mempool.id)  # its own reference
+            with self.lock:
+                self.retired.add(tuple(mempool.id))
 
     def retire(self) -> None:
-        """Drop the pools (PyTorch keeps each while tensors are in it) and empty the cache;
-        if segments are still held, clear cuBLAS's workspaces too (see the module)."""
-        with self.lock:
-            mempools, self.mempools, self.idle = self.mempools, [], []
-        del mempools
-        cuda = self.torch.cuda
-        cuda.empty_cache()
+        """Retire every idle MemPool and empty the cache; if segments are still held, clear
+        cuBLAS's workspaces too (see the module)."""
+        self.retire_idle()
+        _empty_and_reconcile(self.torch, [self])
         with self.lock:
             pinned = bool(self.segments) and self.strange_stream
         if pinned:  # a workspace may be what holds them
-            _clear_workspaces(self.torch)
-            cuda.empty_cache()
+            clear_workspaces(self.torch)
+            _empty_and_reconcile(self.torch, [self])
+
+    def retired_now(self) -> set[tuple[int, int]]:
+        with self.lock:
+            return set(self.retired)
+
+    def reconcile(self, retired: set[tuple[int, int]], listed: set[int]) -> None:
+        """Give back the segments of MemPools retired before PyTorch's snapshot was taken
+        (``retired``) that the snapshot no longer lists (``listed``): PyTorch has freed
+        them. A retired pool gets no new segment, so nothing is missed or freed twice."""
+        with self.lock:
+            gone = [(address, segment) for address, segment in self.segments.items()
+                    if segment.mempool in retired and address not in listed]
+            for address, _ in gone:
+                del self.segments[address]
+            left = {segment.mempool for segment in self.segments.values()}
+            self.retired -= {mempool for mempool in retired if mempool not in left}
+        for address, segment in gone:
+            if self.budget.free(address, stream=segment.stream):
+                continue
+            self.torch.cuda.synchronize(self.device)  # no event on its stream: wait for all
+            if not self.budget.free(address):
+                self.budget.record_error(f"torch free: segment {address:#x} was not the "
+                                         f"budget's")
+        self.forget_if_done()
+
+    def forget_if_done(self) -> None:
+        """Once the scope has ended, no block uses the pool and no segment is left: forget
+        it (its MemPools stay, retired)."""
         with self.lock:
             done = not self.segments
-        if done:
-            _forget(self)
+        if done and self.unused() and allocations.forget(self):
+            with _lock:
+                _kept.discard(self)
 
 
-def _forget(pool: _Pool) -> None:
-    """A retired pool with no segment left: PyTorch will not call it again."""
+def _empty_and_reconcile(torch: Any, pools: list[_Pool], empty: bool = True) -> None:
+    """``torch.cuda.empty_cache()`` (unless not ``empty``), then give back what PyTorch freed
+    of ``pools``."""
+    retired = {pool: pool.retired_now() for pool in pools}  # before the snapshot
+    if empty:
+        torch.cuda.empty_cache()
+    if not any(retired.values()):
+        for pool in pools:
+            pool.forget_if_done()
+        return
+    listed = {int(entry["address"]) for entry in torch.cuda.memory_snapshot()}
+    for pool in pools:
+        pool.reconcile(retired[pool], listed)
+
+
+_freed_seen: dict[int, int] = {}  # device -> PyTorch's count of segments freed, last seen
+
+
+def _give_back_freed(torch: Any) -> None:
+    """Before a block routes: if a retired pool still holds segments and PyTorch has freed
+    segments since the last look (``torch.cuda.empty_cache()`` called by anyone), give back
+    those it freed. One ``memory_stats`` per device while pools drain; nothing otherwise."""
     with _lock:
-        if pool in _kept:
-            _kept.remove(pool)
+        draining = [pool for pool in _kept if pool.retired]
+    if not draining:
+        return
+    changed = False
+    for device in {pool.device for pool in draining}:
+        freed = torch.cuda.memory_stats(device).get("num_device_free")
+        with _lock:
+            if freed is not None and _freed_seen.get(device) != freed:
+                _freed_seen[device] = freed
+                changed = True
+    if changed:
+        _empty_and_reconcile(torch, draining, empty=False)
 
 
 class _Route:
@@ -232,13 +296,16 @@ class _Route:
         pool = self.pool
         torch = pool.torch
         pool.refused.pop(threading.get_ident(), None)
-        _make_workspaces(torch, pool.device)
+        make_workspaces(torch, pool.device)
         mempool = pool.take()
         self.threaded = bool(torch._C._is_multithreading_enabled())
         torch._C._set_multithreading_enabled(False)  # backward on this thread, routed
+        entry = (pool, tuple(mempool.id))
+        routes().append(entry)
         try:
             torch._C._cuda_beginAllocateCurrentThreadToPool(pool.device, mempool.id)
         except BaseException:
+            routes().remove(entry)
             torch._C._set_multithreading_enabled(self.threaded)
             pool.give(mempool)
             raise
@@ -249,70 +316,15 @@ class _Route:
         torch = pool.torch
         try:
             torch._C._cuda_endAllocateToPool(pool.device, self.mempool.id)
-            torch._C._cuda_releasePool(pool.device, self.mempool.id)
+            torch._C._cuda_releasePool(pool.device, self.mempool.id)  # the route's reference
         finally:
+            stack = routes()
+            for index in range(len(stack) - 1, -1, -1):
+                if stack[index][0] is pool and stack[index][1] == tuple(self.mempool.id):
+                    del stack[index]
+                    break
             torch._C._set_multithreading_enabled(self.threaded)
             pool.give(self.mempool)
-
-
-# -- library workspaces, outside budgets -------------------------------------------------------
-
-_workspace_lock = threading.Lock()
-_workspace_pools: dict[int, Any] = {}  # device -> the MemPool holding workspaces made here
-_made = threading.local()  # .streams: {(device, stream)} whose workspaces this thread made
-_generation = [0]  # bumped when cuBLAS's workspaces are cleared: all must be made again
-
-
-def _streams_made() -> set[tuple[int, int]]:
-    """(device, stream) pairs whose workspaces this thread has made (and still has)."""
-    made: set[tuple[int, int]] | None = getattr(_made, "streams", None)
-    if made is None or getattr(_made, "generation", -1) != _generation[0]:
-        made = _made.streams = set()
-        _made.generation = _generation[0]
-    return made
-
-
-def _has_workspaces(device: int, stream: int) -> bool:
-    return (device, stream) in _streams_made()
-
-
-def _make_workspaces(torch: Any, device: int) -> None:
-    """Make this thread's cuBLAS and cuBLASLt workspaces for its current stream on
-    ``device``, in gpubudget's workspace pool, unless made already."""
-    stream = int(torch.cuda.current_stream(device).cuda_stream)
-    made = _streams_made()
-    if (device, stream) in made:
-        return
-    with _workspace_lock:  # one thread at a time routes into the workspace pool
-        mempool = _workspace_pools.get(device)
-        if mempool is None:
-            mempool = _workspace_pools[device] = torch.cuda.MemPool()
-        with torch.cuda.device(device):
-            torch._C._cuda_beginAllocateCurrentThreadToPool(device, mempool.id)
-            try:
-                a = torch.ones((16, 16), device=device, dtype=torch.bfloat16)
-                torch.addmm(a[0], a, a)  # an addmm with a bias: cuBLASLt's workspace
-                torch._C._cuda_getCurrentBlasHandle()  # cuBLAS's workspace
-                del a
-            finally:
-                torch._C._cuda_endAllocateToPool(device, mempool.id)
-                torch._C._cuda_releasePool(device, mempool.id)
-    made.add((device, stream))
-
-
-def _clear_workspaces(torch: Any) -> None:
-    with _workspace_lock:
-        torch._C._cuda_clearCublasWorkspaces()
-        _generation[0] += 1
-
-
-def workspace_bytes(device: int) -> int:
-    """Bytes of cuBLAS/cuBLASLt workspaces that :class:`allocations` made outside budgets on
-    ``device`` (PyTorch keeps one per thread and stream)."""
-    mempool = _workspace_pools.get(device)
-    if mempool is None:
-        return 0
-    return sum(int(segment.get("allocated_size", 0)) for segment in mempool.snapshot())
 
 
 class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
@@ -333,6 +345,10 @@ class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
     def framework_module(cls) -> Any:
         return _torch()
 
+    def prepare(self, module: Any) -> None:
+        release_lock_on_malloc(module)
+        _give_back_freed(module)
+
     def new_pool(self, module: Any, budget: Budget) -> _Pool:
         return _Pool(module, budget)
 
@@ -351,23 +367,29 @@ class allocations(Routing[_Pool]):  # noqa: N801 - used like a function
 
 
 def release_cached() -> None:
-    """Give cached PyTorch segments back to their budgets: the pools no thread routes into
-    are dropped (new ones are made when needed), then ``torch.cuda.empty_cache()``."""
+    """Give cached PyTorch segments back to their budgets: the MemPools no thread routes into
+    that cache something are retired (new ones are made when needed), then
+    ``torch.cuda.empty_cache()``; segments that PyTorch freed since their pool retired (their
+    tensors are gone) go back too. Safe while other threads route."""
     torch = _torch()
     with _lock:
-        pools = list(allocations._pools.values())
+        pools = set(_kept)
+    pools.update(allocations.pools())
+    cached: dict[tuple[int, int], int] = {}
+    for entry in torch.cuda.memory_snapshot():
+        key = tuple(entry.get("segment_pool_id", (0, 0)))
+        free = int(entry.get("total_size", 0)) - int(entry.get("allocated_size", 0))
+        cached[key] = cached.get(key, 0) + free
     for pool in pools:
-        with pool.lock:
-            dropped = {id(mempool) for mempool in pool.idle}
-            pool.idle = []
-            pool.mempools = [m for m in pool.mempools if id(m) not in dropped]
-    torch.cuda.empty_cache()
+        pool.retire_idle(cached)
+    _empty_and_reconcile(torch, list(pools))
 
 
 @atexit.register
 def _inert_at_exit() -> None:
-    """PyTorch frees pools still alive after modules are torn down: answer, touch nothing."""
+    """Threads still routing at exit get no segment: the callbacks touch nothing."""
     with _lock:
-        pools = list(_kept)
+        pools = set(_kept)
+    pools.update(allocations.pools())
     for pool in pools:
         pool.closed = True

@@ -6,15 +6,17 @@ import gc
 import sys
 import threading
 import types
+import weakref
 from typing import Any
 
 import pytest
 
+import gpubudget
 from gpubudget import AllocationDenied, BudgetError, gpu_budget, label
 from gpubudget import cupy as gbc
 from gpubudget.units import KiB
 from tests.fakes import DeviceHostBackend, fake_cupy
-from tests.helpers import consistent, finishes
+from tests.helpers import consistent, fill, finishes, holds
 
 
 @pytest.fixture
@@ -233,3 +235,111 @@ def test_array_on_an_address_cuda_says_is_host_memory_is_a_value_error(cp: Any) 
     with pytest.raises(ValueError, match="address 0x3000 is not memory CUDA knows"):
         gbc.array_on(0x3000, 4)
     assert gbc.array_on(0x2000, 4).shape == (4,)
+
+
+def test_pools_retire_while_other_threads_route_arrays(
+        cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread keeps an array (its bytes written) and routes more, FFT plans included, while
+    the main thread's budgets end, their pools retire and ``release_cached()`` frees every
+    pool's cache: the thread's memory is untouched and everything comes back."""
+    monkeypatch.setitem(sys.modules, "cupy.fft._cache", cp.fft_cache)
+    ready, stop = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    outliving: list[Any] = []
+    with gpu_budget("8MiB", name="root", backend=DeviceHostBackend(0)) as root:
+        def serve() -> None:
+            try:
+                with gpubudget.use(root), gpu_budget("1MiB", name="serving"):
+                    with gbc.allocations():
+                        kept = cp.allocate(100_000)
+                        fill(kept.ptr, 100_000, 0x5A)
+                        ready.set()
+                        rounds = 0
+                        while not stop.is_set() or rounds < 20:
+                            scratch = cp.allocate(10_000 + rounds % 7 * 1000)
+                            del scratch
+                            if rounds % 5 == 0:
+                                cp.fft(4 * KiB + rounds % 3 * KiB)  # a plan cached per thread
+                            rounds += 1
+                        assert holds(kept.ptr, 100_000, 0x5A)
+            except BaseException as exc:  # noqa: BLE001 - raised in the test's thread
+                errors.append(exc)
+                ready.set()
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        assert ready.wait(30)
+        for index in range(30):
+            with gpu_budget("512KiB", name=f"model{index}"):
+                with gbc.allocations():
+                    arrays = [cp.allocate(20_000), cp.allocate(30_000)]
+                if index % 4 == 0:
+                    outliving.append(arrays)
+            del arrays
+            if index % 5 == 0:
+                gbc.release_cached()  # every pool's cache, the serving thread's too
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive() and errors == []
+        outliving.clear()
+        gc.collect()
+        gbc.release_cached()
+        assert all(child.state == "released" for child in root.report().children)
+        assert root.used == 0
+        consistent(root)
+
+
+def test_a_block_entering_while_a_pool_drains_leaves_busy_pools_alone(cp: Any) -> None:
+    """Before, a block entered while any retired pool drained gave back the cache of every
+    pool, busy ones too (each returned chunk costing a device synchronization)."""
+    with gpu_budget("1MiB", name="root", backend=DeviceHostBackend(0)):
+        with gpu_budget("256KiB", name="ended"):
+            with gbc.allocations():
+                kept = cp.allocate(10_000)  # its pool drains once the budget ends
+        with gpu_budget("256KiB", name="busy") as busy:
+            with gbc.allocations():
+                scratch = cp.allocate(50_000)
+                del scratch
+                assert busy.used == 50_176  # cached by the busy pool
+                with gpu_budget("64KiB", name="late"), gbc.allocations():
+                    pass
+                assert busy.used == 50_176
+        del kept
+        gc.collect()
+        gbc.release_cached()
+
+
+def test_an_exited_budget_entered_again_keeps_one_pool(cp: Any) -> None:
+    """Before, the retired pool refused the late block and a new pool replaced it in the
+    report, which then showed less than the budget was charged."""
+    with gpu_budget("1MiB", name="root", backend=DeviceHostBackend(0)) as root:
+        with gpu_budget("256KiB", name="model") as model:
+            with gbc.allocations():
+                first = cp.allocate(10_000)
+        with gbc.allocations(model):  # a late block in the exited budget
+            second = cp.allocate(20_000)
+        (usage,) = model.report().usage
+        assert usage.charged == model.used == 10_240 + 20_224
+        assert (usage.waiting_in_use, usage.waiting_cached) == (30_000, 240 + 224)
+        assert "waiting to return: 29.30 KiB under live objects" in str(model.report())
+        del first, second
+        gc.collect()
+        gbc.release_cached()
+        assert model.report().state == "released" and root.used == 0
+
+
+def test_released_budgets_are_not_kept_alive_by_their_pools(cp: Any) -> None:
+    """Before, the map of pools kept every budget that ever routed (its pool held it), long
+    after its parent stopped listing it (a parent lists the last 32 released children)."""
+    gone = []
+    with gpu_budget("1MiB", name="root", backend=DeviceHostBackend(0)):
+        for index in range(40):
+            with gpu_budget("64KiB", name=f"model{index}") as model:
+                with gbc.allocations():
+                    cp.allocate(1000)
+            assert model.report().state == "released"
+            gone.append(weakref.ref(model))
+        del model
+        gc.collect()
+        assert [ref() is None for ref in gone[:8]] == [True] * 8
+        assert gbc.allocations.pools() == []

@@ -88,7 +88,6 @@ def _opinfo_torch() -> Any:
     torch.cuda.is_available = lambda: True
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda: None
-    torch.cuda.memory_snapshot = lambda: []
     torch.cuda.get_device_name = lambda: "fake device"
     return torch
 

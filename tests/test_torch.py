@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,16 @@ import pytest
 from gpubudget import BudgetError, gpu_budget
 from gpubudget import torch as gbt
 from gpubudget.units import KiB, MiB
+from tests.fake_torch import assert_nothing_would_have_aborted, install
 from tests.fakes import LT_WORKSPACE, SEGMENT, WORKSPACE, DeviceHostBackend, fake_torch
 from tests.helpers import consistent, subprocess_env
 
 
 @pytest.fixture
-def torch(monkeypatch: pytest.MonkeyPatch) -> Any:
-    module = fake_torch()
-    monkeypatch.setitem(sys.modules, "torch", module)
-    monkeypatch.setattr(gbt, "_workspace_pools", {})  # a new PyTorch: no workspace made yet
-    monkeypatch.setattr(gbt, "_made", threading.local())
-    return module
+def torch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    module = install(monkeypatch)
+    yield module
+    assert_nothing_would_have_aborted(module)
 
 
 def outside(torch: Any) -> int:
@@ -90,7 +90,7 @@ def test_a_refused_segment_is_pytorchs_out_of_memory_naming_the_refusal_that_rai
             assert "6.00 MiB aligned" in notes and "40" not in notes, notes
             (denial,) = small.report().denials
             assert denial.reason == "over_limit"
-            assert denial.count == 4  # PyTorch asked again after emptying its cache, twice
+            assert denial.count == 2  # refused once each: PyTorch does not ask again
 
 
 def test_a_step_over_the_limit_fails_and_nothing_goes_outside(torch: Any) -> None:
@@ -254,7 +254,7 @@ def test_interpreter_exit_with_live_tensors_is_silent(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent("""
         import sys
         from tests.fakes import DeviceHostBackend, fake_torch
-        torch = sys.modules["torch"] = fake_torch()
+        torch = sys.modules["torch"] = fake_torch(abort=True)  # aborts as PyTorch does
         from gpubudget import gpu_budget
         from gpubudget import torch as gbt
         pool = gpu_budget("64MiB", name="pool", backend=DeviceHostBackend(0)).__enter__()

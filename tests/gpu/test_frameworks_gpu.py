@@ -110,13 +110,19 @@ def test_torch_tensors_outlive_the_blocks_then_the_budget_releases() -> None:
                 kept = torch.ones(16 * MiB, dtype=torch.uint8, device="cuda")
                 scratch = torch.ones(32 * MiB, dtype=torch.uint8, device="cuda")
             del scratch
-        # the scope ended: the pool is dropped, its cache returned; the tensor keeps its segment
+        # the scope ended: the pool retired, its cache returned; the tensor keeps its segment
         assert model.state == "exited" and 16 * MiB <= model.used < 48 * MiB
+        (usage,) = model.report().usage
+        assert usage.waiting_in_use == 16 * MiB and usage.waiting_cached == model.used - 16 * MiB
         assert int(kept.sum()) == 16 * MiB
         del kept
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        assert model.report().state == "released" and pool.used == 0
+        torch.cuda.empty_cache()  # PyTorch frees the segment; the next block gives it back
+        with gpu_budget("64MiB", name="next"), gbt.allocations():
+            assert model.report().state == "released"
+        assert pool.used == 0
+        settings = torch.cuda.memory._snapshot()["allocator_settings"]
+        assert settings["release_lock_on_cudamalloc"] is True  # no Python under its lock
         pool.check()
 
 
