@@ -132,7 +132,7 @@ def lock_timer() -> Iterator[list[float]]:
 
     @contextmanager
     def timed(self: _book.DeviceBook, *args: object, **kwargs: object) -> Iterator[None]:
-        with original(self, *args, **kwargs):  # type: ignore[arg-type]
+        with original(self, *args, **kwargs):
             start = time.perf_counter()
             try:
                 yield
