@@ -204,7 +204,7 @@ def decide(request: int | Share, *, granularity: int, held: int, total: int,
     if cap is not None:
         rooms.append((cap - held, f"the device cap is {format_size(cap)}, "
                                   f"{format_size(held)} of it claimed"))
-    if hard or (cap is None and isinstance(request, Share)):
+    if hard or isinstance(request, Share):  # a share is never more than the device has
         rooms.append((total - held, f"the device has {format_size(total)}, "
                                     f"{format_size(held)} of it claimed"))
     if free is not None:
