@@ -17,7 +17,7 @@ A process that keeps the lock longer than :data:`LOCK_SECONDS` (one stopped whil
 it) makes a claim give up with :class:`~gpubudget.hostledger.errors.LedgerLocked`; until
 the lock is had again, this process waits only :data:`STUCK_SECONDS` each time. Meanwhile
 a slot's owner still marks it reserved, or frees it, without the lock (its own slot only),
-and flags the file so that the next process to take the lock reads every slot again.
+and leaves a new mark in the header, so that every process reads every slot again.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import secrets
 import struct
 import threading
 import time
@@ -236,16 +237,19 @@ class DeviceBook:
         except Damage as exc:
             raise LedgerDamaged(f"the ledger file {str(self.path)!r}: {exc}; remove it") from None
 
-    def _copy(self) -> tuple[bytes, int, int]:
-        """Lock held: the slots in use, the count of slots in use and the change count,
-        as they are now; whoever changed slots without the lock is read anew from here."""
+    def _copy(self) -> tuple[bytes, int, int, int]:
+        """Lock held: the slots in use, the count of slots in use, the change count and the
+        mark of the last change made without the lock, as they are now (the mark read
+        first: a change made without the lock while the slots are copied leaves a mark that
+        is new to the index)."""
+        mark = self.words[UNLOCKED_WORD]
+        changes = self.words[CHANGES_WORD]
         high = self.words[_HIGH]
         if high > SLOTS:
             raise LedgerDamaged(f"the ledger file {str(self.path)!r}: damaged header ({high} "
                                 f"slots in use of {SLOTS}); remove it")
-        self.words[UNLOCKED_WORD] = 0
         slots = bytes(self.data[HEADER_BYTES: HEADER_BYTES + high * SLOT_BYTES])
-        return slots, high, self.words[CHANGES_WORD]
+        return slots, high, changes, mark
 
     def _ended(self, processes: set[ProcessKey]) -> set[ProcessKey]:
         """Which of ``processes`` (owners of slots in the index) have ended."""
@@ -315,13 +319,13 @@ class DeviceBook:
         """What :meth:`reserved` does, without the lock (the slot is this process's; the
         next process to take the lock reads every slot again)."""
         self._mark_reserved(slot, nbytes, at)
-        self.words[UNLOCKED_WORD] = 1
+        self.words[UNLOCKED_WORD] = _new_mark()
 
     def release_unlocked(self, slot: int) -> None:
         """What :meth:`release` does, without the lock (see :meth:`reserved_unlocked`)."""
         self._wipe(slot)
         self.mine.discard(slot)
-        self.words[UNLOCKED_WORD] = 1
+        self.words[UNLOCKED_WORD] = _new_mark()
         self._unlock_slot(slot)
 
     # -- the words -------------------------------------------------------------------------
@@ -382,6 +386,11 @@ class DeviceBook:
         self.mine.clear()
         if fd is not None:
             os.close(fd)
+
+
+def _new_mark() -> int:
+    """A mark for a change made without the lock: random, never 0 (a new file's)."""
+    return secrets.randbits(64) | 1
 
 
 def _locked_message(path: object, wait: float) -> str:

@@ -7,8 +7,8 @@ the file: the live slots decoded, the free ones, the processes that own slots, a
 a claim needs. The file counts its changes and logs the slot of each
 (:mod:`~gpubudget.hostledger.layout`); under the lock, :meth:`SlotIndex.catch_up` reads only
 the slots changed since the index last looked. When it cannot (its first look, more changes
-than the log keeps, a slot changed without the lock, a log that names no slot), the caller
-copies the slots under the lock and :meth:`SlotIndex.rebuild` decodes them after.
+than the log keeps, a new mark of a change made without the lock, a log that names no slot),
+the caller copies the slots under the lock and :meth:`SlotIndex.rebuild` decodes them after.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class SlotIndex:
     read).
 
     >>> index = SlotIndex()
-    >>> index.rebuild(bytes(2 * SLOT_BYTES), high=2, changes=0)
+    >>> index.rebuild(bytes(2 * SLOT_BYTES), high=2, changes=0, mark=0)
     []
     >>> list(index.free_slots())[:3], index.held
     ([0, 1, 2], 0)
@@ -68,6 +68,8 @@ class SlotIndex:
 
     def _empty(self) -> None:
         self.changes: int | None = None
+        self.mark = 0
+        """The mark of the last change made without the lock that the index has seen."""
         self.high = 0
         self.entries: dict[int, Entry] = {}
         self.owners: dict[ProcessKey, set[int]] = {}
@@ -83,10 +85,11 @@ class SlotIndex:
 
     # -- reading the file ------------------------------------------------------------------
 
-    def rebuild(self, slots: bytes, high: int, changes: int) -> list[int]:
+    def rebuild(self, slots: bytes, high: int, changes: int, mark: int = 0) -> list[int]:
         """Read every slot anew from ``slots`` (the file's first ``high`` slots, copied under
-        the lock when its change count was ``changes``); return the slots whose state is not
-        one this version writes (damage, for the caller to clear)."""
+        the lock when its change count was ``changes`` and its mark ``mark``); return the
+        slots whose state is not one this version writes (damage, for the caller to
+        clear)."""
         self._empty()
         states = memoryview(slots).cast("Q")[_STATE::_WORDS_PER_SLOT].tolist()
         damaged = []
@@ -102,6 +105,7 @@ class SlotIndex:
                 self._add(entry)
         self.high = high
         self.changes = changes
+        self.mark = mark
         return damaged
 
     def catch_up(self, words: memoryview, data: memoryview) -> bool:
@@ -112,7 +116,7 @@ class SlotIndex:
         high = words[_HIGH]
         if high > SLOTS:
             raise Damage(f"damaged header ({high} slots in use of {SLOTS})")
-        if self.changes is None or words[UNLOCKED_WORD] or high < self.high:
+        if self.changes is None or words[UNLOCKED_WORD] != self.mark or high < self.high:
             return False
         changes = words[CHANGES_WORD]
         behind = (changes - self.changes) % _WRAP
@@ -124,9 +128,7 @@ class SlotIndex:
             if slot >= high:  # the log names a slot nobody used: not a log we wrote
                 return False
             changed.add(slot)
-        for slot in range(self.high, high):
-            self._push(slot)
-        self.high = high
+        self._grow(high)
         for slot in sorted(changed):
             self.put(slot, decode_entry(data, HEADER_BYTES + slot * SLOT_BYTES, slot))
         self.changes = changes
@@ -154,6 +156,14 @@ class SlotIndex:
         else:
             self._free_set.discard(slot)
             self._add(entry)
+        self._grow(slot + 1)
+
+    def _grow(self, high: int) -> None:
+        """Slots up to ``high`` have been used: those not indexed are free."""
+        for slot in range(self.high, high):
+            if slot not in self.entries:
+                self._push(slot)
+        self.high = max(self.high, high)
 
     def _add(self, entry: Entry) -> None:
         self.entries[entry.slot] = entry

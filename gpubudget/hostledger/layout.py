@@ -5,7 +5,8 @@
     bytes 0 .. 255        header: magic, version, geometry, slots ever used, the host-wide
                           cap, the device's total memory, whether claims must fit it, the
                           device's identity and label
-    bytes 256 .. 271      the change count and the "changed without the lock" flag
+    bytes 256 .. 271      the change count, and the mark of the last change made without the
+                          lock
     bytes 512 .. 2559     the change log: the slot of change n in word n % 256
     bytes 4096 + 256 * i  slot i: one root budget of a live process (or free)
 
@@ -17,8 +18,8 @@ plain stores as they change; everything else changes only under the file's lock,
 such change of a slot counts one in the header's change count and writes the slot's number
 into the change log, so that a process can bring what it knows of the slots up to date by
 reading only the slots that changed. A slot changed without the lock (its owner's own, when
-another process keeps the lock too long) sets the flag instead: whoever takes the lock next
-reads every slot again. The file lives on one host (``/dev/shm``), so words are in the
+another process keeps the lock too long) writes a new random mark instead: a process that
+sees another mark than the one it last saw reads every slot again. The file lives on one host (``/dev/shm``), so words are in the
 machine's byte order. Nothing read from it is trusted: a value out of its range is damage.
 """
 
@@ -84,7 +85,8 @@ SLOT: Final = struct.Struct(f"={len(SLOT_FIELDS)}Q{TEXT_BYTES}s{TEXT_BYTES}s")
 CHANGES_WORD: Final = 32
 """Header word: changes of slots made under the lock so far (it wraps at 2**64)."""
 UNLOCKED_WORD: Final = 33
-"""Header word: nonzero once a slot was changed without the lock (see the docstring)."""
+"""Header word: a random mark written after each change of a slot made without the lock
+(see the docstring); a new one each time, so that a mark lost to another's is still new."""
 LOG_WORD: Final = 64
 LOG_LENGTH: Final = 256
 """The change log: the slot of change ``n`` is word ``LOG_WORD + n % LOG_LENGTH``."""
