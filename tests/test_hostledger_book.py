@@ -10,6 +10,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,9 +141,13 @@ def test_a_lock_held_too_long_is_an_error_and_then_waited_for_briefly(
     ledger = open_book(tmp_path)
     monkeypatch.setattr(book, "LOCK_SECONDS", 0.2)
     waits: list[float] = []
-    sleep = book.time.sleep
-    monkeypatch.setattr(book.time, "sleep", lambda seconds: (waits.append(seconds),
-                                                             sleep(seconds)))
+    sleep = time.sleep
+
+    def polling(seconds: float) -> None:
+        waits.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr("gpubudget.hostledger.book.time.sleep", polling)
     other = os.open(tmp_path / "host.ledger", os.O_RDONLY)  # another open file: a conflict
     fcntl.flock(other, fcntl.LOCK_EX)
     try:

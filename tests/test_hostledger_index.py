@@ -73,17 +73,17 @@ class Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.decoded: list[int] = []
         self.rebuilds = 0
-        decode, rebuild = index_module.decode_entry, SlotIndex.rebuild
+        decode, rebuild = decode_entry, SlotIndex.rebuild
 
-        def decoding(data: object, offset: int, slot: int) -> Entry | None:
+        def decoding(data: bytes | memoryview, offset: int, slot: int) -> Entry | None:
             self.decoded.append(slot)
-            return decode(data, offset, slot)  # type: ignore[arg-type]
+            return decode(data, offset, slot)
 
         def rebuilding(index: SlotIndex, *args: object, **kwargs: object) -> list[int]:
             self.rebuilds += 1
             return rebuild(index, *args, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(index_module, "decode_entry", decoding)
+        monkeypatch.setattr("gpubudget.hostledger.index.decode_entry", decoding)
         monkeypatch.setattr(SlotIndex, "rebuild", rebuilding)
 
     def reset(self) -> None:

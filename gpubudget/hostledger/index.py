@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Final
 
 from .layout import (
@@ -192,7 +192,7 @@ class SlotIndex:
                 + sum(self.entries[slot].holds for _, slot
                       in recent[bisect.bisect_left(recent, (since_ns, -1)):]))
 
-    def free_slots(self) -> Iterator[int]:
+    def free_slots(self) -> Generator[int, None, None]:
         """Slots that are free as far as the index knows, lowest first (the caller checks
         each in the file before it takes it): the free ones below ``high``, then those
         never used."""

@@ -219,7 +219,7 @@ class Entry(NamedTuple):
         return max(self.claim, self.reserved)
 
 
-def decode_entry(data: bytes, offset: int, slot: int) -> Entry | None:
+def decode_entry(data: bytes | memoryview, offset: int, slot: int) -> Entry | None:
     """The slot at ``offset`` of ``data``, or ``None`` if it is free (or not a state this
     version writes)."""
     (state, pid, start, pidns, boot, limit, claim, reserved, used, peak, denials, claimed_at,
