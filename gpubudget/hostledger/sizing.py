@@ -11,8 +11,8 @@ On a device that reports its free memory (a GPU), a share is of that free memory
 *headroom* (:data:`HEADROOM`, ``GPUBUDGET_HEADROOM``): the driver cannot hand out all of what
 it calls free in one allocation (on an H200 the largest ``cuMemAlloc`` was the free memory
 less 3 to 4 MiB), and the process needs room afterwards for what no allocator sees (a
-framework's CUDA context and kernels, cuBLAS handles: PyTorch's context alone took 92 MiB
-there).
+framework's CUDA context and kernels, cuBLAS handles: PyTorch's context alone took about
+94 MiB there).
 
 :func:`decide` is the whole rule, a pure function of what the ledger and the device say.
 """
@@ -40,7 +40,7 @@ HEADROOM_ENV: Final = "GPUBUDGET_HEADROOM"
 HEADROOM: Final = 256 * MiB
 """What a share leaves of a GPU's free memory: 4 MiB that one allocation of the rest needs
 (measured on an H200: free less 3 to 4 MiB was the most one ``cuMemAlloc`` got), about
-92 MiB for a framework's CUDA context and kernels loaded afterwards (PyTorch's, measured
+94 MiB for a framework's CUDA context and kernels made afterwards (PyTorch's, measured
 there), and the rest for cuBLAS handles and kernels loaded lazily."""
 MIN_HEADROOM: Final = 8 * MiB
 """The least headroom ``GPUBUDGET_HEADROOM`` may ask: twice what one allocation needs."""
