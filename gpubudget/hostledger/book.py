@@ -125,12 +125,8 @@ def _live(entries: list[Entry], fd: int) -> list[bool]:
 
 
 def _entries(data: bytes, high: int) -> list[Entry]:
-    found = []
-    for slot in range(high):
-        entry = decode_entry(data, slot * SLOT_BYTES, slot)
-        if entry is not None:
-            found.append(entry)
-    return found
+    found = (decode_entry(data, slot * SLOT_BYTES, slot) for slot in range(high))
+    return [entry for entry in found if entry is not None]
 
 
 class DeviceBook:
@@ -401,28 +397,37 @@ def _locked_message(path: object, wait: float) -> str:
             f"than {wait:g} s (one stopped while changing it?)")
 
 
-def _shared_lock(fd: int) -> bool:
-    """Take a shared lock on ``fd`` within :data:`LOCK_SECONDS`; ``False`` if it cannot."""
-    deadline = time.monotonic() + LOCK_SECONDS
+_stuck_files: set[str] = set()
+"""Ledger files whose lock a reader of this process could not have in time, last it tried."""
+
+
+def _shared_lock(fd: int, where: str) -> bool:
+    """Take a shared lock on ``fd`` within :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` if
+    the last try on this file timed out); ``False`` if it cannot."""
+    deadline = time.monotonic() + (STUCK_SECONDS if where in _stuck_files else LOCK_SECONDS)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return True
         except BlockingIOError:
             if time.monotonic() > deadline:
+                _stuck_files.add(where)
                 return False
             time.sleep(_POLL_SECONDS)
+        else:
+            _stuck_files.discard(where)
+            return True
 
 
 def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
     """Read one ledger file without changing it: its header and the slots of processes that
     still run. ``LedgerError`` for a bad file. It reads under a shared lock; if another
-    process keeps the lock longer than :data:`LOCK_SECONDS`, it reads without it (a slot
-    being written then is skipped or read as it was)."""
+    process keeps the lock longer than :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while it
+    keeps it), it reads without it (a slot being written then is skipped or read as it
+    was)."""
     where = str(directory.path / name)
     fd, _ = directory.open(name, writable=False)
     try:
-        locked = _shared_lock(fd)
+        locked = _shared_lock(fd, where)
         try:
             try:
                 header = decode_header(os.pread(fd, HEADER_BYTES, 0))
