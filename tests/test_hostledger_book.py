@@ -19,7 +19,14 @@ from gpubudget.hostledger import LedgerError, book, procs
 from gpubudget.hostledger.book import DeviceBook, read_book
 from gpubudget.hostledger.errors import LedgerFull, LedgerLocked
 from gpubudget.hostledger.files import LedgerDirectory
-from gpubudget.hostledger.layout import HEADER_BYTES, RESERVED, SLOT_BYTES, SLOTS, encode_slot
+from gpubudget.hostledger.layout import (
+    HEADER_BYTES,
+    RESERVED,
+    SLOT_BYTES,
+    SLOTS,
+    UNLOCKED_WORD,
+    encode_slot,
+)
 from tests.helpers import subprocess_env
 
 
@@ -168,3 +175,25 @@ def test_a_lock_held_too_long_is_an_error_and_then_waited_for_briefly(
     with ledger.locked():
         pass
     assert issubclass(LedgerLocked, LedgerError)
+
+
+@pytest.mark.parametrize("anew", [True, False])
+def test_a_slot_in_a_state_never_written_is_cleared_unless_it_is_this_processs(
+        tmp_path: Path, anew: bool) -> None:
+    ledger, other = open_book(tmp_path), open_book(tmp_path)
+    with other.current():
+        theirs = other.claim(mine(claim=7), "theirs", "them")
+    with ledger.current():
+        kept = ledger.claim(mine(claim=5), "kept", "me")
+    for slot in (theirs, kept):  # overwritten, each with its change logged
+        write_slot(ledger, slot, {"state": 9}, "garbage")
+    if anew:  # a change made without the lock elsewhere: every slot is read again
+        ledger.words[UNLOCKED_WORD] = 12345
+    with ledger.current() as index:
+        assert index.live() == [] and index.held == 0
+    assert bytes(ledger.map[HEADER_BYTES + theirs * SLOT_BYTES:][:SLOT_BYTES]) == bytes(
+        SLOT_BYTES)  # cleared
+    assert ledger.words[(HEADER_BYTES + kept * SLOT_BYTES) // 8] == 9  # its own: left alone
+    other.forget()  # its process ends: nobody locks the slot it held
+    with ledger.current():
+        assert ledger.claim(mine(), "new", "me") == theirs  # free again; its own is not

@@ -79,9 +79,9 @@ class Spy:
             self.decoded.append(slot)
             return decode(data, offset, slot)
 
-        def rebuilding(index: SlotIndex, *args: object, **kwargs: object) -> list[int]:
+        def rebuilding(index: SlotIndex, *args: object, **kwargs: object) -> None:
             self.rebuilds += 1
-            return rebuild(index, *args, **kwargs)  # type: ignore[arg-type]
+            rebuild(index, *args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr("gpubudget.hostledger.index.decode_entry", decoding)
         monkeypatch.setattr(SlotIndex, "rebuild", rebuilding)
@@ -98,11 +98,11 @@ def test_an_index_reads_only_the_slots_changed_since_it_last_looked(
         slots = [writer.claim(mine(2**20), f"r{n}", "writer") for n in range(100)]
     with reader.current() as index:  # its first look: every slot
         assert len(index.entries) == 100 and index.held == 100 * 2**20
-    spy = Spy(monkeypatch)
     with writer.current():
         writer.release(slots[7])
         writer.reserved(slots[50], 2**20, 99)
         writer.claim(mine(2**21), "new", "writer")  # takes slot 7 again
+    spy = Spy(monkeypatch)
     with reader.current() as index:
         assert spy.rebuilds == 0 and sorted(spy.decoded) == [7, 50]
         assert index.entries[7].name == "new" and index.entries[50].state == "reserved"
@@ -121,14 +121,14 @@ def test_more_changes_than_the_log_keeps_rebuild_the_index_without_the_lock(
     free_during_rebuild = []
     rebuild = SlotIndex.rebuild  # the spy's
 
-    def rebuild_and_try_the_lock(index: SlotIndex, *args: object) -> list[int]:
+    def rebuild_and_try_the_lock(index: SlotIndex, *args: object) -> None:
         other = os.open(reader.path, os.O_RDONLY)
         try:  # another process may take the lock while the slots are decoded
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
             free_during_rebuild.append(True)
         finally:
             os.close(other)
-        return rebuild(index, *args)  # type: ignore[arg-type]
+        rebuild(index, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SlotIndex, "rebuild", rebuild_and_try_the_lock)
     with reader.current() as index:

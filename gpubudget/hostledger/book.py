@@ -73,6 +73,7 @@ _POLL_SECONDS: Final = 0.0005
 _FLOCK: Final = struct.Struct("hhqqi0q")  # struct flock: type, whence, start, len, pid
 _OFD: Final = (getattr(fcntl, "F_OFD_SETLK", None), getattr(fcntl, "F_OFD_GETLK", None))
 _HIGH: Final = header_word("high")
+_STATES: Final = (FREE, CLAIMED, RESERVED)
 
 
 @dataclass(frozen=True)
@@ -184,21 +185,22 @@ class DeviceBook:
             ended = self._ended(checked)  # without the lock
             self._take()
             try:
-                damaged = self._catch_up()
-                if damaged is None:  # too far behind: copy, decode without the lock
+                if not self._catch_up():  # too far behind: copy, decode without the lock
                     copied = self._copy()
                     self._drop()
-                    damaged = index.rebuild(*copied)
+                    index.rebuild(*copied)
                     ended |= self._ended(set(index.owners) - checked)
                     checked |= set(index.owners)
                     self._take()
-                    damaged = self._catch_up()
-                    if damaged is None:  # very busy: decode under the lock after all
-                        damaged = index.rebuild(*self._copy())
+                    if not self._catch_up():  # very busy: decode under the lock after all
+                        index.rebuild(*self._copy())
                 ended |= self._ended(set(index.owners) - checked)  # seen only under the lock
+                doomed = {slot for slot in index.damaged  # unless rewritten since
+                          if self.words[slot_word(slot, "state")] not in _STATES}
+                index.damaged.clear()
                 for process in ended:
-                    damaged += index.owners.get(process, ())
-                for slot in sorted(set(damaged) - self.mine):
+                    doomed.update(index.owners.get(process, ()))
+                for slot in sorted(doomed - self.mine):
                     self._clear(slot)
                 yield index
             finally:
@@ -225,11 +227,11 @@ class DeviceBook:
             self._holding = False
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def _catch_up(self) -> list[int] | None:
-        """Lock held: the index read up to date from the log; ``None`` if it must be
-        rebuilt (then nothing was damaged as far as it knows)."""
+    def _catch_up(self) -> bool:
+        """Lock held: read the index up to date from the log; ``False`` if it must be
+        rebuilt."""
         try:
-            return [] if self.index.catch_up(self.words, self.data) else None
+            return self.index.catch_up(self.words, self.data)
         except Damage as exc:
             raise LedgerDamaged(f"the ledger file {str(self.path)!r}: {exc}; remove it") from None
 
@@ -342,7 +344,7 @@ class DeviceBook:
         words[CHANGES_WORD] = after
         index = self.index
         if index.changes == before:
-            index.put(slot, decode_entry(self.data, HEADER_BYTES + slot * SLOT_BYTES, slot))
+            index.reread(slot, self.data)
             index.changes = after
 
     def _wipe(self, slot: int) -> None:

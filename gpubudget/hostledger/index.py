@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import struct
 from collections.abc import Generator
 from typing import Final
 
@@ -45,6 +46,7 @@ _WRAP: Final = 1 << 64
 _HIGH: Final = header_word("high")
 _STATE: Final = SLOT_FIELDS.index("state")
 _WORDS_PER_SLOT: Final = SLOT_BYTES // 8
+_WORD: Final = struct.Struct("=Q")
 
 
 def process_of(entry: Entry) -> ProcessKey:
@@ -58,7 +60,6 @@ class SlotIndex:
 
     >>> index = SlotIndex()
     >>> index.rebuild(bytes(2 * SLOT_BYTES), high=2, changes=0, mark=0)
-    []
     >>> list(index.free_slots())[:3], index.held
     ([0, 1, 2], 0)
     """
@@ -80,33 +81,31 @@ class SlotIndex:
         self.recent: list[tuple[int, int]] = []
         """``(reserved_at, slot)`` of the reservations seen in the last :data:`RECENT_NS`,
         in order: a claim reads only its end."""
+        self.damaged: set[int] = set()
+        """Slots seen in a state this version never writes (for the book to clear)."""
         self._free: list[int] = []  # a heap of the free slots below ``high``, some stale
         self._free_set: set[int] = set()
 
     # -- reading the file ------------------------------------------------------------------
 
-    def rebuild(self, slots: bytes, high: int, changes: int, mark: int = 0) -> list[int]:
+    def rebuild(self, slots: bytes, high: int, changes: int, mark: int = 0) -> None:
         """Read every slot anew from ``slots`` (the file's first ``high`` slots, copied under
-        the lock when its change count was ``changes`` and its mark ``mark``); return the
-        slots whose state is not one this version writes (damage, for the caller to
-        clear)."""
+        the lock when its change count was ``changes`` and its mark ``mark``)."""
         self._empty()
         states = memoryview(slots).cast("Q")[_STATE::_WORDS_PER_SLOT].tolist()
-        damaged = []
         for slot, state in enumerate(states[:high]):
             if state == FREE:
                 self._push(slot)
                 continue
             entry = decode_entry(slots, slot * SLOT_BYTES, slot)
             if entry is None:
-                damaged.append(slot)
+                self.damaged.add(slot)
                 self._push(slot)
             else:
                 self._add(entry)
         self.high = high
         self.changes = changes
         self.mark = mark
-        return damaged
 
     def catch_up(self, words: memoryview, data: memoryview) -> bool:
         """Lock held: read the slots changed since the index last looked (``words``: the
@@ -130,9 +129,17 @@ class SlotIndex:
             changed.add(slot)
         self._grow(high)
         for slot in sorted(changed):
-            self.put(slot, decode_entry(data, HEADER_BYTES + slot * SLOT_BYTES, slot))
+            self.reread(slot, data)
         self.changes = changes
         return True
+
+    def reread(self, slot: int, data: memoryview) -> None:
+        """Read slot ``slot`` of the file (``data``) again."""
+        offset = HEADER_BYTES + slot * SLOT_BYTES
+        entry = decode_entry(data, offset, slot)
+        if entry is None and _WORD.unpack_from(data, offset + 8 * _STATE)[0] != FREE:
+            self.damaged.add(slot)
+        self.put(slot, entry)
 
     # -- keeping it current ----------------------------------------------------------------
 
