@@ -6,6 +6,7 @@ ever escapes (no ``struct.error``, no ``IndexError``, no hang)."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -163,6 +165,35 @@ def test_roots_registered_before_the_lock_was_kept_still_leave_their_slots(
     with gpu_budget("8MiB", name="after") as after:  # the lock is free: registered again
         assert names() == ["after"]
         works(after)
+
+
+def test_a_root_whose_lock_is_taken_between_claim_and_reserve_still_marks_its_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger_file()
+    claim, locked = DeviceBook.claim, DeviceBook.locked
+    kept = {"now": False}
+
+    def claiming(book: DeviceBook, *args: Any) -> int:
+        kept["now"] = True  # from here on another process keeps the lock
+        return claim(book, *args)
+
+    @contextlib.contextmanager
+    def locking(book: DeviceBook) -> Iterator[None]:
+        if kept["now"]:
+            raise LedgerLocked("kept by another process")
+        with locked(book):
+            yield
+
+    monkeypatch.setattr(DeviceBook, "claim", claiming)
+    monkeypatch.setattr(DeviceBook, "locked", locking)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # registered: nothing to warn of
+        with gpu_budget("16MiB", name="between") as between:
+            (entry,) = host_view(nvml=False).entries
+            assert (entry.name, entry.state, entry.reserved) == ("between", "reserved",
+                                                                  16 * MiB)
+            works(between)
+    assert names() == []  # and freed its slot without the lock too
 
 
 # -- a full ledger -------------------------------------------------------------------------
