@@ -6,8 +6,12 @@ Prints, side by side in one run (median of R, interleaved): nanoseconds per char
 pair of ``ledger.charge`` with and without a slot to store into (the only ledger code on the
 allocate/free path); microseconds per free+allocate pair on the churn trace for a packed
 best-fit, a root budget registered in the ledger and one that is not (``GPUBUDGET_LEDGER=0``);
-and microseconds to enter and exit a root, registered or not, with 0 and 100 other roots of
-live processes in the ledger.
+microseconds to enter and exit a root, registered or not, with 0 and 100 other roots of
+live processes in the ledger; then, with ``--crowd``, what entering and leaving a registered
+root costs with 1, 1,024, 2,048 and 4,095 other roots live on the device (the ledger holds
+4,096), and how long the ledger's lock is held for it.
+
+    python -m benchmarks.ledger --crowd [--entries N]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from gpubudget import Budget, gpu_budget
+from gpubudget.hostledger import book as _book
 from gpubudget._core.ledger import Account, charge
 
 from .churn import ALIGN, CAPACITY, BareBestFit, run_trace
@@ -115,15 +120,69 @@ def table(repeat: int = 5) -> list[str]:
     return rows
 
 
+CROWDS = (1, 1024, 2048, 4095)
+"""Other roots live on the device while one more enters and leaves (the ledger holds 4,096)."""
+
+
+@contextmanager
+def lock_timer() -> Iterator[list[float]]:
+    """Seconds the ledger's lock was held, each time it was taken (by this process)."""
+    held: list[float] = []
+    original = _book.DeviceBook.locked
+
+    @contextmanager
+    def timed(self: _book.DeviceBook, *args: object, **kwargs: object) -> Iterator[None]:
+        with original(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                held.append(time.perf_counter() - start)
+
+    _book.DeviceBook.locked = timed  # type: ignore[method-assign]
+    try:
+        yield held
+    finally:
+        _book.DeviceBook.locked = original  # type: ignore[method-assign]
+
+
+def crowd_table(entries_per_size: int = 50) -> list[str]:
+    """Entry+exit of a registered root, and the lock held for it, as the crowd grows."""
+    rows = [f"root entry+exit with other roots live, median of {entries_per_size}", "",
+            "| other live roots | entry+exit (us) | lock held per entry+exit (us) |",
+            "| ---: | ---: | ---: |"]
+    crowd: list[tuple[Budget, contextvars.Context]] = []
+    with registered(True):
+        for size in CROWDS:
+            crowd += others(size - len(crowd))
+            costs, locks = [], []
+            for _ in range(entries_per_size):
+                with lock_timer() as held:
+                    start = time.perf_counter()
+                    with gpu_budget("1MiB", backend="host"):
+                        pass
+                    costs.append(time.perf_counter() - start)
+                locks.append(sum(held))
+            rows.append(f"| {size:,} | {statistics.median(costs) * 1e6:.1f} | "
+                        f"{statistics.median(locks) * 1e6:.1f} |")
+    for budget, context in crowd:
+        context.run(budget.__exit__, None, None, None)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--crowd", action="store_true",
+                        help="only the cost of entry as the other live roots grow")
+    parser.add_argument("--entries", type=int, default=50,
+                        help="entries timed per crowd size (with --crowd)")
     args = parser.parse_args(argv)
     import gpubudget
 
     os.environ.setdefault("GPUBUDGET_LEDGER_DIR", tempfile.mkdtemp(prefix="gpubudget-bench-"))
     print(f"core: {'C (_native)' if gpubudget.compiled else 'pure Python'}")
-    for row in table(args.repeat):
+    for row in crowd_table(args.entries) if args.crowd else table(args.repeat):
         print(row)
 
 

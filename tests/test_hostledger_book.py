@@ -1,6 +1,8 @@
 """gpubudget.hostledger.book: slots claimed, reserved and released under the file's lock;
 slots of ended processes cleared by the next claim and left out by readers; a process of
-another PID namespace known alive by its slot lock; a lock held too long is an error."""
+another PID namespace known alive by its slot lock; a lock held too long is an error, after
+which this process waits only briefly until it has the lock again; a full file says so; an
+index kept current from the change log, rebuilt when it falls behind."""
 
 from __future__ import annotations
 
@@ -8,14 +10,23 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from gpubudget.hostledger import LedgerError, book, procs
 from gpubudget.hostledger.book import DeviceBook, read_book
+from gpubudget.hostledger.errors import LedgerFull, LedgerLocked
 from gpubudget.hostledger.files import LedgerDirectory
-from gpubudget.hostledger.layout import HEADER_BYTES, RESERVED, SLOT_BYTES, encode_slot
+from gpubudget.hostledger.layout import (
+    HEADER_BYTES,
+    RESERVED,
+    SLOT_BYTES,
+    SLOTS,
+    UNLOCKED_WORD,
+    encode_slot,
+)
 from tests.helpers import subprocess_env
 
 
@@ -33,11 +44,14 @@ def mine(**numbers: int) -> dict[str, int]:
 
 
 def write_slot(ledger: DeviceBook, slot: int, numbers: dict[str, int], name: str) -> None:
-    """A slot as another process would have written it."""
+    """A slot as another process would have written it: under the lock, counted and logged
+    as a change."""
     offset = HEADER_BYTES + slot * SLOT_BYTES
-    ledger.map[offset: offset + SLOT_BYTES] = encode_slot(numbers, name, "someone")
-    words = ledger.words
-    words[4] = max(words[4], slot + 1)  # slots ever used
+    with ledger.locked():
+        ledger.map[offset: offset + SLOT_BYTES] = encode_slot(numbers, name, "someone")
+        words = ledger.words
+        words[4] = max(words[4], slot + 1)  # slots ever used
+        ledger._changed(slot)
 
 
 def finished_pid() -> int:
@@ -48,7 +62,7 @@ def finished_pid() -> int:
 
 def test_claim_reserve_release(tmp_path: Path) -> None:
     ledger = open_book(tmp_path)
-    with ledger.locked():
+    with ledger.current():
         first = ledger.claim(mine(limit=100, claim=256), "a", "me")
         second = ledger.claim(mine(limit=200, claim=256), "b", "me")
         ledger.reserved(first, 256, 5)
@@ -56,7 +70,8 @@ def test_claim_reserve_release(tmp_path: Path) -> None:
     assert (first, second) == (0, 1)
     assert [(e.name, e.state, e.reserved, e.reserved_at) for e in entries] == [
         ("a", "reserved", 256, 5), ("b", "claimed", 0, 0)]
-    with ledger.locked():
+    with ledger.current() as index:
+        assert (index.held, index.claiming) == (512, {1})
         ledger.release(first)
         assert [e.name for e in ledger.live_entries()] == ["b"]
         assert ledger.claim(mine(), "c", "me") == 0  # the first free slot again
@@ -67,14 +82,16 @@ def test_claim_reserve_release(tmp_path: Path) -> None:
         ["c", "b"], 0, 512)
 
 
-def test_a_full_ledger_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(book, "SLOTS", 2)
+def test_a_full_ledger_says_so_and_a_slot_freed_is_taken_again(tmp_path: Path) -> None:
     ledger = open_book(tmp_path)
-    with ledger.locked():
-        ledger.claim(mine(), "a", "me")
-        ledger.claim(mine(), "b", "me")
-        with pytest.raises(LedgerError, match="is full: 2 root budgets of live processes"):
-            ledger.claim(mine(), "c", "me")
+    with ledger.current():
+        slots = [ledger.claim(mine(claim=1), f"r{n}", "me") for n in range(SLOTS)]
+        with pytest.raises(LedgerFull, match=f"is full: {SLOTS} root budgets of live processes"):
+            ledger.claim(mine(), "one too many", "me")
+        ledger.release(slots[1234])
+        assert ledger.claim(mine(), "again", "me") == 1234
+    assert slots == list(range(SLOTS))
+    assert issubclass(LedgerFull, LedgerError)
 
 
 def test_slots_of_ended_processes_are_cleared_by_a_claim_and_skipped_by_readers(
@@ -90,7 +107,7 @@ def test_slots_of_ended_processes_are_cleared_by_a_claim_and_skipped_by_readers(
     write_slot(ledger, 3, mine(state=RESERVED, claim=2**20), "live")
     snapshot = read_book(LedgerDirectory(tmp_path, create=False), "host.ledger")
     assert [e.name for e in snapshot.entries] == ["live"] and snapshot.ended == 3
-    with ledger.locked():
+    with ledger.current():
         assert [e.name for e in ledger.live_entries()] == ["live"]
     assert read_book(LedgerDirectory(tmp_path, create=False), "host.ledger").ended == 0
     assert bytes(ledger.map[HEADER_BYTES: HEADER_BYTES + SLOT_BYTES]) == bytes(SLOT_BYTES)
@@ -102,42 +119,81 @@ def test_a_process_of_another_pid_namespace_is_alive_while_it_holds_its_slot_loc
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from tests.test_hostledger_book import "
          "open_book, mine; from pathlib import Path; ledger = open_book(Path(sys.argv[1]))\n"
-         "with ledger.locked(): ledger.claim(mine(pidns=1), 'theirs', 'them')\n"
+         "with ledger.current(): ledger.claim(mine(pidns=1), 'theirs', 'them')\n"
          "print(flush=True); time.sleep(600)", str(tmp_path)],
         stdout=subprocess.PIPE, env=subprocess_env())
     try:
         assert holder.stdout is not None and holder.stdout.readline()
-        with ledger.locked():  # pid 1's namespace is not ours: only the lock can tell
+        with ledger.current():  # pid 1's namespace is not ours: only the lock can tell
             assert [e.name for e in ledger.live_entries()] == ["theirs"]
     finally:
         holder.kill()
         holder.wait()
-    with ledger.locked():  # killed: the kernel dropped its lock
+    with ledger.current():  # killed: the kernel dropped its lock
         assert ledger.live_entries() == []
 
 
 def test_a_forked_child_does_not_keep_its_parents_slots_alive(tmp_path: Path) -> None:
     ledger = open_book(tmp_path)
-    with ledger.locked():
+    with ledger.current():
         slot = ledger.claim(mine(pidns=1), "parent's", "me")
     ledger.forget()  # what a forked child does with the descriptor it inherited
-    with ledger.locked():
+    with ledger.current():
         assert ledger.live_entries() == []  # nobody holds the lock: taken for dead
     assert slot == 0
 
 
-def test_a_lock_held_too_long_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                          ) -> None:
+def test_a_lock_held_too_long_is_an_error_and_then_waited_for_briefly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ledger = open_book(tmp_path)
     monkeypatch.setattr(book, "LOCK_SECONDS", 0.2)
+    waits: list[float] = []
+    sleep = time.sleep
+
+    def polling(seconds: float) -> None:
+        waits.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr("gpubudget.hostledger.book.time.sleep", polling)
     other = os.open(tmp_path / "host.ledger", os.O_RDONLY)  # another open file: a conflict
     fcntl.flock(other, fcntl.LOCK_EX)
     try:
-        with pytest.raises(LedgerError, match=r"has been locked by another process for more "
-                                              r"than 0.2 s"):
+        with pytest.raises(LedgerLocked, match=r"has been locked by another process for more "
+                                               r"than 0.2 s"):
             with ledger.locked():
                 pass
+        first = len(waits)
+        with pytest.raises(LedgerLocked, match=r"is still locked by another process \(it has "
+                                               r"held the lock for more than 0.2 s"):
+            with ledger.current():
+                pass
+        second = len(waits) - first
     finally:
         os.close(other)
+    assert 0 < second < first  # polls: STUCK_SECONDS' worth, not LOCK_SECONDS'
+    assert second <= book.STUCK_SECONDS / book._POLL_SECONDS + 1
     with ledger.locked():
         pass
+    assert issubclass(LedgerLocked, LedgerError)
+
+
+@pytest.mark.parametrize("anew", [True, False])
+def test_a_slot_in_a_state_never_written_is_cleared_unless_it_is_this_processs(
+        tmp_path: Path, anew: bool) -> None:
+    ledger, other = open_book(tmp_path), open_book(tmp_path)
+    with other.current():
+        theirs = other.claim(mine(claim=7), "theirs", "them")
+    with ledger.current():
+        kept = ledger.claim(mine(claim=5), "kept", "me")
+    for slot in (theirs, kept):  # overwritten, each with its change logged
+        write_slot(ledger, slot, {"state": 9}, "garbage")
+    if anew:  # a change made without the lock elsewhere: every slot is read again
+        ledger.words[UNLOCKED_WORD] = 12345
+    with ledger.current() as index:
+        assert index.live() == [] and index.held == 0
+    assert bytes(ledger.map[HEADER_BYTES + theirs * SLOT_BYTES:][:SLOT_BYTES]) == bytes(
+        SLOT_BYTES)  # cleared
+    assert ledger.words[(HEADER_BYTES + kept * SLOT_BYTES) // 8] == 9  # its own: left alone
+    other.forget()  # its process ends: nobody locks the slot it held
+    with ledger.current():
+        assert ledger.claim(mine(), "new", "me") == theirs  # free again; its own is not

@@ -20,6 +20,7 @@ from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget.backends import HostBackend
 from gpubudget.backends.host import HostReservation
 from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view, procs
+from gpubudget.hostledger.sizing import HEADROOM
 from gpubudget.units import GiB, MiB
 from tests.helpers import RecordingBackend, subprocess_env
 
@@ -147,7 +148,7 @@ def test_an_unusable_ledger_warns_once_for_plain_roots_and_refuses_what_needs_it
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     monkeypatch.setenv("GPUBUDGET_LEDGER_DIR", str(tmp_path / "link"))
-    monkeypatch.setattr(claims, "_warned", False)
+    monkeypatch.setattr(claims, "_warned", set())
     with pytest.warns(RuntimeWarning, match="root budgets are not registered in the host "
                       "ledger: cannot open the ledger directory '.*link': it is a symbolic"):
         with gpu_budget("1MiB"):
@@ -313,7 +314,9 @@ def test_a_share_waits_for_reservations_under_way_instead_of_counting_them_twice
     assert gpu.reserving.wait(10)
     second, context = root("50%", "second", gpu)  # its free-memory reading already lacks 'first'
     thread.join()
-    assert (first[0][0].limit, second.limit) == (4 * GiB, 2 * GiB)  # not 50% of (8 - 4 - 4)
+    first_limit = (TOTAL - HEADROOM) // 2  # a GPU's share leaves the headroom
+    assert (first[0][0].limit, second.limit) == (
+        first_limit, (TOTAL - first_limit - HEADROOM) // 2)  # not 50% of (8 - 4 - 4)
     leave(second, context)
     leave(*first[0])
 
@@ -324,11 +327,88 @@ def test_a_claim_that_never_settles_is_counted_as_taken(monkeypatch: pytest.Monk
     gpu = SlowGpu()
     book = claims.book_for(gpu.ledger_device())
     me = procs.myself()
-    with book.locked():  # a process that claimed 2 GiB and is stuck before reserving
+    with book.current():  # a process that claimed 2 GiB and is stuck before reserving
         book.claim({"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
                     "claim": 2 * GiB}, "stuck", "me")
     started = time.monotonic()
     half, context = root("50%", "half", gpu)
     assert time.monotonic() - started >= 0.3
-    assert half.limit == 3 * GiB  # half of the 8 GiB free less the 2 GiB it may take
+    assert half.limit == (6 * GiB - HEADROOM) // 2  # half of the 8 GiB free less the 2 GiB
+    # it may take and the headroom
     leave(half, context)
+
+
+class DriverLikeGpu(HostBackend):
+    """A GPU whose free memory is what its reservations and its "context" left, and whose
+    driver, like CUDA's, cannot hand out all of what it calls free in one allocation (on an
+    H200 the most one ``cuMemAlloc`` got was the free memory less 3 to 4 MiB)."""
+
+    DRIVER_KEEPS = 4 * MiB
+
+    def __init__(self, free: int) -> None:
+        super().__init__(noreserve=True)
+        self.free_bytes = free
+
+    def ledger_device(self) -> LedgerDevice:
+        return LedgerDevice("GPU-driver-like", "a GPU", TOTAL, hard=False,
+                            free=lambda: self.free_bytes)
+
+    def reserve(self, nbytes: int) -> HostReservation:
+        if nbytes > self.free_bytes - self.DRIVER_KEEPS:
+            raise MemoryError(f"out of memory ({nbytes} asked, {self.free_bytes} free)")
+        self.free_bytes -= nbytes
+        return _Counted(self, nbytes)  # type: ignore[return-value]
+
+
+class _Counted:
+    """A reservation of :class:`DriverLikeGpu` whose release gives its bytes back."""
+
+    def __init__(self, gpu: DriverLikeGpu, nbytes: int) -> None:
+        self._gpu = gpu
+        self._inner: HostReservation | None = HostReservation(nbytes, noreserve=True)
+        self.address = self._inner.address
+        self.nbytes = nbytes
+
+    def release(self) -> None:
+        if self._inner is not None:
+            self._inner.release()
+            self._inner = None
+            self._gpu.free_bytes += self.nbytes
+
+
+def test_rest_on_a_gpu_after_fixed_shares_enters_and_leaves_the_headroom() -> None:
+    gpu = DriverLikeGpu(free=TOTAL - 300 * MiB)  # a CUDA context holds some already
+    shares = [root("25%", "a", gpu), root("25%", "b", gpu)]
+    rest, context = root("rest", "rest", gpu)  # the driver would refuse all of the free memory
+    assert HEADROOM <= gpu.free_bytes < HEADROOM + MiB  # what the docs say it leaves
+    block = rest.allocate(rest.limit)
+    assert block is not None and rest.free(block)
+    leave(rest, context)
+    for budget, entered in reversed(shares):
+        leave(budget, entered)
+    assert gpu.free_bytes == TOTAL - 300 * MiB
+
+
+def test_the_headroom_can_be_set_and_is_never_taken_from_a_plain_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = DriverLikeGpu(free=4 * GiB)
+    monkeypatch.setenv("GPUBUDGET_HEADROOM", "1GiB")
+    rest, context = root("rest - 512MiB", "rest", gpu)
+    assert rest.limit == 4 * GiB - GiB - 512 * MiB
+    leave(rest, context)
+    half, context = root("50%", "half", gpu)
+    assert half.limit == (4 * GiB - GiB) // 2
+    leave(half, context)
+    plain, context = root(f"{4 * GiB - 8 * MiB}B", "plain", gpu)  # the device answers for it
+    assert plain.limit == 4 * GiB - 8 * MiB and gpu.free_bytes == 8 * MiB
+    with pytest.raises(LedgerError, match=r"cannot claim '1%' of a GPU \(GPU-driver-like\): "
+                       r"the device has 8.00 MiB free of 8.00 GiB total, less 1.00 GiB of "
+                       r"headroom, 0 B left"):
+        root("1%", "nothing", gpu)
+    leave(plain, context)
+    for value, message in (("lots", r"GPUBUDGET_HEADROOM='lots'.* is not a size"),
+                           ("1MiB", r"GPUBUDGET_HEADROOM='1MiB' is less than 8.00 MiB")):
+        monkeypatch.setenv("GPUBUDGET_HEADROOM", value)
+        with pytest.raises(ValueError, match=message):
+            root("rest", "bad", gpu)
+    assert host_view(nvml=False).entries == ()

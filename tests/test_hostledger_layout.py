@@ -27,10 +27,10 @@ def test_a_header_reads_back() -> None:
 @pytest.mark.parametrize(("data", "message"), [
     (b"short", "too short for a ledger header"),
     (b"NOTLEDGR" + bytes(4088), "not a gpubudget ledger (it starts with b'NOTLEDGR')"),
-    (HEADER.pack(b"GPUBLEDG", 2, 256, 4096, 0, 0, 0, 0, b"", b""),
-     "written in ledger format 2; this gpubudget reads format 1"),
-    (HEADER.pack(b"GPUBLEDG", 1, 128, 4096, 0, 0, 0, 0, b"", b""), "damaged header"),
-    (HEADER.pack(b"GPUBLEDG", 1, 256, 4096, 5000, 0, 0, 0, b"", b""), "5000 used"),
+    (HEADER.pack(b"GPUBLEDG", 1, 256, 4096, 0, 0, 0, 0, b"", b""),
+     "written in ledger format 1; this gpubudget reads format 2"),
+    (HEADER.pack(b"GPUBLEDG", 2, 128, 4096, 0, 0, 0, 0, b"", b""), "damaged header"),
+    (HEADER.pack(b"GPUBLEDG", 2, 256, 4096, 5000, 0, 0, 0, b"", b""), "5000 used"),
 ])
 def test_a_header_that_is_not_ours_says_why(data: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -55,6 +55,14 @@ def test_texts_are_cut_to_64_bytes_without_splitting_a_character() -> None:
     assert text_field("é" * 40) == ("é" * 32).encode()
     assert text_field("a" + "é" * 40) == ("a" + "é" * 31).encode()
     assert text_field("\udcff") == b"\\udcff"  # a lone surrogate is written escaped
+
+
+def test_the_change_log_fits_the_header_after_the_fields() -> None:
+    assert layout.HEADER.size <= layout.CHANGES_WORD * 8 < layout.UNLOCKED_WORD * 8
+    assert layout.UNLOCKED_WORD < layout.LOG_WORD
+    assert (layout.LOG_WORD + layout.LOG_LENGTH) * 8 <= layout.HEADER_BYTES
+    assert encode_header("x", "y", 1, True)[layout.CHANGES_WORD * 8:] == bytes(
+        layout.HEADER_BYTES - layout.CHANGES_WORD * 8)  # a new file: no change yet
 
 
 def test_word_indexes() -> None:

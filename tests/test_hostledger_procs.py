@@ -60,3 +60,12 @@ def test_the_process_title_is_its_command_line() -> None:
     assert title.split()[0] == os.path.basename(open("/proc/self/cmdline", "rb").read()
                                                 .split(b"\0")[0].decode())
     assert "pytest" in title or "py" in title
+
+
+@pytest.mark.parametrize("pid", [0, 2**31, 2**64 - 1])
+def test_a_pid_no_system_gives_is_a_process_that_ended(pid: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    me = procs.myself()
+    assert procs.alive(pid, 1, me.pidns, me.boot) is False
+    monkeypatch.setattr(procs, "_PROC", "/no/proc/here")  # where os.kill would be asked
+    assert procs.alive(pid, 1, me.pidns, me.boot) is False

@@ -97,3 +97,23 @@ def test_a_limit_is_refused_above_the_cap_a_hard_total_or_the_free_memory() -> N
                     free=6 * GiB, unsettled=GiB).reason
     assert reason == ("the device has 6.00 GiB free of 16.00 GiB total, 1.00 GiB of it "
                       "claimed by roots still reserving, 5.00 GiB left")
+
+
+def test_a_share_is_never_more_than_the_device_has_whatever_the_cap() -> None:
+    share = Share(0.5, 0, "50%")
+    assert decide(share, granularity=256, held=2 * GiB, total=8 * GiB, cap=32 * GiB,
+                  hard=False, free=None, unsettled=0).nbytes == 3 * GiB  # not 15 GiB
+
+
+def test_a_share_of_a_gpu_leaves_the_headroom_and_a_limit_does_not() -> None:
+    rest = Share(1.0, 0, "rest")
+    room = {"granularity": 256, "held": 0, "total": 16 * GiB, "cap": None, "hard": False,
+            "free": 10 * GiB, "unsettled": GiB, "headroom": 256 * MiB}
+    assert decide(rest, **room).nbytes == 9 * GiB - 256 * MiB  # type: ignore[arg-type]
+    assert decide(9 * GiB, **room).nbytes == 9 * GiB  # type: ignore[arg-type]
+    assert decide(9 * GiB + 256, **room).nbytes is None  # type: ignore[arg-type]
+    nothing = decide(rest, **{**room, "free": GiB + 256 * MiB})  # type: ignore[arg-type]
+    assert nothing.nbytes is None and nothing.reason == (
+        "the device has 1.25 GiB free of 16.00 GiB total, 1.00 GiB of it claimed by roots "
+        "still reserving, less 256.00 MiB of headroom, 0 B left: 'rest' is 100% of it, "
+        "nothing")

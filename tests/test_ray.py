@@ -10,6 +10,7 @@ free it when they end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import doctest
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -349,7 +351,7 @@ def test_cluster_report_groups_by_node_and_gpu_and_warns_of_overcommitted_gpus()
     assert report.to_json(indent=None) == json.dumps(report.as_dict())
     data = json.loads(report.to_json())
     assert data["registry"] == {"actor": "gpubudget/gpubudget-registry", "error": None,
-                                "note": None}
+                                "note": None, "recovering": False}
     (node,) = data["nodes"]
     assert [d["gpu_id"] for d in node["devices"]] == ["0", "1"]
     assert [a["actor_id"][0] for a in node["devices"][0]["actors"]] == ["a", "b"]
@@ -463,7 +465,7 @@ def test_a_restarted_registry_keeps_its_history_and_says_who_has_not_registered_
     assert text.splitlines()[:2] == [
         "gpubudget cluster report: 2 budgeted actors alive, 1 dead",
         "note: the registry restarted 3 s ago; 2 actors it knew alive have not registered "
-        "again yet (each does within about 10 s): shown with the last report it had"]
+        "again yet (each does within a few seconds): shown with the last report it had"]
     assert json.loads(report.to_json())["registry"]["note"] == note
     assert second_note is not None and " 1 actor it knew alive has not" in second_note
     states = {e.info.actor_id[0]: (e.state, e.death) for e in last}
@@ -485,6 +487,149 @@ def test_a_registry_with_an_unreadable_book_starts_empty() -> None:
         return await Registry(store).collect(0.01)
 
     assert asyncio.run(collect()) == ((), 0, None)
+
+
+class _Ref:
+    """An object ref whose future holds ``value`` or raises it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def future(self) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if isinstance(value := self.value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+        return future
+
+
+class _Method:
+    def __init__(self, answer: Callable[..., Any]) -> None:
+        self.answer = answer
+
+    def remote(self, *args: Any) -> _Ref:
+        try:
+            return _Ref(self.answer(*args))
+        except Exception as exc:  # noqa: BLE001 - the call's failure, carried by its ref
+            return _Ref(exc)
+
+
+def _unavailable() -> Exception:
+    from ray.exceptions import ActorUnavailableError
+
+    return ActorUnavailableError("The actor is temporarily unavailable: restarting", None)
+
+
+def test_while_ray_restarts_the_registry_the_report_lists_what_it_saved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not HAVE_RAY:
+        pytest.skip(NO_RAY)
+    import ray
+    from ray.exceptions import RayActorError
+
+    from gpubudget.ray import registry as registry_module
+
+    store = _Store()
+
+    async def before_the_kill() -> None:
+        first = Registry(store)
+        for key in "ab":
+            await first.register(_info(key * 32, "0", GiB), None, _budget_report(key, GiB, MiB))
+        first._book.mark_dead("b" * 32, "killed by `ray.kill`.")
+        first._save()
+
+    asyncio.run(before_the_kill())
+    failure: list[Exception] = [_unavailable()]
+
+    def collect(timeout: float) -> Any:
+        raise failure[0]
+
+    registry = types.SimpleNamespace(collect=_Method(collect))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout: ref.future().result())
+    monkeypatch.setattr(registry_module, "find_registry", lambda: registry)
+    monkeypatch.setattr(registry_module.KeyValueStore, "load", lambda self: store.data)
+    report = cluster_report()
+    assert report.registry_error is None and report.recovering
+    assert {(entry.info.actor_id[0], entry.state, entry.fresh) for entry in report.actors} == {
+        ("a", "alive", False), ("b", "dead", False)}
+    assert report.entry("a" * 32).used == MiB  # type: ignore[union-attr]
+    text = str(report)
+    assert text.splitlines()[:2] == [
+        "gpubudget cluster report: 1 budgeted actor alive, 1 dead",
+        "note: the registry is restarting (Ray answers ActorUnavailableError for now); the "
+        "actors are shown with the last reports it saved, and register again as soon as it "
+        "is up"]
+    assert json.loads(report.to_json())["registry"]["recovering"] is True
+    failure[0] = RayActorError()  # dead for good, or not a registry: nothing to say more
+    report = cluster_report()
+    assert report.actors == () and not report.recovering
+    assert str(report.registry_error).startswith("the registry did not answer (RayActorError")
+    failure[0] = _unavailable()
+    store.data = None  # restarting, and nothing saved: the report says so, empty
+    report = cluster_report()
+    assert report.actors == () and str(report.registry_error).startswith(
+        "the registry did not answer (ActorUnavailableError")
+
+
+class _Stop(BaseException):
+    """Ends a reporter's thread (its loop catches every ``Exception``)."""
+
+
+def test_an_actor_asks_a_restarting_registry_again_every_half_second_not_every_10_s(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if not HAVE_RAY:
+        pytest.skip(NO_RAY)
+    import ray
+
+    from gpubudget.ray import reporter as reporter_module
+
+    pauses: list[float | None] = []
+
+    class Paused:
+        """``threading.Event`` for the reporter's thread: a wait is recorded, not waited."""
+
+        def wait(self, timeout: float | None = None) -> bool:
+            pauses.append(timeout)
+            return False
+
+    done, registrations = threading.Event(), []
+    attempts = {"register": 0}
+
+    def killed(*args: Any) -> Any:
+        raise _unavailable()  # the call in flight when the registry's process died
+
+    def register(info: ActorInfo, handle: Any, report: FlatReport) -> int:
+        attempts["register"] += 1
+        if attempts["register"] <= 3:  # Ray is still starting its new process
+            raise _unavailable()
+        registrations.append(info.actor_id)
+        return 7
+
+    def next_request(actor_id: str, seen: int, wait: float) -> int:
+        done.set()
+        raise _Stop
+
+    dying = types.SimpleNamespace(next_request=_Method(killed))
+    restarted = types.SimpleNamespace(register=_Method(register),
+                                      next_request=_Method(next_request))
+    monkeypatch.setattr(reporter_module, "find_registry", lambda: restarted)
+    monkeypatch.setattr(reporter_module, "threading",
+                        types.SimpleNamespace(Event=Paused, Thread=threading.Thread))
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: types.SimpleNamespace(current_actor="me"))
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the _Stop that ends it
+    with gpu_budget("1MiB", name="actor") as budget:
+        reporter = reporter_module.Reporter(_info("a" * 32, "0", MiB), budget)
+        reporter._registry = dying  # type: ignore[assignment]
+        worker = threading.Thread(target=reporter._serve, daemon=True)
+        worker.start()
+        assert done.wait(ANSWER_WAIT), pauses
+        worker.join(ANSWER_WAIT)
+    assert not worker.is_alive() and registrations == ["a" * 32]
+    assert reporter.registry_error is None and attempts["register"] == 4
+    assert pauses == [reporter_module.FIRST_RETRY_SECONDS] * 4  # not RETRY_SECONDS (10 s)
 
 
 def test_ray_command_without_ray_says_so_and_exits_2(monkeypatch: pytest.MonkeyPatch,
@@ -895,7 +1040,7 @@ def test_serve_replicas_are_budgeted_and_named_by_their_deployment(
         ("enter", None), ("alloc", "weights"), ("alloc", None), ("alloc", None), ("exit", None)]
 
 
-def test_a_restarted_registry_lists_the_actors_it_knew_at_once(
+def test_a_restarted_registry_lists_the_actors_it_knew_throughout_and_they_come_back(
         ray_cluster: None, trio: list[tuple[ActorHandle, dict[str, Any]]]) -> None:
     import ray
 
@@ -904,16 +1049,21 @@ def test_a_restarted_registry_lists_the_actors_it_knew_at_once(
     assert ids <= {entry.info.actor_id for entry in before.alive}
     ray.kill(ray.get_actor(REGISTRY_NAME, namespace=REGISTRY_NAMESPACE), no_restart=False)
     deadline = time.monotonic() + DEATH_WAIT
-    while True:  # while Ray restarts it: "did not answer"; then never "0 alive"
+    reports = []
+    while True:  # while Ray restarts it, and until every actor registered again
         report = report_now()
-        if report.registry_error is None or time.monotonic() > deadline:
+        reports.append(report)
+        assert report.registry_error is None, str(report)  # never "0 actors"
+        assert ids <= {entry.info.actor_id for entry in report.alive}, str(report)
+        assert len(report.dead) >= len(before.dead)  # the history is kept
+        if ids <= {entry.info.actor_id for entry in report.alive if entry.fresh} \
+                and report.note is None:
             break
+        assert report.recovering and report.note is not None, str(report)
+        assert time.monotonic() < deadline, str(report)
         time.sleep(0.2)
-    assert report.registry_error is None
-    assert ids <= {entry.info.actor_id for entry in report.alive}, str(report)
-    assert len(report.dead) >= len(before.dead)  # the history is kept
-    report = wait_for(report_now, lambda r: r.note is None)
-    assert ids <= {entry.info.actor_id for entry in report.actors if entry.fresh}
+    assert not reports[-1].recovering
+    assert all("restart" in str(report.note) for report in reports[:-1])
 
 
 class Squatter:

@@ -6,7 +6,8 @@ pid and start time, name, limit, reservation, ``used``, ``peak`` and denials, wh
 owning process keeps current with plain stores. A root claims its slot at entry under the
 file's lock (held for microseconds, never across a device call), which is also where a root
 asking for a share of the unclaimed memory (``gpu_budget("50%")``) is sized and where the
-device cap (``GPUBUDGET_DEVICE_CAP``, :func:`set_device_cap`) is enforced. Slots of
+device cap (``GPUBUDGET_DEVICE_CAP``, :func:`set_device_cap`) is enforced; on a GPU a share
+leaves a headroom free (:data:`HEADROOM`, ``GPUBUDGET_HEADROOM``). Slots of
 processes that have ended, however they ended, are cleared by the next claim and never
 counted. :func:`host_view` reads everything; ``gpubudget top`` and ``gpubudget metrics``
 show it.
@@ -31,23 +32,29 @@ from __future__ import annotations
 from .caps import device_cap, set_device_cap
 from .claims import LEDGER_ENV, SETTLE_SECONDS, device_claims, ledger_enabled
 from .devices import DEVICE_MEMORY_ENV, LedgerDevice, device_for
-from .errors import LedgerError
+from .errors import LedgerDamaged, LedgerError, LedgerFull, LedgerLocked, LedgerUnusable
 from .files import LEDGER_DIR_ENV, default_directory, ledger_directory
 from .layout import Entry
-from .sizing import CAP_ENV, Share, parse_share
+from .sizing import CAP_ENV, HEADROOM, HEADROOM_ENV, Share, parse_share
 from .view import DeviceView, HostView, host_view
 
 __all__ = [
     "CAP_ENV",
     "DEVICE_MEMORY_ENV",
+    "HEADROOM",
+    "HEADROOM_ENV",
     "LEDGER_DIR_ENV",
     "LEDGER_ENV",
     "SETTLE_SECONDS",
     "DeviceView",
     "Entry",
     "HostView",
+    "LedgerDamaged",
     "LedgerDevice",
     "LedgerError",
+    "LedgerFull",
+    "LedgerLocked",
+    "LedgerUnusable",
     "Share",
     "default_directory",
     "device_cap",

@@ -3,18 +3,24 @@
 :func:`open_registered` is what a root's entry calls. In order:
 
 1. Read the device's free memory (a device call, with no lock held).
-2. Under the ledger's lock (microseconds): clear the slots of processes that have ended;
-   decide how much the root may have (:func:`~gpubudget.hostledger.sizing.decide`: its
-   limit, or its share of what is unclaimed, within the device cap); write its slot,
-   ``claimed``. If a claim of another process may not show in the free memory read in 1
-   (it is still reserving), let go of the lock and start again, for up to
-   :data:`SETTLE_SECONDS`; then count it as taken.
+2. Under the ledger's lock (microseconds, whatever the number of live roots: this
+   process's index of the slots reads only those changed since it last looked): clear the
+   slots of processes that have ended; decide how much the root may have
+   (:func:`~gpubudget.hostledger.sizing.decide`: its limit, or its share of what is
+   unclaimed, within the device cap); write its slot, ``claimed``. If a claim of another
+   process may not show in the free memory read in 1 (it is still reserving), let go of
+   the lock and start again, for up to :data:`SETTLE_SECONDS`; then count it as taken.
 3. Reserve the memory (a device call, no lock held). If that fails, the slot is released
    and the error names who holds the device's memory: all or nothing.
 4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
    ``peak``) and every denial in its tree is stored into the slot's words, with plain
    stores (:mod:`gpubudget._core.ledger` and :mod:`gpubudget._core.recorder` do it).
 5. When the root releases its reservation (or the process exits, or dies), the slot goes.
+
+When the ledger cannot be used (a directory or file refused, a file damaged or full, a lock
+that another process keeps: :class:`~gpubudget.hostledger.errors.LedgerUnusable`), a root
+with a plain limit is entered unregistered, with one ``RuntimeWarning`` per kind of trouble
+in the process; a root that needs the ledger (a share, a cap, a simulated device) raises it.
 """
 
 from __future__ import annotations
@@ -36,11 +42,11 @@ from ..tracefile import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
 from .devices import LedgerDevice, device_for
-from .errors import LedgerError
+from .errors import LedgerError, LedgerLocked, LedgerUnusable
 from .files import LedgerDirectory, ledger_directory
 from .layout import Entry, slot_word
 from .procs import myself, process_title
-from .sizing import CAP_ENV, Share, decide, parse_cap
+from .sizing import CAP_ENV, Share, decide, headroom, parse_cap
 
 if TYPE_CHECKING:
     from .._core.tree import Tree
@@ -59,7 +65,8 @@ _lock = threading.Lock()
 _books: dict[tuple[Path, str], DeviceBook] = {}
 _claims: set[Claim] = set()
 _serials: Final = itertools.count(1)
-_warned = False
+_warned: set[str] = set()
+"""The kinds of trouble (error classes) already told of by a warning in this process."""
 
 
 def ledger_enabled() -> bool:
@@ -75,18 +82,25 @@ def ledger_enabled() -> bool:
 
 
 def book_for(device: LedgerDevice) -> DeviceBook:
-    """This process's handle on ``device``'s ledger file (opened, or created, once)."""
+    """This process's handle on ``device``'s ledger file (opened, or created, once);
+    :class:`~gpubudget.hostledger.errors.LedgerUnusable` naming the path if the directory or
+    file is refused."""
     path = device.directory if device.directory is not None else ledger_directory()
     key = (path, device.identity)
     with _lock:
         book = _books.get(key)
         if book is None:
-            directory = LedgerDirectory(path, create=True)
             try:
-                book = DeviceBook(directory, device.identity, device.label, device.total,
-                                  device.hard)
-            finally:
-                directory.close()
+                directory = LedgerDirectory(path, create=True)
+                try:
+                    book = DeviceBook(directory, device.identity, device.label,
+                                      device.total, device.hard)
+                finally:
+                    directory.close()
+            except LedgerUnusable:
+                raise
+            except LedgerError as exc:  # a directory or file refused
+                raise LedgerUnusable(str(exc)) from None
             _books[key] = book
         return book
 
@@ -103,7 +117,7 @@ def device_claims(device: LedgerDevice) -> list[Entry]:
     []
     """
     book = book_for(device)
-    with book.locked():
+    with book.current():
         return book.live_entries()
 
 
@@ -124,8 +138,11 @@ class Claim:
         assert reservation is not None
         mapping = tree.mapping  # a growable root: what it has mapped, kept current
         held = mapping.mapped_bytes if mapping is not None else reservation.nbytes
-        with self.book.locked():
-            self.book.reserved(self.slot, held, time.monotonic_ns())
+        try:
+            with self.book.locked():
+                self.book.reserved(self.slot, held, time.monotonic_ns())
+        except LedgerLocked:  # the slot is ours: mark it without the lock
+            self.book.reserved_unlocked(self.slot, held, time.monotonic_ns())
         if mapping is not None:
             at = slot_word(self.slot, "reserved")
             mapping.published = self.book.words[at: at + 1]
@@ -148,8 +165,8 @@ class Claim:
         try:
             with self.book.locked():
                 self.book.release(self.slot)
-        except LedgerError:  # the lock held too long: the slot goes when the process does
-            pass
+        except LedgerLocked:  # the slot is ours: free it without the lock
+            self.book.release_unlocked(self.slot)
 
     def _detach(self) -> None:
         tree, self.tree = self.tree, None
@@ -205,15 +222,17 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
         assert isinstance(request, int)
         return open_tree(request)
     cap = parse_cap(cap_text, device.total) if cap_text else None
+    kept = headroom() if device.free is not None else 0
     try:
         book = book_for(device)
-    except LedgerError as exc:
+        claim = _claim(book, device, name, request, align, cap, initial, kept)
+    except LedgerUnusable as exc:  # not a refusal: the ledger cannot be used now
         if required:
             raise
-        _warn_once(f"gpubudget: root budgets are not registered in the host ledger: {exc}")
+        _warn_once(type(exc).__name__, f"gpubudget: root budgets are not registered in the "
+                                       f"host ledger: {exc}")
         assert isinstance(request, int)
         return open_tree(request)
-    claim = _claim(book, device, name, request, align, cap, initial)
     try:
         tree = open_tree(claim.limit)
     except BudgetError as exc:
@@ -227,7 +246,7 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
 
 
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
-           align: int, cap: int | None, initial: int | None) -> Claim:
+           align: int, cap: int | None, initial: int | None, kept: int) -> Claim:
     wanted = request if isinstance(request, Share) else round_up(request, align)
     me = myself()
     numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
@@ -240,24 +259,22 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
         free = device.free() if device.free is not None else None
         if free is not None and initial is not None:  # growable: only initial is taken now
             free = free + max(wanted - initial, 0) if isinstance(wanted, int) else None
-        with book.locked():
+        with book.current() as index:
+            shared_cap = book.header().cap
             book.set_device(device.total, device.hard)
-            entries = book.live_entries()
-            unsettled = sum(entry.holds for entry in entries if entry.state == "claimed"
-                            or entry.reserved_at >= started)
+            unsettled = index.unsettled(started, time.monotonic_ns())
             if free is None or not unsettled or time.monotonic() > deadline:
-                held = sum(entry.holds for entry in entries)
-                shared_cap = book.header().cap
                 caps = [value for value in (cap, shared_cap) if value is not None]
-                decision = decide(wanted, granularity=align, held=held, total=device.total,
-                                  cap=min(caps) if caps else None, hard=device.hard,
-                                  free=free, unsettled=unsettled)
+                decision = decide(wanted, granularity=align, held=index.held,
+                                  total=device.total, cap=min(caps) if caps else None,
+                                  hard=device.hard, free=free, unsettled=unsettled,
+                                  headroom=kept)
                 if decision.nbytes is None:
                     asked = (f"{request.text!r} of {_device(device)}"
                              if isinstance(request, Share) else
                              f"{format_size(round_up(request, align))} on {_device(device)}")
                     raise LedgerError(f"budget {name!r} cannot claim {asked}: "
-                                      f"{decision.reason}{holders(entries)}")
+                                      f"{decision.reason}{holders(index.live())}")
                 slot = book.claim({**numbers, "limit": decision.nbytes if isinstance(
                     request, Share) else request, "claim": decision.nbytes,
                     "claimed_at": time.monotonic_ns(), "serial": next(_serials)},
@@ -291,7 +308,7 @@ def holders(entries: list[Entry]) -> str:
 
 def _held_elsewhere(book: DeviceBook, device: LedgerDevice) -> str:
     try:
-        with book.locked():
+        with book.current():
             entries = book.live_entries()
     except LedgerError:
         return ""
@@ -299,10 +316,11 @@ def _held_elsewhere(book: DeviceBook, device: LedgerDevice) -> str:
     return f" (on {_device(device)}{found})" if found else ""
 
 
-def _warn_once(message: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
+def _warn_once(kind: str, message: str) -> None:
+    """One warning per kind of trouble in the process (a directory refused, a lock kept, a
+    full ledger, a damaged file), not one per root."""
+    if kind not in _warned:
+        _warned.add(kind)
         warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 

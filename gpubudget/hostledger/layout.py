@@ -2,17 +2,25 @@
 
 ::
 
-    bytes 0 .. 4095       header: magic, version, geometry, slots ever used, the host-wide
+    bytes 0 .. 255        header: magic, version, geometry, slots ever used, the host-wide
                           cap, the device's total memory, whether claims must fit it, the
                           device's identity and label
+    bytes 256 .. 271      the change count, and the mark of the last change made without the
+                          lock
+    bytes 512 .. 2559     the change log: the slot of change n in word n % 256
     bytes 4096 + 256 * i  slot i: one root budget of a live process (or free)
 
 A slot is 32 native 64-bit words: 16 numbers (:data:`SLOT_FIELDS`), then the budget's name
 (64 bytes) and the process's title (64 bytes), UTF-8, NUL-padded. Its ``state`` is
 :data:`FREE`, :data:`CLAIMED` (the process is reserving its memory) or :data:`RESERVED`.
 The owning process writes ``used``, ``peak`` and ``denials`` (three consecutive words) with
-plain stores as they change; everything else changes only under the file's lock. The file
-lives on one host (``/dev/shm``), so words are in the machine's byte order.
+plain stores as they change; everything else changes only under the file's lock, and each
+such change of a slot counts one in the header's change count and writes the slot's number
+into the change log, so that a process can bring what it knows of the slots up to date by
+reading only the slots that changed. A slot changed without the lock (its owner's own, when
+another process keeps the lock too long) writes a new random mark instead: a process that
+sees another mark than the one it last saw reads every slot again. The file lives on one host (``/dev/shm``), so words are in the
+machine's byte order. Nothing read from it is trusted: a value out of its range is damage.
 """
 
 from __future__ import annotations
@@ -25,8 +33,12 @@ __all__ = [
     "CLAIMED",
     "FILE_BYTES",
     "FREE",
+    "CHANGES_WORD",
     "HEADER",
     "HEADER_BYTES",
+    "LOG_LENGTH",
+    "LOG_WORD",
+    "UNLOCKED_WORD",
     "MAGIC",
     "RESERVED",
     "SLOT",
@@ -34,6 +46,7 @@ __all__ = [
     "SLOT_BYTES",
     "SLOT_FIELDS",
     "VERSION",
+    "Damage",
     "Entry",
     "Header",
     "decode_entry",
@@ -46,7 +59,8 @@ __all__ = [
 ]
 
 MAGIC: Final = b"GPUBLEDG"
-VERSION: Final = 1
+VERSION: Final = 2
+"""Format 2 added the change count and log; format 1 files are refused (remove them)."""
 HEADER_BYTES: Final = 4096
 SLOT_BYTES: Final = 256
 SLOTS: Final = 4096
@@ -68,7 +82,16 @@ counts against the device; ``claimed_at``/``reserved_at``: ``CLOCK_MONOTONIC`` n
 ``ordinal``: its CUDA ordinal + 1 (0: none); ``share``: a share asked for, in millionths
 (0: a plain limit); ``serial``: the budget's number in its process."""
 SLOT: Final = struct.Struct(f"={len(SLOT_FIELDS)}Q{TEXT_BYTES}s{TEXT_BYTES}s")
-assert SLOT.size == SLOT_BYTES and HEADER.size <= HEADER_BYTES
+CHANGES_WORD: Final = 32
+"""Header word: changes of slots made under the lock so far (it wraps at 2**64)."""
+UNLOCKED_WORD: Final = 33
+"""Header word: a random mark written after each change of a slot made without the lock
+(see the docstring); a new one each time, so that a mark lost to another's is still new."""
+LOG_WORD: Final = 64
+LOG_LENGTH: Final = 256
+"""The change log: the slot of change ``n`` is word ``LOG_WORD + n % LOG_LENGTH``."""
+assert SLOT.size == SLOT_BYTES and HEADER.size <= CHANGES_WORD * 8
+assert (LOG_WORD + LOG_LENGTH) * 8 <= HEADER_BYTES
 
 FREE: Final = 0
 CLAIMED: Final = 1
@@ -130,9 +153,14 @@ def encode_header(identity: str, label: str, total: int, hard: bool) -> bytes:
     return packed.ljust(HEADER_BYTES, b"\0")
 
 
+class Damage(ValueError):
+    """A ledger file that says something impossible: a damaged file."""
+
+
 def decode_header(data: bytes) -> Header:
     """The header of ``data`` (at least ``HEADER.size`` bytes); ``ValueError`` saying what is
-    wrong when it is not a ledger this version can read."""
+    wrong when it is not a ledger this version can read (:class:`Damage` when it is damaged).
+    """
     if len(data) < HEADER.size:
         raise ValueError(f"too short for a ledger header ({len(data)} bytes)")
     (magic, version, slot_bytes, slots, high, cap, total, hard, identity,
@@ -143,7 +171,7 @@ def decode_header(data: bytes) -> Header:
         raise ValueError(f"written in ledger format {version}; this gpubudget reads format "
                          f"{VERSION}")
     if (slot_bytes, slots) != (SLOT_BYTES, SLOTS) or high > slots:
-        raise ValueError(f"damaged header (slots {slots} of {slot_bytes} bytes, {high} used)")
+        raise Damage(f"damaged header (slots {slots} of {slot_bytes} bytes, {high} used)")
     return Header(version, slot_bytes, slots, high, cap or None, total, bool(hard),
                   _text(identity), _text(label))
 
@@ -191,7 +219,7 @@ class Entry(NamedTuple):
         return max(self.claim, self.reserved)
 
 
-def decode_entry(data: bytes, offset: int, slot: int) -> Entry | None:
+def decode_entry(data: bytes | memoryview, offset: int, slot: int) -> Entry | None:
     """The slot at ``offset`` of ``data``, or ``None`` if it is free (or not a state this
     version writes)."""
     (state, pid, start, pidns, boot, limit, claim, reserved, used, peak, denials, claimed_at,

@@ -20,6 +20,8 @@ __all__ = ["ProcessIdentity", "alive", "boot_id", "myself", "pid_namespace", "pr
            "start_time"]
 
 _PROC: Final = "/proc"
+_PID_MAX: Final = 2**31 - 1
+"""The largest pid any system gives (``pid_t`` is a signed 32-bit number)."""
 
 
 @cache
@@ -87,8 +89,8 @@ def alive(pid: int, start: int, pidns: int, boot: int) -> bool | None:
     its pid now belongs to another process), ``True`` if it runs, ``None`` when this process
     cannot tell (another PID namespace)."""
     me = myself()
-    if boot and me.boot and boot != me.boot:
-        return False
+    if not 0 < pid <= _PID_MAX or (boot and me.boot and boot != me.boot):
+        return False  # no process has that pid (a damaged slot), or another boot's
     if pidns and me.pidns and pidns != me.pidns:
         return None
     if pid == me.pid:

@@ -7,12 +7,20 @@ under the ledger's lock (:mod:`gpubudget.hostledger.claims`), so two processes t
 themselves at the same instant take their shares one after the other, never of the same
 memory.
 
+On a device that reports its free memory (a GPU), a share is of that free memory less a
+*headroom* (:data:`HEADROOM`, ``GPUBUDGET_HEADROOM``): the driver cannot hand out all of what
+it calls free in one allocation (on an H200 the largest ``cuMemAlloc`` was the free memory
+less 3 to 4 MiB), and the process needs room afterwards for what no allocator sees (a
+framework's CUDA context and kernels, cuBLAS handles: PyTorch's context alone took about
+94 MiB there).
+
 :func:`decide` is the whole rule, a pure function of what the ledger and the device say.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -20,11 +28,22 @@ from typing import Final
 
 from ..units import MiB, format_size, parse_size
 
-__all__ = ["CAP_ENV", "Decision", "Share", "decide", "parse_cap", "parse_share"]
+__all__ = ["CAP_ENV", "HEADROOM", "HEADROOM_ENV", "MIN_HEADROOM", "Decision", "Share",
+           "decide", "headroom", "parse_cap", "parse_share"]
 
 CAP_ENV: Final = "GPUBUDGET_DEVICE_CAP"
 """Environment variable: the most that the roots of the host may claim on each device, in
 all (``120GiB``, or ``90%`` of the device's memory)."""
+HEADROOM_ENV: Final = "GPUBUDGET_HEADROOM"
+"""Environment variable: the headroom a share leaves on a GPU (a size, at least
+:data:`MIN_HEADROOM`), instead of :data:`HEADROOM`."""
+HEADROOM: Final = 256 * MiB
+"""What a share leaves of a GPU's free memory: 4 MiB that one allocation of the rest needs
+(measured on an H200: free less 3 to 4 MiB was the most one ``cuMemAlloc`` got), about
+94 MiB for a framework's CUDA context and kernels made afterwards (PyTorch's, measured
+there), and the rest for cuBLAS handles and kernels loaded lazily."""
+MIN_HEADROOM: Final = 8 * MiB
+"""The least headroom ``GPUBUDGET_HEADROOM`` may ask: twice what one allocation needs."""
 _SHARE: Final = re.compile(
     r"\s*(?:(?P<rest>rest)|(?P<percent>[0-9]*\.?[0-9]*)\s*%)\s*(?:-\s*(?P<margin>.*?))?\s*",
     re.IGNORECASE)
@@ -115,6 +134,33 @@ def parse_cap(text: str, total: int, what: str = CAP_ENV) -> int:
                          f"device's memory such as '90%')") from None
 
 
+def headroom() -> int:
+    """The headroom a share leaves on a GPU: ``GPUBUDGET_HEADROOM`` if set, else
+    :data:`HEADROOM`; ``ValueError`` naming the variable if it is not a size of at least
+    :data:`MIN_HEADROOM`.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> headroom() == HEADROOM
+    True
+    >>> with mock.patch.dict(os.environ, GPUBUDGET_HEADROOM="1GiB"):
+    ...     headroom() == 2**30
+    True
+    """
+    text = os.environ.get(HEADROOM_ENV, "").strip()
+    if not text:
+        return HEADROOM
+    try:
+        value = parse_size(text, what=f"{HEADROOM_ENV}={text!r}")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{exc} (the headroom a share leaves on a GPU is a size such as "
+                         f"'512MiB')") from None
+    if value < MIN_HEADROOM:
+        raise ValueError(f"{HEADROOM_ENV}={text!r} is less than {format_size(MIN_HEADROOM)}: "
+                         f"a GPU needs about 4 MiB free for one allocation of the rest")
+    return value
+
+
 @dataclass(frozen=True)
 class Decision:
     """What :func:`decide` answers: ``nbytes`` granted, or ``None`` and why not."""
@@ -125,19 +171,22 @@ class Decision:
 
 
 def decide(request: int | Share, *, granularity: int, held: int, total: int,
-           cap: int | None, hard: bool, free: int | None, unsettled: int) -> Decision:
+           cap: int | None, hard: bool, free: int | None, unsettled: int,
+           headroom: int = 0) -> Decision:
     """How many bytes a new root may claim.
 
     ``request``: its limit (bytes, already rounded up to ``granularity``) or a share;
     ``held``: bytes claimed on the device by the roots of live processes; ``total``: the
     device's memory; ``cap``: the most all roots may claim; ``hard``: claims must fit
     ``total``; ``free``: the device's free memory as read just before (``None``: unknown);
-    ``unsettled``: bytes of claims whose memory that reading may not show yet.
+    ``unsettled``: bytes of claims whose memory that reading may not show yet;
+    ``headroom``: what a share leaves of the free memory.
 
     A share is of what is unclaimed: the room under the cap (or the total), and no more than
-    the free memory less the unsettled claims; it is rounded down to a MiB, then to
-    ``granularity``. A limit is refused above the cap's room, above the total's room on a
-    hard device, and above the free memory less the unsettled claims.
+    the free memory less the unsettled claims and ``headroom``; it is rounded down to a MiB,
+    then to ``granularity``. A limit is refused above the cap's room, above the total's room
+    on a hard device, and above the free memory less the unsettled claims (the headroom is
+    not taken from a limit: the device answers for it).
 
     >>> from gpubudget.units import GiB
     >>> decide(Share(0.5, 0, "50%"), granularity=256, held=2 * GiB, total=8 * GiB,
@@ -146,19 +195,25 @@ def decide(request: int | Share, *, granularity: int, held: int, total: int,
     >>> decide(6 * GiB, granularity=256, held=4 * GiB, total=16 * GiB, cap=8 * GiB,
     ...        hard=False, free=None, unsettled=0).reason
     'the device cap is 8.00 GiB, 4.00 GiB of it claimed, 4.00 GiB left'
+    >>> rest = decide(Share(1.0, 0, "rest"), granularity=256, held=0, total=16 * GiB,
+    ...               cap=None, hard=False, free=10 * GiB, unsettled=0, headroom=HEADROOM)
+    >>> (10 * GiB - rest.nbytes) // MiB
+    256
     """
     rooms: list[tuple[int, str]] = []
     if cap is not None:
         rooms.append((cap - held, f"the device cap is {format_size(cap)}, "
                                   f"{format_size(held)} of it claimed"))
-    if hard or (cap is None and isinstance(request, Share)):
+    if hard or isinstance(request, Share):  # a share is never more than the device has
         rooms.append((total - held, f"the device has {format_size(total)}, "
                                     f"{format_size(held)} of it claimed"))
     if free is not None:
-        rooms.append((free - unsettled, f"the device has {format_size(free)} free of "
-                                        f"{format_size(total)} total"
+        kept = headroom if isinstance(request, Share) else 0
+        rooms.append((free - unsettled - kept, f"the device has {format_size(free)} free of "
+                                               f"{format_size(total)} total"
                       + (f", {format_size(unsettled)} of it claimed by roots still reserving"
-                         if unsettled else "")))
+                         if unsettled else "")
+                      + (f", less {format_size(kept)} of headroom" if kept else "")))
     room, why = min(rooms, default=(math.inf, ""), key=lambda pair: pair[0])
     room = max(int(room), 0) if room != math.inf else 0
     if isinstance(request, Share):

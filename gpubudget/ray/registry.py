@@ -19,8 +19,12 @@ What it knows survives a restart: the registry saves its book (every actor's des
 last report and death, without handles) in Ray's key-value store (the cluster's GCS) when an
 actor registers or dies and after each report, and a registry started again reads it back.
 The actors it knew alive are listed with their last reports, not fresh, and the report says
-that they have not registered again yet (they do within :data:`REREGISTER_SECONDS`); one that
-has not by then is marked dead. Dead actors keep their history across restarts.
+that they have not registered again yet (they do within a second or two of the restart:
+each asks every :data:`~gpubudget.ray.reporter.FIRST_RETRY_SECONDS` while Ray restarts it);
+one that has not within :data:`REREGISTER_SECONDS` is marked dead. Dead actors keep their
+history across restarts. While Ray is still starting the registry again (its calls fail with
+``ActorUnavailableError``), :func:`cluster_report` reads the saved book itself and says that
+the registry is recovering, rather than report no actor at all.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ __all__ = [
     "RegistryBook",
     "cluster_report",
     "find_registry",
+    "restarting",
+    "saved_report",
     "start_registry",
 ]
 
@@ -64,7 +70,8 @@ PROBE_SECONDS: Final = 1.0
 """How long a liveness probe waits: an actor busy longer than that counts as alive."""
 REREGISTER_SECONDS: Final = 30.0
 """How long after a restart the registry waits for the actors it knew alive to register
-again (each looks for it every 10 s) before it marks one that has not dead."""
+again (each asks for it every half second while it restarts) before it marks one that has
+not dead."""
 STORE_KEY: Final = b"gpubudget-registry-book"
 """The key of the registry's saved book in Ray's key-value store (namespace
 :data:`REGISTRY_NAMESPACE`)."""
@@ -144,7 +151,7 @@ class RegistryBook:
         return (f"the registry restarted {age:.0f} s ago; {count} "
                 f"{'actor' if count == 1 else 'actors'} it knew alive "
                 f"{'has' if count == 1 else 'have'} not registered again yet (each does "
-                f"within about 10 s): shown with the last report it had")
+                f"within a few seconds): shown with the last report it had")
 
     def update(self, actor_id: str, generation: int, report: FlatReport) -> None:
         record = self.records.get(actor_id)
@@ -309,6 +316,38 @@ class Registry:
                 self._changed.notify_all()
 
 
+def restarting(exc: BaseException) -> bool:
+    """Whether ``exc`` says that an actor is unavailable for now (Ray is restarting it, or
+    cannot reach it): Ray 2's ``ActorUnavailableError``.
+
+    >>> restarting(ValueError("not Ray's"))
+    False
+    """
+    try:
+        from ray.exceptions import ActorUnavailableError
+    except ImportError:  # no Ray, or one without it: no error of Ray's is this one
+        return False
+    return isinstance(exc, ActorUnavailableError)
+
+
+def saved_report(where: str, why: BaseException) -> ClusterReport | None:
+    """While the registry is restarting: the report its saved book gives (every actor not
+    fresh), saying so; ``None`` if there is no saved book to read."""
+    data = KeyValueStore().load()
+    if not data:
+        return None
+    book = RegistryBook()
+    try:
+        book.restore(data, time.monotonic())
+    except Exception:  # noqa: BLE001 - an unreadable book: as if there were none
+        return None
+    return ClusterReport(
+        book.entries(book.generation), where, dead_dropped=book.dropped, recovering=True,
+        note=(f"the registry is restarting (Ray answers {type(why).__name__} for now); the "
+              f"actors are shown with the last reports it saved, and register again as soon "
+              f"as it is up"))
+
+
 def death_cause(exc: BaseException) -> str:
     """The line of Ray's actor-death message that says why (its last line)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -345,8 +384,11 @@ def cluster_report(*, timeout: float = 2.0) -> ClusterReport:
 
     Needs ``ray.init()`` (or runs inside a Ray worker). Actors that do not answer within
     ``timeout`` seconds keep their last report (marked not fresh); dead actors keep theirs,
-    marked dead. Where the registry is missing or unreachable, the report is empty and says so
-    (``registry_error``); the actors keep their budgets either way.
+    marked dead. While Ray restarts the registry, and until the actors it knew have
+    registered again, the report lists them with the last reports it saved and says so
+    (``recovering``, ``note``). Where the registry is missing or does not answer otherwise,
+    the report is empty and says so (``registry_error``); the actors keep their budgets either
+    way.
 
     Examples
     --------
@@ -376,7 +418,9 @@ def cluster_report(*, timeout: float = 2.0) -> ClusterReport:
         answer: tuple[tuple[ActorEntry, ...], int, str | None] = ray.get(
             registry.collect.remote(timeout), timeout=timeout + ANSWER_SECONDS)
     except Exception as exc:  # noqa: BLE001 - dead, restarting, not a registry at all
-        return ClusterReport((), where, registry_error=(
+        saved = saved_report(where, exc) if restarting(exc) else None
+        return saved if saved is not None else ClusterReport((), where, registry_error=(
             f"the registry did not answer ({type(exc).__name__}: {death_cause(exc)})"))
     entries, dropped, note = answer
-    return ClusterReport(tuple(entries), where, dead_dropped=dropped, note=note)
+    return ClusterReport(tuple(entries), where, dead_dropped=dropped, note=note,
+                         recovering=note is not None)

@@ -214,6 +214,9 @@ class ClusterReport:
     note: str | None = None
     """What the registry says about its state: that it restarted and which actors have not
     registered again yet; ``None`` when all is as usual."""
+    recovering: bool = False
+    """Whether the registry is being restarted, or was, and not every actor it knew has
+    registered again: the actors listed may show their last reports, saved before."""
 
     @property
     def alive(self) -> tuple[ActorEntry, ...]:
@@ -253,7 +256,7 @@ class ClusterReport:
             node["devices"].append(device.as_dict())
         return {
             "registry": {"actor": self.registry, "error": self.registry_error,
-                         "note": self.note},
+                         "note": self.note, "recovering": self.recovering},
             "alive": len(self.alive),
             "dead": len(self.dead),
             "dead_dropped": self.dead_dropped,

@@ -4,9 +4,12 @@ At the end of the actor's ``__init__`` it registers (creating the registry on fi
 then waits in the registry for report requests, answering each with a snapshot of the budget.
 Nothing here can stop the actor from working: if the registry is missing or stops answering,
 the error is recorded (:attr:`Reporter.registry_error`, and one warning in the actor's log)
-and the thread looks for a registry again after :data:`FIRST_RETRY_SECONDS` (Ray may be
-restarting it), then every :data:`RETRY_SECONDS`, registering anew when one exists (it never
-creates one after the first attempt).
+and the thread registers anew once a registry answers (it never creates one after the first
+attempt). It asks again after :data:`FIRST_RETRY_SECONDS`, and keeps asking that often while
+Ray says the registry is restarting (its calls fail with ``ActorUnavailableError`` until the
+new process is up), so that the actors are back in the reports within a second or two of it;
+while there is no registry at all (or something else answers to its name), it looks every
+:data:`RETRY_SECONDS`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Final, TypeVar
 
 from ..budget import Budget
 from ..tracefile import writer_for
-from .registry import death_cause, find_registry, start_registry
+from .registry import death_cause, find_registry, restarting, start_registry
 from .report import ActorInfo, FlatReport
 
 if TYPE_CHECKING:
@@ -33,10 +36,11 @@ REGISTER_SECONDS: Final = 30.0
 """How long an actor's ``__init__`` waits for the registry (its first start included), and
 how long any call to the registry may take before the actor counts it as lost."""
 RETRY_SECONDS: Final = 10.0
-"""How often an actor that lost the registry looks for one again."""
-FIRST_RETRY_SECONDS: Final = 1.0
-"""How soon an actor that just lost the registry looks for it again (a registry that Ray
-restarts keeps its name: registering then waits for it to be up)."""
+"""How often an actor looks for a registry while there is none (or one that does not work)."""
+FIRST_RETRY_SECONDS: Final = 0.5
+"""How soon an actor that just lost the registry asks for it again, and how often it asks
+while Ray restarts it (a restarting registry keeps its name; each call to it fails after a
+second or so until it is up)."""
 POLL_SECONDS: Final = 2.0
 """How long one wait for a report request lasts: an actor that exits gracefully waits for
 its pending calls, so for at most this long."""
@@ -56,6 +60,8 @@ class Reporter:
         it answers."""
         self._registry: ActorHandle | None = None
         self._generation = 0
+        self._restarting = False
+        """Whether the last failure said the registry is being restarted by Ray."""
 
     def snapshot(self) -> FlatReport:
         """The budget's report, flat and without its event log (the registry does not need
@@ -86,10 +92,11 @@ class Reporter:
             self._generation = _result(
                 registry.register.remote(self.info, handle, self.snapshot()), timeout)
         except Exception as exc:  # noqa: BLE001 - never fail the actor over its report
-            self._failed(f"{type(exc).__name__}: {death_cause(exc)}")
+            self._failed(f"{type(exc).__name__}: {death_cause(exc)}", restarting(exc))
             return False
         self._registry = registry
         self.registry_error = None
+        self._restarting = False
         return True
 
     def start(self) -> None:
@@ -107,12 +114,11 @@ class Reporter:
             self.flush_trace()
 
     def _serve(self) -> None:
-        wait = threading.Event()
         while True:
             registry = self._registry
             if registry is None:
-                if not self.register(create=False):
-                    wait.wait(RETRY_SECONDS)
+                if not self.register(create=False, timeout=REGISTER_SECONDS):
+                    self._pause(FIRST_RETRY_SECONDS if self._restarting else RETRY_SECONDS)
                 continue
             try:
                 asked = _result(registry.next_request.remote(
@@ -124,15 +130,20 @@ class Reporter:
                                                    self.snapshot()), REGISTER_SECONDS)
             except Exception as exc:  # noqa: BLE001 - the registry died or was killed
                 self._registry = None
-                self._failed(f"{type(exc).__name__}: {death_cause(exc)}")
-                wait.wait(FIRST_RETRY_SECONDS)
+                self._failed(f"{type(exc).__name__}: {death_cause(exc)}", True)
+                self._pause(FIRST_RETRY_SECONDS)
 
-    def _failed(self, reason: str) -> None:
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before asking the registry again."""
+        threading.Event().wait(seconds)
+
+    def _failed(self, reason: str, restarting: bool = False) -> None:
         if self.registry_error is None:
             _log.warning("gpubudget: %s cannot reach the registry (%s); its budget works "
                          "as before, it is missing from cluster reports until it registers "
                          "again", self.info.title, reason)
         self.registry_error = reason
+        self._restarting = restarting
 
 
 def _result(ref: ObjectRef[T], timeout: float | None = None) -> T:
