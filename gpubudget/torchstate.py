@@ -94,6 +94,19 @@ def inert_free_address() -> int:
     return _INERT
 
 
+def _set_settings(torch: Any, memory: Any, text: str) -> None:
+    """PyTorch's allocator settings set to ``text``: through the accelerator-wide call where
+    PyTorch has it (2.11 deprecates ``torch.cuda.memory._set_allocator_settings`` with a
+    ``FutureWarning`` that would reach the user), else the CUDA one, its warning kept quiet."""
+    accelerator = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if accelerator is not None:
+        accelerator(text)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        memory._set_allocator_settings(text)
+
+
 def release_lock_on_malloc(torch: Any) -> None:
     """Once per process: make PyTorch release its allocator lock while it calls a pool's
     allocator (``release_lock_on_cudamalloc:True``), keeping the settings made before. A
@@ -113,7 +126,7 @@ def release_lock_on_malloc(torch: Any) -> None:
                 "PYTORCH_ALLOC_CONF") or ""
         wanted = ",".join(part for part in (before, f"{_LOCK_SETTING}:True") if part)
         try:
-            memory._set_allocator_settings(wanted)
+            _set_settings(torch, memory, wanted)
         except Exception as exc:  # noqa: BLE001 - said, and routing goes on
             warnings.warn(f"gpubudget.torch could not set PyTorch's {_LOCK_SETTING} "
                           f"({type(exc).__name__}: {exc}); threads allocating in budgets "

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,6 +238,43 @@ def test_python_is_kept_out_of_pytorchs_allocator_lock(torch: Any) -> None:
     assert torch.settings["release_lock_on_cudamalloc"] is True
     assert torch.settings["max_split_size_mb"] == "64"  # kept
     assert torch.hazards == []  # the free function is C: no Python under the lock
+
+
+def test_the_settings_go_through_the_accelerator_call_where_pytorch_has_it(
+        torch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch 2.11 deprecates ``torch.cuda.memory._set_allocator_settings`` with a
+    FutureWarning (seen on the H200): the accelerator-wide call is used where it exists."""
+    calls: list[str] = []
+
+    def accelerator(text: str) -> None:
+        calls.append(text)
+        torch.cuda.memory._set_allocator_settings(text)  # what the fake reads
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", accelerator,
+                        raising=False)
+    with gpu_budget("64MiB", name="model", backend=DeviceHostBackend(0)):
+        with gbt.allocations():
+            kept = torch.empty(MiB)
+        del kept
+    assert calls == ["release_lock_on_cudamalloc:True"]
+
+
+def test_the_deprecated_settings_call_warns_nobody(
+        torch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch.cuda.memory._set_allocator_settings
+
+    def deprecated(text: str) -> None:
+        warnings.warn("torch.cuda._set_allocator_settings is deprecated", FutureWarning)
+        real(text)
+
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", deprecated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with gpu_budget("64MiB", name="model", backend=DeviceHostBackend(0)):
+            with gbt.allocations():
+                kept = torch.empty(MiB)
+            del kept
+    assert torch.settings["release_lock_on_cudamalloc"] is True
 
 
 def test_the_fake_sees_python_under_the_lock_without_the_setting(

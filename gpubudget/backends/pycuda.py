@@ -119,8 +119,10 @@ class PyCudaEvent:
 
     def __init__(self, backend: PyCudaBackend, handle: int, stream: int) -> None:
         self._backend = backend
-        self._handle: int | None = handle
-        _check(backend.driver.cuEventRecord(handle, stream or None), "cuEventRecord")
+        self._handle: int | None = None  # owned only once recorded: a failed record leaves
+        with backend.active():            # the handle to the caller, recycled once
+            _check(backend.driver.cuEventRecord(handle, stream or None), "cuEventRecord")
+        self._handle = handle
 
     def query(self) -> bool:
         if self._handle is None or self._backend.closed:
@@ -249,7 +251,9 @@ class PyCudaBackend:
     def record_event(self, stream: int) -> PyCudaEvent | _Finished:
         """An event after the work queued on ``stream`` so far; when the stream has none
         left (one driver call says so), no event is needed."""
-        if self.driver.cuStreamQuery(stream or None) == _CUDA_SUCCESS:
+        with self.active():  # the legacy stream (0) means the current context's
+            idle = self.driver.cuStreamQuery(stream or None) == _CUDA_SUCCESS
+        if idle:
             return _FINISHED
         with self._lock:
             handle = self._events.pop() if self._events else None
@@ -275,7 +279,7 @@ class PyCudaBackend:
         """At exit: free what is still reserved while the context lives, then go quiet."""
         with self._lock:
             live = list(self._live)
-            events, self._events = self._events, []
+            events, self._events = set(self._events), []
         for reservation in live:
             try:
                 reservation.release()

@@ -218,3 +218,48 @@ def test_report_shows_device_memory_taken_outside_budgets() -> None:
     assert during is not None and 512 * MiB <= during < 600 * MiB
     assert after is not None and 512 * MiB <= after < 600 * MiB
     assert "taken outside budgets" in str(budget.report())
+
+
+def test_a_free_on_the_legacy_stream_from_a_thread_without_a_context() -> None:
+    """TensorRT's and other libraries' threads may have no CUDA context current: the legacy
+    stream (0) must be asked about and recorded in the budget's device's context. Before, the
+    event's record failed there (the free refused) and its handle was recycled twice, and
+    two events later shared one handle (a segfault at exit, seen in the soak on the H200)."""
+    import threading
+
+    cp = _cp()
+    import numpy as np
+
+    kernel = cp.RawKernel(GATE, "gate_fill")
+    b = cp.cuda.Stream(non_blocking=True)
+    gate_memory = cp.cuda.alloc_pinned_memory(4)
+    gate = np.frombuffer(gate_memory, np.int32, 1)
+    gate[0] = 0
+    size = 4 * MiB
+    with gpu_budget("64MiB", name="legacy") as budget:
+        block = budget.allocate(size)
+        assert block is not None
+        freed: list[bool] = []
+        try:
+            with cp.cuda.Stream.null:  # the legacy stream holds the block until the gate opens
+                kernel((1,), (256,), (cp.uint64(gate_memory.ptr), cp.uint64(block),
+                                      cp.uint64(size), cp.uint8(0xAA)))
+            thread = threading.Thread(target=lambda: freed.append(budget.free(block, stream=0)))
+            thread.start()
+            thread.join(60)
+            assert freed == [True]
+            other = budget.allocate(size, stream=b.ptr)
+            assert other is not None and other != block  # not before the legacy stream's work
+        finally:
+            gate[0] = 1
+        cp.cuda.Stream.null.synchronize()
+        again = budget.allocate(size, stream=b.ptr)
+        assert again is not None
+        budget.free(other)
+        budget.free(again)
+    from gpubudget.backends.pycuda import PyCudaBackend
+
+    backend = get_backend("pycuda", device=0)
+    assert isinstance(backend, PyCudaBackend)
+    events = backend._events
+    assert len(events) == len(set(events)), "an event handle was recycled twice"
