@@ -1,7 +1,8 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
 ``view``, ``export``, ``ray``, ``top``, ``metrics``.
 
-Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow; 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow, or does
+not match them; 2 bad input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
@@ -24,6 +25,7 @@ from ..errors import GpuBudgetError
 from ..tracefile import MAX_TRACE_BYTES, printable
 from ..units import format_size, parse_size
 from .demo import demo
+from .gate import ALLOWANCES
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -102,7 +104,15 @@ def _parser() -> argparse.ArgumentParser:
     fit_parser.add_argument("--check", metavar="LIMITS",
                             help="a CI gate: exit 1, with a table, when the traces need more "
                             "than LIMITS allow (the 'with gpu_budget(...)' code fit prints, "
-                            "or a .toml file), 0 when they fit")
+                            "or a .toml file) or do not match them (a budget of LIMITS not "
+                            "in the run, a budget of a tree LIMITS names without a limit), 0 "
+                            "when they fit")
+    fit_parser.add_argument("--allow", action="append", default=[], metavar="WHAT",
+                            choices=ALLOWANCES,
+                            help="with --check, for every budget: 'absent' budgets of LIMITS "
+                            "may be missing from the run; 'unlisted' budgets of the run may "
+                            "have no limit; 'denials' of the run are expected (each budget "
+                            "must fit what it was granted). Repeat for more than one")
     view_parser = commands.add_parser(
         "view", help="an interactive viewer of a trace: one HTML file",
         description="Write one self-contained HTML page (no network needed to open it): a "
@@ -227,7 +237,9 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.check is not None:
             from .gate import check_command
 
-            return check_command(args.check, args.traces, args.max_size)
+            return check_command(args.check, args.traces, args.max_size, args.allow)
+        if args.allow:
+            raise Failure("--allow goes with --check LIMITS")
         return fit_command(args.traces, args.max_size)
     except BrokenPipeError:
         raise
