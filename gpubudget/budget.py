@@ -196,8 +196,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
             node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
         opened(self)
-        if self._node.track_stacks:
-            watch_leaks(self)
+        watch_leaks(self)  # leaks said at interpreter exit
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
