@@ -162,7 +162,9 @@ def _host_commands(commands: Any) -> None:
                             help="sort rows by this (default: %(default)s)")
     top_parser.add_argument("--reverse", action="store_true", help="reverse the order")
     top_parser.add_argument("--filter", default="", metavar="TEXT",
-                            help="only rows whose pid, process, budget or device has TEXT")
+                            help="only rows whose pid, process or budget has TEXT")
+    top_parser.add_argument("--device", default="", metavar="TEXT",
+                            help="only devices whose UUID or name has TEXT")
     top_parser.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
                             help="seconds between refreshes (default: %(default)s)")
     top_parser.add_argument("--all", action="store_true",
@@ -227,8 +229,8 @@ def _run(argv: Sequence[str] | None) -> int:
             from .top import TopOptions, top_command
 
             options = TopOptions(sort=args.sort, reverse=args.reverse, filter=args.filter,
-                                 directory=args.ledger_dir, interval=args.interval,
-                                 idle=args.all)
+                                 device=args.device, directory=args.ledger_dir,
+                                 interval=args.interval, idle=args.all)
             return top_command(options, once=args.once, as_json=args.json)
         if args.command == "metrics":
             from ..metrics import metrics_command
