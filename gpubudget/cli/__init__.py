@@ -176,6 +176,9 @@ def _host_commands(commands: Any) -> None:
         "install 'gpubudget[metrics]').")
     metrics_parser.add_argument("--port", type=_port, required=True,
                                 help="the port (0: any free one, printed on stderr)")
+    metrics_parser.add_argument("--process-label", choices=("pid", "command"), default="pid",
+                                help="what the process label holds: the pid (default), or "
+                                "the command line, the same after a restart")
     metrics_parser.add_argument("--address", default="127.0.0.1",
                                 help="the address to listen on (default: %(default)s, this "
                                 "host only; 0.0.0.0 for every interface)")
@@ -235,7 +238,8 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "metrics":
             from ..metrics import metrics_command
 
-            return metrics_command(args.port, args.address, args.ledger_dir)
+            return metrics_command(args.port, args.address, args.ledger_dir,
+                                   args.process_label)
         if args.check is not None:
             from .gate import check_command
 
