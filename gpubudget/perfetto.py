@@ -27,10 +27,11 @@ its last value at its last moment, so that no peak is lost.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from .html.model import ViewModel, model_from_report, model_from_trace
@@ -93,16 +94,21 @@ class _Layout:
         """Each block's lane among its budget's: the lowest free when it starts (blocks of one
         lane never overlap)."""
         model = self.model
-        free_at: list[list[int]] = [[] for _ in model.budgets]  # per lane, when it is free
+        busy: list[list[tuple[int, int]]] = [[] for _ in model.budgets]  # (end, lane) heaps
+        idle: list[list[int]] = [[] for _ in model.budgets]  # lanes free, a heap
+        count = [0] * len(model.budgets)
         lane_of = [0] * len(self.spans)
         for block in sorted(range(len(self.spans)), key=lambda b: (self.spans[b], b)):
             start, end = self.spans[block]
-            lanes = free_at[model.block_budget[block]]
-            lane = next((i for i, free in enumerate(lanes) if free <= start), len(lanes))
-            if lane == len(lanes):
-                lanes.append(end)
+            owner = model.block_budget[block]
+            ends, free = busy[owner], idle[owner]
+            while ends and ends[0][0] <= start:
+                heapq.heappush(free, heapq.heappop(ends)[1])
+            if free:
+                lane = heapq.heappop(free)
             else:
-                lanes[lane] = end
+                lane, count[owner] = count[owner], count[owner] + 1
+            heapq.heappush(ends, (end, lane))
             lane_of[block] = lane
         return lane_of
 
@@ -170,6 +176,16 @@ class _Layout:
                    f'"dur":{end - start},"args":{{"bytes":{int(model.block_size[block])}'
                    f'{sites[stack] if node >= 0 else ""}}}'
                    f'{f",{_SF}:{node}" if node >= 0 else ""}}}')
+
+    def intervals(self, resolution: int) -> int:
+        """How many counter events at ``resolution`` at least: one per root and interval."""
+        count = 0
+        key = None
+        for t, member in zip(self.model.point_t, self.model.point_budget):
+            here = (self.roots[member], round(t * 1e6) // resolution)
+            if here != key:
+                count, key = count + 1, here
+        return count
 
     def counter_lines(self, resolution: int = 1) -> Iterator[str]:
         """The ``used`` counters of every root, as JSON text: one event per root and
@@ -256,17 +272,23 @@ def _write(model: ViewModel, path: str | os.PathLike[str], within: int | None,
              + sum(len(line) + 2 for line in layout.block_lines())
              + sum(len(_text(event)) + 2 for event in layout.denial_events()))
     chosen = resolution or RESOLUTIONS[0]
+    counters: Iterable[str] | None = None
     if resolution is None and within is not None:
+        room = within - len(head) - fixed - 3  # for the counters
+        least = len('{"ph":"C","name":"used","pid":1,"ts":0,"args":{"":0}}') + 2
         for chosen in RESOLUTIONS:
-            counters = sum(len(line) + 2 for line in layout.counter_lines(chosen))
-            if len(head) + fixed + counters + 3 <= within:
+            if layout.intervals(chosen) * least > room:
+                continue  # too many events, whatever they hold: no need to write them out
+            lines = list(layout.counter_lines(chosen))  # no more than the trace's size
+            if sum(len(line) + 2 for line in lines) <= room:
+                counters = lines
                 break
     with open(path, "w", encoding="utf-8") as out:
         out.write(head)
         first = True
         chunk: list[str] = []
         for lines in ((_text(event) for event in layout.budget_events()), layout.block_lines(),
-                      layout.counter_lines(chosen),
+                      counters if counters is not None else layout.counter_lines(chosen),
                       (_text(event) for event in layout.denial_events())):
             for line in lines:
                 chunk.append(line)

@@ -127,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="a trace in another format: --perfetto",
         description="Convert a trace: --perfetto writes the Trace Event Format (JSON) that "
         "ui.perfetto.dev and chrome://tracing open: a process per root budget, a thread and "
-        "a counter track per budget, a slice for its life, an instant for each denial.")
+        "a counter track per budget, a slice for its life and one for each block (tag, "
+        "bytes, stack), an instant for each denial; times in whole microseconds, the file "
+        "no larger than the trace.")
     export_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
     export_parser.add_argument("--perfetto", action="store_true", required=True,
                                help="write the Trace Event Format (the only format so far)")
