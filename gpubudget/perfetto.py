@@ -287,10 +287,10 @@ def _write(model: ViewModel, path: str | os.PathLike[str], within: int | None,
         out.write(head)
         first = True
         chunk: list[str] = []
-        for lines in ((_text(event) for event in layout.budget_events()), layout.block_lines(),
-                      counters if counters is not None else layout.counter_lines(chosen),
-                      (_text(event) for event in layout.denial_events())):
-            for line in lines:
+        for part in ((_text(event) for event in layout.budget_events()), layout.block_lines(),
+                     counters if counters is not None else layout.counter_lines(chosen),
+                     (_text(event) for event in layout.denial_events())):
+            for line in part:
                 chunk.append(line)
                 if len(chunk) >= 65536:
                     out.write(("" if first else ",\n") + ",\n".join(chunk))
