@@ -187,7 +187,9 @@ def _device_lines(device: DeviceView, width: int | None) -> list[str]:
     if device.cap is not None:
         parts.append(f"cap {format_size(device.cap)}")
     parts.append(f"claimed {format_size(device.claimed)}")
-    parts.append(f"{len(device.entries)} budgets in {processes} processes")
+    budgets = len(device.entries)
+    parts.append(f"{budgets} budget{'s' * (budgets != 1)} in {processes} "
+                 f"process{'es' * (processes != 1)}")
     room = (device.cap if device.cap is not None else device.total) - device.claimed
     parts.append(f"unclaimed {format_size(max(room, 0))}")
     parts.append(f"used {format_size(device.used)}")
