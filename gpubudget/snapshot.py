@@ -34,6 +34,7 @@ from .report import (
 )
 from ._core.node import Node, Probe
 from ._core.tree import Tree
+from .interrupts import STATE, protect
 from .tracefile import printable
 from .units import format_size
 
@@ -230,7 +231,10 @@ def leaks_at_exit(budget: Budget) -> str | None:
 
 
 @atexit.register
+@protect  # a Ctrl-C meanwhile waits for gpubudget's exit handler, which delivers it
 def _report_leaks_at_exit() -> None:
+    if STATE.pending or STATE.redelivering:
+        return  # the program was interrupted: its exit says so, and nothing else
     watched = list(_watched)
     for budget in watched:
         ancestor = budget.parent
