@@ -86,3 +86,12 @@ def test_blocks_with_stacks_are_listed_one_by_one_with_the_others() -> None:
     assert lines[1].endswith(" 1.00 KiB")  # the root's own block: no stack kept
     assert lines[2].endswith(" 4.00 KiB weights") and lines[-1].endswith(" in load")
     assert sum("still live at exit" in line for line in lines) == 1  # said once, by the root
+
+
+def test_the_demo_ends_without_a_word_of_leaks() -> None:
+    done = subprocess.run([sys.executable, "-m", "gpubudget", "demo", "--no-plot", "--backend",
+                           "host"], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert "still live at exit" not in done.stderr and done.stderr == "", done.stderr
+    assert "detector/weights: 1.17 GiB / 1.17 GiB" in done.stdout  # its models stay loaded
