@@ -31,7 +31,7 @@ from .roots import THREAD_ROOT, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .tracefile import writer_for, writer_from_env
 from ._core.tree import Denied
-from .units import DEFAULT_ALIGN, as_size, format_size, parse_size
+from .units import DEFAULT_ALIGN, as_int, as_size, format_size, parse_size
 from .view import BudgetView
 
 if TYPE_CHECKING:
@@ -196,8 +196,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
             node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()
         opened(self)
-        if self._node.track_stacks:
-            watch_leaks(self)
+        watch_leaks(self)  # leaks said at interpreter exit
 
     def _open_child(self, parent: Budget) -> None:
         name = self._node.name
@@ -279,8 +278,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
         ``"1MiB"`` (see :func:`gpubudget.parse_size`). The block starts at a multiple of
         ``max(align, alignment)`` and every budget of the chain is charged its aligned size.
         ``None`` (never an exception) when a limit or the arena cannot take it, ``size`` is
-        not a positive size (reason ``invalid_size``: a ``float``, zero, a string that
-        :func:`~gpubudget.parse_size` refuses), ``alignment`` is not 0 or a power of two,
+        not a positive size (reason ``invalid_size``: zero, a negative number, a string
+        that :func:`~gpubudget.parse_size` refuses), ``alignment`` is not 0 or a power of two,
         ``tag`` is not a string, or the budget is not entered or already released; each
         denial is counted in :meth:`report`. With ``raise_on_denial=True`` a denial raises
         :class:`~gpubudget.errors.AllocationDenied` instead, saying which budget refused,
@@ -288,9 +287,20 @@ class Budget(BudgetView, AdapterHooks, Residency):
         ``stream``: the CUDA stream the block will be used on; a block freed on that stream
         with the same aligned size is reused at once.
 
+        A ``size`` that is neither an integer nor a string (a ``float`` such as ``1.5e9``,
+        ``None``, a ``bool``) raises ``TypeError``, as ``torch.cuda.caching_allocator_alloc``
+        does: it is a mistake in the calling code, not a request that memory could have
+        met, so it is neither a denial nor counted as one (``num_ooms``). The frameworks'
+        callbacks always pass integers, so this never reaches them.
+
         Examples
         --------
         >>> from gpubudget import gpu_budget
+        >>> with gpu_budget("4KiB", backend="host") as b:
+        ...     b.allocate(1.5e3)
+        Traceback (most recent call last):
+        ...
+        TypeError: size must be an int (bytes) or a string such as '1MiB', not float 1500.0
         >>> with gpu_budget("4KiB", backend="host") as b:
         ...     a = b.allocate(100, alignment=1024)
         ...     (a % 1024, b.used, b.allocate(0), b.allocate(8192), b.allocate("1 lb"))
@@ -300,6 +310,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
         ...     b.used
         2048
         """
+        if type(size) is not int and not isinstance(size, str) and as_int(size) is None:
+            raise _not_a_size(size, "size")
         node = self._node
         tree = node.tree
         why: list[Denied] | None = [] if raise_on_denial else None
@@ -383,15 +395,19 @@ class Budget(BudgetView, AdapterHooks, Residency):
         ``new_size`` as ``size`` in :meth:`allocate` (bytes or a string such as ``"2MiB"``).
         In place when the arena allows, else a new block with a device-to-device copy and the
         old block freed; ``None`` when neither works, the old block then untouched. Never
-        raises; the address must belong to this budget or a descendant (else a denial with
-        reason ``invalid_address``), ``new_size`` must be a positive size (else
-        ``invalid_size``).
+        raises on a denial; the address must belong to this budget or a descendant (else a
+        denial with reason ``invalid_address``), ``new_size`` must be a positive size (else
+        ``invalid_size``). A ``new_size`` that is neither an integer nor a string raises
+        ``TypeError``, as in :meth:`allocate`.
 
         >>> with gpu_budget("8KiB", backend="host") as b:
         ...     block = b.allocate(1024)
         ...     (b.resize(block, "4KiB") == block, b.used, b.resize(block, "4 KiBs"))
         (True, 4096, None)
         """
+        if type(new_size) is not int and not isinstance(new_size, str) and (
+                as_int(new_size) is None):
+            raise _not_a_size(new_size, "new_size")
         node = self._node
         tree = node.tree
         if tree is None:
@@ -424,6 +440,12 @@ FAST: Final = install_fast_path(Budget)
 
 gpu_budget: Final = Budget
 """Another name for :class:`Budget`: ``with gpu_budget("4GiB") as pool:``."""
+
+
+def _not_a_size(size: object, what: str) -> TypeError:
+    """The error for a ``size`` of a type that is no size (a programming error)."""
+    return TypeError(f"{what} must be an int (bytes) or a string such as '1MiB', not "
+                     f"{type(size).__name__} {size!r}")
 
 
 def _parse_error(size: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
+from types import FrameType
 from typing import Final
 
 __all__ = ["user_stack", "user_stacklevel"]
@@ -18,12 +18,16 @@ def _ours(filename: str) -> bool:
 
 def user_stack() -> tuple[str, ...]:
     """``"file:line in function"`` for every frame of the calling stack outside gpubudget,
-    outermost first."""
-    return tuple(
-        f"{frame.filename}:{frame.lineno} in {frame.name}"
-        for frame in traceback.extract_stack()
-        if not _ours(frame.filename)
-    )
+    outermost first (what ``traceback.extract_stack`` gives, without importing it)."""
+    found = []
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not _ours(code.co_filename):
+            found.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        frame = frame.f_back
+    found.reverse()
+    return tuple(found)
 
 
 def user_stacklevel() -> int:

@@ -6,40 +6,58 @@ this process (a thread), ``gpubudget metrics --port N`` as a process of its own.
 and labels follow ``prometheus_client``'s conventions (base units, ``_bytes``, counters end
 in ``_total``):
 
-==================================  =============================  =========================
-metric                              labels                         what
-==================================  =============================  =========================
-``gpubudget_limit_bytes``           device, process, budget        the root's limit
-``gpubudget_reserved_bytes``        device, process, budget        what it reserved
-``gpubudget_used_bytes``            device, process, budget        what its blocks use now
-``gpubudget_peak_bytes``            device, process, budget        the most they used
-``gpubudget_denials_total``         device, process, budget        requests denied in it
-``gpubudget_device_memory_bytes``   device                         the device's memory
-``gpubudget_device_cap_bytes``      device                         its host-wide cap, if any
-``gpubudget_device_claimed_bytes``  device                         what all roots claimed
-``gpubudget_outside_bytes``         device, process                held beyond its budgets
-                                                                   (NVML)
-``gpubudget_process_info``          process, command               1 per process
-==================================  =============================  =========================
+=====================================  ===========================  =========================
+metric                                 labels                       what
+=====================================  ===========================  =========================
+``gpubudget_limit_bytes``              GPU, process, budget         the root's limit
+``gpubudget_reserved_bytes``           GPU, process, budget         what it reserved
+``gpubudget_used_bytes``               GPU, process, budget         what its blocks use now
+``gpubudget_peak_bytes``               GPU, process, budget         the most they used
+``gpubudget_denials_total``            GPU, process, budget         requests denied in it
+``gpubudget_device_memory_bytes``      GPU                          the device's memory
+``gpubudget_device_cap_bytes``         GPU                          its host-wide cap, if any
+``gpubudget_device_claimed_bytes``     GPU                          what all roots claimed
+``gpubudget_device_used_bytes``        GPU                          what all roots' blocks use
+``gpubudget_device_unclaimed_bytes``   GPU                          what new roots may still
+                                                                    claim (the cap, else the
+                                                                    memory, less the claimed)
+``gpubudget_outside_bytes``            GPU, process                 held beyond its budgets
+                                                                    (NVML)
+``gpubudget_process_info``             process, pid, command        1 per process
+=====================================  ===========================  =========================
 
-``device`` is the device's identity (a GPU's UUID, ``host``), ``process`` the pid and
-``budget`` the root's name (``name#2`` for the second root of that name in one process).
+*GPU* is three labels, named and spelt as NVIDIA's DCGM exporter names them, so that a query
+can join both on the device (``on(UUID)``): ``UUID`` (a GPU's UUID, ``GPU-8f3c…``; ``host``
+for budgets in host memory), ``gpu`` (NVML's index of the GPU, ``"0"``; empty where NVML
+does not answer) and ``modelName`` (``NVIDIA H200``). ``budget`` is the root's name
+(``name#2`` for the second root of that name in one process). ``process`` is the pid by
+default: a restarted process makes new series. ``process_label="command"`` (``gpubudget
+metrics --process-label command``) makes it the process's command line instead, the same
+across restarts (``#2``, ``#3`` for further processes of one command, in order of pid);
+``gpubudget_process_info`` then says which pid each is.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from .hostledger import HostView, host_view
+from .hostledger import DeviceView, HostView, host_view
+from .hostledger.devices import HOST_IDENTITY
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["LedgerCollector", "MetricsServer", "metrics_command", "start_metrics_server"]
+__all__ = ["PROCESS_LABELS", "LedgerCollector", "MetricsServer", "families", "metrics_command",
+           "start_metrics_server"]
 
 _NEEDS: str = "gpubudget metrics needs prometheus_client: pip install 'gpubudget[metrics]'"
+PROCESS_LABELS: Final = ("pid", "command")
+"""What the ``process`` label may hold: the pid, or the command line (stable)."""
+ProcessLabel = Literal["pid", "command"]
+_GPU: Final = ["UUID", "gpu", "modelName"]
+"""The labels of a device, as NVIDIA's DCGM exporter names them."""
 
 
 def _client() -> Any:
@@ -50,9 +68,35 @@ def _client() -> Any:
     return prometheus_client
 
 
+def nvml_indexes() -> dict[str, str]:
+    """GPU UUID -> NVML's index of it (``"0"``), as DCGM's ``gpu`` label gives it; empty
+    where NVML does not answer (no ``nvidia-ml-py``, no driver)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
+        return {}
+    found: dict[str, str] = {}
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(index))
+            found[uuid.decode() if isinstance(uuid, bytes) else str(uuid)] = str(index)
+    except Exception:  # noqa: BLE001 - a GPU lost meanwhile: what was read
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    return found
+
+
 class LedgerCollector:
     """A ``prometheus_client`` collector of the host ledger in ``directory`` (default: this
-    process's ledger directory), read at each scrape.
+    process's ledger directory), read at each scrape. ``nvml``: NVML's per-process memory
+    and GPU indexes, where it answers. ``process_label``: ``"pid"`` or ``"command"`` (see
+    the module docstring).
 
     >>> import os, tempfile
     >>> from unittest import mock
@@ -64,26 +108,60 @@ class LedgerCollector:
     ...     with gpu_budget("1MiB", name="model", backend="host") as model:
     ...         text = generate_latest(registry).decode()
     >>> [line for line in text.splitlines() if line.startswith("gpubudget_limit_bytes")]
-    ['gpubudget_limit_bytes{budget="model",device="host",process="..."} 1.048576e+06']
+    ['gpubudget_limit_bytes{UUID="host",budget="model",gpu="",modelName="host memory",process="..."} 1.048576e+06']
     """
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *,
-                 nvml: bool = True) -> None:
+                 nvml: bool = True, process_label: ProcessLabel = "pid") -> None:
+        if process_label not in PROCESS_LABELS:
+            raise ValueError(f"process_label must be one of {', '.join(PROCESS_LABELS)}, got "
+                             f"{process_label!r}")
         self.directory = directory
         self.nvml = nvml
+        self.process_label: ProcessLabel = process_label
 
     def describe(self) -> list[Any]:
         return []  # nothing to check at registration: the ledger is read per scrape
 
     def collect(self) -> Iterator[Any]:
-        yield from families(host_view(self.directory, nvml=self.nvml))
+        indexes = nvml_indexes() if self.nvml else {}
+        yield from families(host_view(self.directory, nvml=self.nvml), indexes,
+                            self.process_label)
 
 
-def families(view: HostView) -> list[Any]:
-    """The metric families of ``view`` (see the module docstring)."""
+def _process_names(view: HostView, label: ProcessLabel) -> dict[int, str]:
+    """pid -> the ``process`` label: the pid, or its command (``#2``... in order of pid)."""
+    commands: dict[int, str] = {}
+    for device in view.devices:
+        for entry in device.entries:
+            commands.setdefault(entry.pid, entry.process)
+        for pid in device.pids:
+            commands.setdefault(pid, "")
+    if label == "pid":
+        return {pid: str(pid) for pid in commands}
+    names: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    for pid in sorted(commands):
+        command = commands[pid] or f"pid {pid}"  # a process NVML sees, without budgets
+        seen[command] = seen.get(command, 0) + 1
+        names[pid] = command if seen[command] == 1 else f"{command}#{seen[command]}"
+    return names
+
+
+def _gpu(device: DeviceView, indexes: dict[str, str]) -> list[str]:
+    """The device's DCGM labels: ``UUID``, ``gpu``, ``modelName``."""
+    model = "host memory" if device.identity == HOST_IDENTITY else device.label
+    return [device.identity, indexes.get(device.identity, ""), model]
+
+
+def families(view: HostView, indexes: dict[str, str] | None = None,
+             process_label: ProcessLabel = "pid") -> list[Any]:
+    """The metric families of ``view`` (see the module docstring); ``indexes``: GPU UUID ->
+    NVML index (:func:`nvml_indexes`)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    budget_labels = ["device", "process", "budget"]
+    indexes = indexes or {}
+    budget_labels = [*_GPU, "process", "budget"]
     gauges = {name: GaugeMetricFamily(f"gpubudget_{name}_bytes", text, labels=budget_labels)
               for name, text in (("limit", "The limit of a root budget."),
                                  ("reserved", "Bytes a root budget reserved on its device."),
@@ -91,26 +169,33 @@ def families(view: HostView) -> list[Any]:
                                  ("peak", "The most bytes a root budget's blocks used."))}
     denials = CounterMetricFamily("gpubudget_denials", "Requests denied in a root budget's "
                                   "tree.", labels=budget_labels)
-    memory = GaugeMetricFamily("gpubudget_device_memory_bytes", "A device's memory.",
-                               labels=["device", "label"])
-    cap = GaugeMetricFamily("gpubudget_device_cap_bytes", "The most that the roots of the "
-                            "host may claim on a device.", labels=["device"])
-    claimed = GaugeMetricFamily("gpubudget_device_claimed_bytes", "Bytes the roots of the "
-                                "host claimed on a device.", labels=["device"])
+    device_gauges = {name: GaugeMetricFamily(f"gpubudget_device_{name}_bytes", text,
+                                             labels=_GPU)
+                     for name, text in (
+                         ("memory", "A device's memory."),
+                         ("cap", "The most that the roots of the host may claim on a device."),
+                         ("claimed", "Bytes the roots of the host claimed on a device."),
+                         ("used", "Bytes the blocks of the host's roots use on a device."),
+                         ("unclaimed", "Bytes new roots may still claim on a device: its cap, "
+                                       "else its memory, less what roots claimed."))}
     outside = GaugeMetricFamily("gpubudget_outside_bytes", "Bytes a process holds on a device "
-                                "beyond its budgets (NVML).", labels=["device", "process"])
+                                "beyond its budgets (NVML).", labels=[*_GPU, "process"])
     info = GaugeMetricFamily("gpubudget_process_info", "A process with budgets.",
-                             labels=["process", "command"])
+                             labels=["process", "pid", "command"])
+    names = _process_names(view, process_label)
     commands: dict[int, str] = {}
     for device in view.devices:
-        memory.add_metric([device.identity, device.label], device.total)
-        claimed.add_metric([device.identity], device.claimed)
-        if device.cap is not None:
-            cap.add_metric([device.identity], device.cap)
+        gpu = _gpu(device, indexes)
+        room = (device.cap if device.cap is not None else device.total) - device.claimed
+        for name, value in (("memory", device.total), ("cap", device.cap),
+                            ("claimed", device.claimed), ("used", device.used),
+                            ("unclaimed", max(room, 0))):
+            if value is not None:
+                device_gauges[name].add_metric(gpu, value)
         seen: dict[tuple[int, str], int] = {}
         for entry in device.entries:
             count = seen[(entry.pid, entry.name)] = seen.get((entry.pid, entry.name), 0) + 1
-            labels = [device.identity, str(entry.pid),
+            labels = [*gpu, names[entry.pid],
                       entry.name if count == 1 else f"{entry.name}#{count}"]
             for name, value in (("limit", entry.limit), ("reserved", entry.reserved),
                                 ("used", entry.used), ("peak", entry.peak)):
@@ -120,10 +205,10 @@ def families(view: HostView) -> list[Any]:
         for pid in device.pids:
             held = device.outside(pid)
             if held is not None:
-                outside.add_metric([device.identity, str(pid)], held)
+                outside.add_metric([*gpu, names[pid]], held)
     for pid, command in sorted(commands.items()):
-        info.add_metric([str(pid), command], 1)
-    return [*gauges.values(), denials, memory, cap, claimed, outside, info]
+        info.add_metric([names[pid], str(pid), command], 1)
+    return [*gauges.values(), denials, *device_gauges.values(), outside, info]
 
 
 class MetricsServer:
@@ -148,11 +233,14 @@ class MetricsServer:
 
 def start_metrics_server(port: int, address: str = "127.0.0.1", *,
                          directory: str | os.PathLike[str] | None = None,
-                         nvml: bool = True) -> MetricsServer:
+                         nvml: bool = True, process_label: ProcessLabel = "pid"
+                         ) -> MetricsServer:
     """Serve the host ledger's metrics at ``http://address:port/metrics`` from a thread.
 
     ``address`` defaults to this host only; give ``"0.0.0.0"`` for Prometheus on another
     machine. ``port=0`` lets the system choose (:attr:`MetricsServer.port` says which).
+    ``process_label``: what the ``process`` label holds, ``"pid"`` or ``"command"`` (see the
+    module docstring).
     ``ImportError`` naming the extra if ``prometheus_client`` is missing; ``ValueError`` for
     a port outside 0..65535.
 
@@ -167,12 +255,13 @@ def start_metrics_server(port: int, address: str = "127.0.0.1", *,
         raise ValueError(f"port must be an int from 0 to 65535, got {port!r}")
     client = _client()
     registry = client.CollectorRegistry()
-    registry.register(LedgerCollector(directory, nvml=nvml))
+    registry.register(LedgerCollector(directory, nvml=nvml, process_label=process_label))
     server, thread = client.start_http_server(port, addr=address, registry=registry)
     return MetricsServer(server, thread, registry)
 
 
-def metrics_command(port: int, address: str, directory: str | None) -> int:
+def metrics_command(port: int, address: str, directory: str | None,
+                    process_label: ProcessLabel = "pid") -> int:
     """``gpubudget metrics``: serve until interrupted (Ctrl-C, SIGTERM)."""
     import signal
     import sys
@@ -180,7 +269,8 @@ def metrics_command(port: int, address: str, directory: str | None) -> int:
 
     if directory is not None:
         host_view(directory, nvml=False)  # a bad directory or file: one line, exit 2, now
-    server = start_metrics_server(port, address, directory=directory)
+    server = start_metrics_server(port, address, directory=directory,
+                                  process_label=process_label)
     print(f"gpubudget metrics: serving http://{address}:{server.port}/metrics", flush=True,
           file=sys.stderr)
     stop = threading.Event()

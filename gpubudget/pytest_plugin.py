@@ -14,20 +14,30 @@ allows them), if blocks are still live in the budget (``leaks=True`` allows them
 peak went over ``peak=`` (when given). The failure message holds the budget's report. Other
 keyword arguments (``backend=``, ``align=``, ``track_stacks=``, ...) go to ``gpu_budget``. A
 test that fails by itself keeps its own failure.
+
+A marker that cannot work is a usage error when the tests are collected, before any runs,
+naming each test: a misspelt keyword (``peek=``), no limit, a bad size, ``denials`` or
+``leaks`` not ``True``/``False``, a ``peak`` above the limit (the peak never exceeds the
+limit, so it would check nothing). Warnings from entering the budget (such as the one saying
+that budgets run in host memory, without a GPU) point at the marked test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import inspect
+import warnings
 from collections.abc import Generator
 from typing import Any, Final
 
 import pytest
 
-from .budget import gpu_budget
+from .budget import Budget, gpu_budget
 from .report import BudgetReport
 from .units import format_size, parse_size
 
-__all__ = ["MARKER", "budget_failures"]
+__all__ = ["MARKER", "budget_failures", "marker_options"]
 
 MARKER: Final = "gpu_budget"
 _OWN_OPTIONS: Final = ("peak", "denials", "leaks")
@@ -68,15 +78,79 @@ def budget_failures(report: BudgetReport, *, peak: int | None = None, denials: b
     return found
 
 
-def _options(marker: pytest.Mark, name: str) -> tuple[tuple[Any, ...], dict[str, Any],
-                                                       dict[str, Any]]:
-    """``gpu_budget``'s arguments, and this plugin's own options, from the marker."""
-    kwargs = dict(marker.kwargs)
+def marker_options(args: tuple[Any, ...], kwargs: dict[str, Any], name: str
+                   ) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]]:
+    """``gpu_budget``'s arguments and this plugin's own options from a marker's, checked:
+    a ``ValueError`` that says what is wrong with the marker (see the module docstring).
+
+    >>> marker_options(("2GiB",), {"peek": "1GiB"}, "test_model")
+    Traceback (most recent call last):
+    ...
+    ValueError: gpu_budget marker: unknown keyword peek= (did you mean peak=?)
+    >>> marker_options(("2GiB",), {"peak": "3GiB"}, "test_model")
+    Traceback (most recent call last):
+    ...
+    ValueError: gpu_budget marker: peak='3GiB' (3.00 GiB) is above the limit (2.00 GiB): a peak never exceeds the limit, so it would check nothing
+    """
+    kwargs = dict(kwargs)
+    known = [key for key in inspect.signature(Budget.__init__).parameters if key != "self"]
+    for key in kwargs:
+        if key not in known and key not in _OWN_OPTIONS:
+            close = difflib.get_close_matches(key, [*_OWN_OPTIONS, *known], n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise ValueError(f"{MARKER} marker: unknown keyword {key}={hint}")
     own: dict[str, Any] = {key: kwargs.pop(key) for key in _OWN_OPTIONS if key in kwargs}
-    if own.get("peak") is not None:
-        own["peak"] = parse_size(own["peak"], what="gpu_budget marker's peak")
+    if not args and "limit" not in kwargs:
+        raise ValueError(f"{MARKER} marker without a limit: @pytest.mark.{MARKER}(\"2GiB\", "
+                         f"...)")
+    if len(args) > 1:
+        raise ValueError(f"{MARKER} marker: one positional argument (the limit), got "
+                         f"{len(args)}: {args!r}")
+    for key in ("denials", "leaks"):
+        if key in own and not isinstance(own[key], bool):
+            raise ValueError(f"{MARKER} marker: {key} must be True or False, got "
+                             f"{own[key]!r}")
     kwargs.setdefault("name", name)
-    return marker.args, kwargs, own
+    try:
+        limit = gpu_budget(*args, **kwargs).limit  # checks every argument; enters nothing
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{MARKER} marker: {exc}") from None
+    if own.get("peak") is not None:
+        given = own["peak"]
+        try:
+            own["peak"] = parse_size(given, what="peak")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{MARKER} marker: {exc}") from None
+        if limit and own["peak"] > limit:
+            raise ValueError(f"{MARKER} marker: peak={given!r} ({format_size(own['peak'])}) "
+                             f"is above the limit ({format_size(limit)}): a peak never "
+                             f"exceeds the limit, so it would check nothing")
+    return args, kwargs, own
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Check every marker before any test runs: a bad one is a usage error naming its
+    test."""
+    errors = []
+    for item in items:
+        marker = item.get_closest_marker(MARKER)
+        if marker is None:
+            continue
+        try:
+            marker_options(marker.args, dict(marker.kwargs), item.name)
+        except ValueError as exc:
+            errors.append(f"{item.nodeid}: {exc}")
+    if errors:
+        raise pytest.UsageError(*errors)
+
+
+def _where(item: pytest.Item) -> tuple[str, int]:
+    """The file and line of the marked test (its first decorator's line)."""
+    code = getattr(getattr(item, "function", None), "__code__", None)
+    if code is not None:
+        return code.co_filename, code.co_firstlineno
+    path, line, _ = item.reportinfo()
+    return str(path), (line or 0) + 1
 
 
 @pytest.hookimpl(wrapper=True)
@@ -84,9 +158,15 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     marker = item.get_closest_marker(MARKER)
     if marker is None:
         return (yield)
-    args, kwargs, own = _options(marker, item.name)
+    args, kwargs, own = marker_options(marker.args, dict(marker.kwargs), item.name)
     budget = gpu_budget(*args, **kwargs)
-    with budget:
+    with contextlib.ExitStack() as scope:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scope.enter_context(budget)
+        filename, line = _where(item)
+        for warning in caught:  # said where the test is, not in pytest's machinery
+            warnings.warn_explicit(warning.message, warning.category, filename, line)
         result = yield  # the test's own failure propagates from here, unchanged
     report = budget.report()
     failures = budget_failures(report, **own)

@@ -12,8 +12,6 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
-from contextvars_extras.context_management import bind_to_snapshot_context
-
 from .budget import ADVICE, Budget, misnested
 from .context import ACTIVE, LABEL
 from .errors import BudgetNestingError
@@ -171,6 +169,10 @@ def bind(fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Callable[..., R]
     # contextvars_extras 0.7's wrapper forwards the bind-time positional arguments a second
     # time and drops the call-time ones; call-time keyword arguments do pass through, so
     # everything travels as keywords to a fixed trampoline.
+    # Imported here, at the first bind(): contextvars_extras imports asyncio (and with it
+    # ssl), a third of gpubudget's import time that most programs never need.
+    from contextvars_extras.context_management import bind_to_snapshot_context
+
     snapshot = bind_to_snapshot_context(_call)
 
     def bound(*call_args: Any, **call_kwargs: Any) -> R:

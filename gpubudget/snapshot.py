@@ -1,8 +1,16 @@
-"""``Budget.report()``: a :class:`~gpubudget.report.BudgetReport` taken from a live tree.
+"""``Budget.report()``: a :class:`~gpubudget.report.BudgetReport` taken from a live tree; and
+the leaks said at interpreter exit.
 
 ``report.py`` knows what a report holds and how it prints; this module knows where each
 number lives in the tree. The snapshot is taken under the tree's lock, in one pass over the
 registry, and built children first, so trees of any depth cost no recursion.
+
+At interpreter exit, every root whose scope has exited and whose tree still holds blocks
+(``report().leaks``) says so on stderr: with their stacks, one block a paragraph, where the
+blocks have stacks (``track_stacks=True``); else in one line (count, bytes, the largest
+tags, and how to see where they were allocated). The one line is left out where something
+still holds the tree's memory on the program's behalf, as it may until the end: a TensorRT
+runtime or engine bound to it (a pin), or a PyTorch or CuPy pool (an adapter's usage).
 """
 
 from __future__ import annotations
@@ -26,12 +34,14 @@ from .report import (
 )
 from ._core.node import Node, Probe
 from ._core.tree import Tree
+from .interrupts import STATE, protect
+from .tracefile import printable
 from .units import format_size
 
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["snapshot", "watch_leaks"]
+__all__ = ["leaks_at_exit", "snapshot", "watch_leaks"]
 
 _watched: weakref.WeakSet[Budget] = weakref.WeakSet()
 
@@ -153,28 +163,90 @@ def _outside_bytes(tree: Tree) -> int | None:
 
 
 def watch_leaks(budget: Budget) -> None:
-    """List ``budget``'s blocks still live at interpreter exit on stderr, with their stacks
-    (budgets made with ``track_stacks=True``)."""
+    """Say ``budget``'s blocks still live at interpreter exit on stderr (see the module
+    docstring): every root is watched, and a child that keeps stacks under a root that does
+    not."""
     _watched.add(budget)
 
 
+_TAGS_SHOWN = 3
+"""Tags the one-line summary names at most."""
+
+
+def _held(budget: Budget) -> bool:
+    """Whether something holds memory of ``budget``'s tree on the program's behalf: a pin
+    (a TensorRT runtime or engine) or an adapter's pool (PyTorch, CuPy)."""
+    node = budget._node
+    with node.lock:
+        return any(member.pins or member.probes for member in node.subtree())
+
+
+def _summary(name: str, leaks: tuple[LiveBlock, ...]) -> str:
+    """One line for leaks without stacks: count, bytes, the largest tags."""
+    by_tag: dict[str, int] = {}
+    for block in leaks:
+        tag = block.tag if block.tag is not None else "(no tag)"
+        by_tag[tag] = by_tag.get(tag, 0) + block.size
+    tags = sorted(by_tag.items(), key=lambda item: (-item[1], item[0]))
+    shown = ", ".join(f"{printable(tag)} {format_size(size)}" for tag, size in
+                      tags[:_TAGS_SHOWN])
+    more = f", {len(tags) - _TAGS_SHOWN} more tag(s)" if len(tags) > _TAGS_SHOWN else ""
+    total = format_size(sum(block.size for block in leaks))
+    return (f"gpubudget: {len(leaks)} block(s) of budget {printable(name)!r} still live at "
+            f"exit ({total}: {shown}{more}); gpu_budget(..., track_stacks=True) shows where "
+            f"each was allocated")
+
+
+def _listing(name: str, leaks: tuple[LiveBlock, ...]) -> str:
+    """Every leak with its address, size, tag and stack."""
+    lines = [f"gpubudget: {len(leaks)} block(s) of budget {printable(name)!r} still live at "
+             f"exit:"]
+    for block in leaks:
+        tag = f" {printable(block.tag)}" if block.tag else ""
+        lines.append(f"  {block.address:#x} {format_size(block.size)}{tag}")
+        lines += [f"      {printable(frame)}" for frame in (block.stack or ())[-FRAMES_SHOWN:]]
+    return "\n".join(lines)
+
+
+def leaks_at_exit(budget: Budget) -> str | None:
+    """What interpreter exit says of ``budget``'s leaks (see the module docstring), or
+    ``None``.
+
+    >>> from gpubudget import gpu_budget
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     _ = pool.allocate(4096, tag="weights")
+    ...     _ = pool.allocate(1024)
+    >>> print(leaks_at_exit(pool))  # doctest: +NORMALIZE_WHITESPACE
+    gpubudget: 2 block(s) of budget 'pool' still live at exit (5.00 KiB: weights 4.00 KiB,
+    (no tag) 1.00 KiB); gpu_budget(..., track_stacks=True) shows where each was allocated
+    """
+    if budget.state not in ("exited", "released"):
+        return None
+    leaks = budget.report().leaks
+    if not leaks:
+        return None
+    if any(block.stack for block in leaks):
+        return _listing(budget.name, leaks)
+    if _held(budget):
+        return None
+    return _summary(budget.name, leaks)
+
+
 @atexit.register
+@protect  # a Ctrl-C meanwhile waits for gpubudget's exit handler, which delivers it
 def _report_leaks_at_exit() -> None:
+    if STATE.pending or STATE.redelivering:
+        return  # the program was interrupted: its exit says so, and nothing else
     watched = list(_watched)
     for budget in watched:
-        if budget.state not in ("exited", "released"):
-            continue
         ancestor = budget.parent
         while ancestor is not None and ancestor not in watched:
             ancestor = ancestor.parent
-        if ancestor is not None:
-            continue  # listed with its ancestor's
-        leaks = budget.report().leaks
-        if not leaks:
+        if ancestor is not None and ancestor.state in ("exited", "released"):
+            continue  # said with its ancestor's
+        try:
+            said = leaks_at_exit(budget)
+        except Exception:  # noqa: BLE001 - a half-torn-down interpreter: say nothing
             continue
-        lines = [f"gpubudget: {len(leaks)} block(s) of budget {budget.name!r} still live at exit:"]
-        for block in leaks:
-            tag = f" {block.tag}" if block.tag else ""
-            lines.append(f"  {block.address:#x} {format_size(block.size)}{tag}")
-            lines += [f"      {frame}" for frame in (block.stack or ())[-FRAMES_SHOWN:]]
-        print("\n".join(lines), file=sys.stderr)
+        if said is not None:
+            print(said, file=sys.stderr)

@@ -1,11 +1,15 @@
 """A budget's counters as PyTorch users know them (``memory_stats``), a one-row-per-budget
 table (``memory_summary``), and the reset of the accumulated counters.
 
-``torch.cuda.memory_stats()`` describes a device; :func:`memory_stats` describes a budget
-and the budgets entered inside it, with the same key style
-(``"allocated_bytes.all.current"``) for the numbers that have a meaning here. The counters
-of :func:`reset_accumulated_stats` are kept per budget object, so a reset changes what
-``memory_stats`` says and nothing else (the report keeps counting from the start).
+One rule for both: every number given for a budget covers its subtree, the budget and every
+budget entered inside it (released ones included), as ``used`` and ``peak`` do, which are
+charged to every ancestor. ``torch.cuda.memory_stats()`` describes a device;
+:func:`memory_stats` describes a budget's subtree, with the same key style
+(``"allocated_bytes.all.current"``) for the numbers that have a meaning here; each row of
+:func:`memory_summary` is what ``memory_stats`` says of that row's budget (counting from
+entry). The counters of :func:`reset_accumulated_stats` are kept per budget object, so a
+reset changes what ``memory_stats`` says and nothing else (the report and the summary keep
+counting from the start).
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def reset_accumulated_stats(budget: BudgetView) -> None:
 
 
 def memory_summary(report: BudgetReport) -> str:
-    """One row per budget of ``report``'s tree, parents before children; see
+    """One row per budget of ``report``'s tree, parents before children, each counting its
+    subtree (the report's :attr:`~gpubudget.BudgetReport.totals`); see
     :meth:`gpubudget.Budget.memory_summary`."""
     rows: list[tuple[str, BudgetReport]] = []
     stack: list[tuple[BudgetReport, str, str]] = [(report, "", "")]
@@ -99,8 +104,9 @@ def memory_summary(report: BudgetReport) -> str:
               f"{'allocs':>9}{'frees':>9}{'denied':>8}{'live':>7}")
     lines = [header]
     for name, item in rows:
+        totals = item.totals
         lines.append(
             f"{name:<{width}}  {item.state:<8}{format_size(item.used):>11}"
-            f"{format_size(item.peak):>11}{format_size(item.limit):>11}{item.allocations:>9}"
-            f"{item.frees:>9}{item.denied:>8}{len(item.live_blocks):>7}")
+            f"{format_size(item.peak):>11}{format_size(item.limit):>11}{totals.allocations:>9}"
+            f"{totals.frees:>9}{totals.denied:>8}{totals.live_blocks:>7}")
     return "\n".join(lines)

@@ -166,7 +166,8 @@ class BudgetView:
 
     def memory_stats(self) -> dict[str, int]:
         """This budget's counters, with those of the budgets inside it, as a flat dict in
-        the key style of ``torch.cuda.memory_stats()``.
+        the key style of ``torch.cuda.memory_stats()``. Every number covers the subtree, as
+        every row of :meth:`memory_summary` does.
 
         ``allocated_bytes.all.current`` and ``.peak`` are :attr:`used` and :attr:`peak`
         (aligned bytes charged, a child's ``reserve`` included); ``.allocated`` and
@@ -219,7 +220,9 @@ class BudgetView:
     def memory_summary(self) -> str:
         """A table of this budget and every budget inside it, one row each (state, used,
         peak, limit, allocations, frees, denials, live blocks), parents before children;
-        :meth:`report` gives the details.
+        :meth:`report` gives the details. Each row counts its budget's subtree, as
+        :meth:`memory_stats` does (here from entry, whatever was reset): the budget and the
+        budgets inside it.
 
         >>> from gpubudget import gpu_budget
         >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
@@ -227,7 +230,7 @@ class BudgetView:
         ...         _ = model.allocate(4096)
         ...     print(pool.memory_summary())  # doctest: +NORMALIZE_WHITESPACE
         budget     state          used       peak      limit   allocs    frees  denied   live
-        pool       open       4.00 KiB   4.00 KiB   1.00 MiB        0        0       0      0
+        pool       open       4.00 KiB   4.00 KiB   1.00 MiB        1        0       0      1
         └─ model   exited     4.00 KiB   4.00 KiB  64.00 KiB        1        0       0      1
         """
         return memory_summary(self.report())

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpubudget import roots
+from gpubudget import roots, snapshot
 from gpubudget.context import ACTIVE
 
 
@@ -30,3 +30,15 @@ def _session_ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     os.environ["GPUBUDGET_LEDGER_DIR"] = str(tmp_path_factory.mktemp("ledger"))
     yield
     del os.environ["GPUBUDGET_LEDGER_DIR"]
+
+
+@pytest.fixture(autouse=True)
+def _leaks_stay_in_their_test() -> Iterator[None]:
+    """What a test's budgets hold when it ends is the test's business (the tests of leaks
+    assert ``report().leaks``, and the tests of what interpreter exit prints run a program
+    of their own): the suite's own exit does not list them."""
+    before = set(snapshot._watched)
+    yield
+    for budget in list(snapshot._watched):
+        if budget not in before:
+            snapshot._watched.discard(budget)

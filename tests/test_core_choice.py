@@ -90,3 +90,30 @@ def test_without_the_extension_the_python_core_runs_silently(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "Budget.allocate"]
     assert "Warning" not in done.stderr
+
+
+@pytest.mark.skipif(native is None, reason="the C core is not built here")
+def test_a_source_tree_that_hides_a_built_install_says_so(tmp_path: Path) -> None:
+    # `pip install .`, then Python started in the checkout: its directory comes first on
+    # sys.path, and its gpubudget (never built) hides the installed one (built).
+    installed = _copy(tmp_path / "site", checkout=False)
+    checkout = _copy(tmp_path / "checkout", checkout=True)
+    for built in (checkout / "gpubudget" / "_core").glob("_native.*"):
+        if built.suffix != ".c":
+            built.unlink()
+    done = _run(checkout, _env(installed))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "Budget.allocate"]
+    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+    assert f"imported from the source tree {checkout}," in done.stderr
+    assert f"the gpubudget it hides, {installed}, has it built" in done.stderr
+    assert "Run from another directory" in done.stderr
+    done = _run(tmp_path, _env(installed))  # from elsewhere: the installed one, built
+    assert done.stdout.split()[0] == "True" and "Warning" not in done.stderr
+    # an editable install that has its build: the checkout's own extension runs, silently
+    shutil.rmtree(checkout)
+    checkout = _copy(tmp_path / "checkout", checkout=True)
+    done = _run(checkout, _env(installed))
+    assert done.stdout.split()[0] == "True" and "Warning" not in done.stderr
+    done = _run(checkout, _env(installed, GPUBUDGET_PURE="1"))  # asked for: no warning
+    assert done.stdout.split()[0] == "False" and "Warning" not in done.stderr

@@ -164,7 +164,8 @@ _USED_IN_CHILD = """
             try:  # inside an inherited budget: refused, or a root of the child's own
                 with gpu_budget("8MiB", name="inside") as inside:
                     own = inside.parent is None and inside.root is inside
-                    nested = "own root" if own and inside.allocate("1MiB") else "granted"
+                    granted_own = inside.free(inside.allocate("1MiB") or 0)  # no leak
+                    nested = "own root" if own and granted_own else "granted"
             except BudgetNestingError:
                 nested = "refused"
             os.write(write, repr((granted, sorted(reasons), nested, pool.used,

@@ -10,7 +10,8 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.cli.gate import EXIT_OVER, read_limits
+from gpubudget.cli.gate import EXIT_OVER
+from gpubudget.cli.limits import read_limits
 from gpubudget.tracefile import writer_for
 
 MiB = 2**20
@@ -73,7 +74,7 @@ def test_the_code_fit_prints_is_a_limits_file(
     code = printed[printed.index("with gpu_budget("):]
     limits = tmp_path / "fitted.py"
     limits.write_text(code)
-    assert read_limits(str(limits)) == {("pool",): 9 * MiB, ("pool", "model"): 9 * MiB}
+    assert read_limits(str(limits)).limits == {("pool",): 9 * MiB, ("pool", "model"): 9 * MiB}
     assert check(capsys, limits, trace)[0] == 0
 
 
@@ -85,7 +86,7 @@ def test_the_code_fit_prints_is_a_limits_file(
     ("e.py", "def (:", "not Python"),
     ("f.toml", "[pool\n", "not valid TOML"),
     ("g.toml", "limit = 3\n", "every top-level key must be a [table]"),
-    ("h.toml", "[pool]\nlimt = '1MiB'\n", "only 'limit' and tables"),
+    ("h.toml", "[pool]\nlimt = '1MiB'\n", "has 'limt' (did you mean 'limit'?)"),
     ("i.toml", "[other]\nlimit = '1MiB'\n", "none of the budgets of"),
     ("j.py", b"\xff\xfe", "not UTF-8"),
 ])
@@ -109,3 +110,157 @@ def test_a_missing_limits_file_or_trace_is_exit_2(
     limits.write_text('[pool]\nlimit = "16MiB"\n')
     status, _, err = check(capsys, limits, tmp_path / "nowhere.jsonl")
     assert status == EXIT_BAD_INPUT and "nowhere.jsonl" in err
+
+
+# -- a gate that cannot pass by mistake -----------------------------------------------------
+
+
+def toml(tmp_path: Path, text: str, name: str = "limits.toml") -> Path:
+    limits = tmp_path / name
+    limits.write_text(textwrap.dedent(text))
+    return limits
+
+
+def test_a_misspelt_budget_fails_and_names_the_budget_of_the_run_it_resembles(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    limits = toml(tmp_path, """
+        [pool]
+        limit = "16MiB"
+
+        [pool.modle]
+        limit = "9MiB"
+    """)
+    status, out, err = check(capsys, limits, trace)
+    assert status == EXIT_OVER and err == ""
+    lines = out.splitlines()
+    assert lines[0] == (f"gpubudget fit --check: 1 budget(s) of {limits} not in the run; 1 "
+                        f"budget(s) of the run without a limit in {limits}")
+    assert "- pool/modle (misspelt? the run has pool/model)" in lines
+    assert '- pool/model: needs 9.00 MiB, limit = "9MiB"' in lines
+
+
+def test_a_budget_of_the_run_without_a_limit_fails_unless_said_unchecked(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    only_root = toml(tmp_path, '[pool]\nlimit = "16MiB"\n')
+    status, out, _ = check(capsys, only_root, trace)
+    assert status == EXIT_OVER
+    assert out.splitlines()[0].endswith("1 budget(s) of the run without a limit in "
+                                        f"{only_root}")
+    unchecked = toml(tmp_path, '[pool]\nlimit = "16MiB"\nunlisted = "unchecked"\n')
+    status, out, _ = check(capsys, unchecked, trace)
+    assert status == 0 and f"not in {unchecked} (not checked): pool/model" in out
+    assert main(["fit", "--check", str(only_root), "--allow", "unlisted", str(trace)]) == 0
+    assert "(not checked): pool/model" in capsys.readouterr().out
+    # a table with no limit of its own stands for its budget: unchecked only when said so
+    bare = toml(tmp_path, '[pool.model]\nlimit = "9MiB"\n')
+    status, out, _ = check(capsys, bare, trace)
+    assert status == EXIT_OVER and '- pool: needs 9.00 MiB, limit = "9MiB"' in out
+    bare = toml(tmp_path, '[pool]\nunlisted = "unchecked"\n[pool.model]\nlimit = "9MiB"\n')
+    assert check(capsys, bare, trace)[0] == 0
+
+
+def test_a_budget_that_a_run_may_lack_says_so(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = '[pool]\nlimit = "16MiB"\n[pool.model]\nlimit = "9MiB"\n[pool.other]\nlimit = "1MiB"\n'
+    strict = toml(tmp_path, text)
+    status, out, _ = check(capsys, strict, trace)
+    assert status == EXIT_OVER and "- pool/other" in out.splitlines()
+    assert main(["fit", "--check", str(strict), "--allow", "absent", str(trace)]) == 0
+    assert "but not in the run (absent allowed): pool/other" in capsys.readouterr().out
+    relaxed = toml(tmp_path, text + 'absent = "ok"\n')
+    status, out, _ = check(capsys, relaxed, trace)
+    assert status == 0 and "(absent allowed): pool/other" in out
+    # a missing subtree is named once, by its outermost budget
+    deep = toml(tmp_path, text.replace("[pool.other]", "[pool.other.inner]"))
+    status, out, _ = check(capsys, deep, trace)
+    assert status == EXIT_OVER and "- pool/other" in out.splitlines()
+    assert "pool/other/inner" not in out
+
+
+def test_roots_the_file_does_not_name_are_listed_not_checked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "two.jsonl"
+    with gpu_budget("4MiB", name="pool", trace=str(path)) as pool:
+        assert pool.allocate(MiB) is not None
+    with gpu_budget("4MiB", name="library", trace=str(path)):
+        with gpu_budget("1MiB", name="scratch") as scratch:
+            assert scratch.allocate(MiB) is not None
+    writer_for(path).flush()
+    status, out, _ = check(capsys, toml(tmp_path, '[pool]\nlimit = "4MiB"\n'), path)
+    assert status == 0
+    assert out.splitlines()[-1].endswith("(not checked): library, library/scratch")
+
+
+def test_expected_denials_leave_the_refused_requests_out_of_the_fit(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The model was refused 6 MiB over its 8 MiB; it was granted 3 MiB. With its denials
+    # expected, neither it nor the pool above it must fit the refused request.
+    text = '[pool]\nlimit = "4MiB"\n[pool.model]\nlimit = "8MiB"\n'
+    strict = toml(tmp_path, text)
+    status, out, _ = check(capsys, strict, trace)
+    assert status == EXIT_OVER
+    assert ("  (pool/model was refused 1 request(s) in the run: if the program handles "
+            "them, say denials = \"expected\" in its table, and it need only fit what it was "
+            "granted)") in out.splitlines()
+    expected = toml(tmp_path, text + 'denials = "expected"\n')
+    status, out, _ = check(capsys, expected, trace)
+    assert status == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
+    assert rows["pool"][1:5] == ["4.00", "MiB", "3.00", "MiB"]
+    assert rows["pool/model"][3:] == ["3.00", "MiB", "ok", "(1", "denial(s)", "expected,",
+                                      "left", "out)"]
+    assert main(["fit", "--check", str(strict), "--allow", "denials", str(trace)]) == 0
+    capsys.readouterr()
+    # expected denials do not excuse a limit below what the run was granted
+    tight = toml(tmp_path, text.replace('"8MiB"', '"2MiB"') + 'denials = "expected"\n')
+    status, out, _ = check(capsys, tight, trace)
+    assert status == EXIT_OVER and '  pool/model: "2MiB" -> "3MiB"' in out.splitlines()
+
+
+def test_settings_in_a_python_limits_file_are_comments_on_the_budget_line(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    limits = tmp_path / "limits.py"
+    limits.write_text(textwrap.dedent("""
+        from gpubudget import gpu_budget
+
+        with gpu_budget("4MiB", name="pool"):
+            with gpu_budget("8MiB",  # gpubudget: denials=expected
+                            name="model"):
+                with gpu_budget("1MiB", name="gone"):  # gpubudget: absent=ok
+                    pass
+    """))
+    assert read_limits(str(limits)).settings(("pool", "model")).denials
+    status, out, _ = check(capsys, limits, trace)
+    assert status == 0 and "(absent allowed): pool/model/gone" in out
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("a.toml", '[pool]\nlimit = "1MiB"\ndenials = "sometimes"\n',
+     "denials must be 'expected' or 'fail', not 'sometimes'"),
+    ("b.toml", '[pool]\nlimit = "1MiB"\nabsent = true\n', "absent must be 'ok' or 'fail'"),
+    ("c.py", "with gpu_budget('1MiB', name='pool'):  # gpubudget: denial=expected\n  pass\n",
+     "unknown setting 'denial'"),
+    ("d.py", "# gpubudget: absent=ok\nwith gpu_budget('1MiB', name='pool'): pass\n",
+     "belongs on the line of a gpu_budget(...) call"),
+    ("e.py", "with gpu_budget('1MiB', name='a'), gpu_budget('1MiB', name='b'):  "
+     "# gpubudget: absent=ok\n  pass\n", "several gpu_budget(...) calls"),
+    ("f.py", "with gpu_budget('1MiB', name='pool'):  # gpubudget: expected\n  pass\n",
+     "is not key=value"),
+])
+def test_a_bad_setting_is_one_line_and_exit_2(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str], name: str,
+        text: str, message: str) -> None:
+    limits = tmp_path / name
+    limits.write_text(text)
+    status, out, err = check(capsys, limits, trace)
+    assert status == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_allow_goes_with_check_and_takes_known_words(
+        trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fit", "--allow", "absent", str(trace)]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == "gpubudget: error: --allow goes with --check LIMITS\n"
+    assert main(["fit", "--check", "x.toml", "--allow", "everything", str(trace)]) == \
+        EXIT_BAD_INPUT
+    assert "argument --allow: invalid choice: 'everything'" in capsys.readouterr().err

@@ -55,8 +55,12 @@ def scrape(port: int) -> Samples:
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def budget(name: str, pid: int, metric: str, samples: Samples) -> float:
-    return samples[(metric, (("budget", name), ("device", "host"), ("process", str(pid))))]
+HOST = (("UUID", "host"), ("gpu", ""), ("modelName", "host memory"))
+"""The device labels of the host backend's budgets."""
+
+
+def budget(name: str, pid: int | str, metric: str, samples: Samples) -> float:
+    return samples[(metric, tuple(sorted((*HOST, ("budget", name), ("process", str(pid))))))]
 
 
 def test_every_budget_of_every_process_scraped_over_http(busy: list[Worker]) -> None:
@@ -72,11 +76,12 @@ def test_every_budget_of_every_process_scraped_over_http(busy: list[Worker]) -> 
     assert budget("detector", first.pid, "gpubudget_peak_bytes", samples) == MiB
     assert budget("llm", second.pid, "gpubudget_denials_total", samples) == 1
     assert budget("llm", second.pid, "gpubudget_used_bytes", samples) == 0
-    assert samples[("gpubudget_device_claimed_bytes", (("device", "host"),))] == 3 * GiB
-    assert samples[("gpubudget_device_memory_bytes", (
-        ("device", "host"), ("label", "host memory (a simulated GPU of 8.00 GiB)")))] == 8 * GiB
+    assert samples[("gpubudget_device_claimed_bytes", HOST)] == 3 * GiB
+    assert samples[("gpubudget_device_memory_bytes", HOST)] == 8 * GiB
+    assert samples[("gpubudget_device_used_bytes", HOST)] == MiB
+    assert samples[("gpubudget_device_unclaimed_bytes", HOST)] == 5 * GiB
     assert samples[("gpubudget_process_info", (
-        ("command", WORKER), ("process", str(first.pid))))] == 1
+        ("command", WORKER), ("pid", str(first.pid)), ("process", str(first.pid))))] == 1
     assert not [key for key in samples if key[0] == "gpubudget_device_cap_bytes"]
 
 
@@ -137,3 +142,102 @@ def test_without_prometheus_client_the_error_names_the_extra(
         start_metrics_server(0)
     assert main(["metrics", "--port", "0"]) == 2
     assert "needs prometheus_client: pip install 'gpubudget[metrics]'" in capsys.readouterr().err
+
+
+def test_labels_join_with_nvidias_dcgm_exporter() -> None:
+    """A GPU's series carry DCGM's ``UUID``, ``gpu`` (NVML's index) and ``modelName``, so
+    that ``gpubudget_used_bytes * on(UUID) group_left DCGM_FI_DEV_FB_USED`` joins."""
+    from gpubudget.hostledger import DeviceView, HostView
+    from gpubudget.metrics import families
+    from tests.test_top import entry, view
+
+    gpu = DeviceView("GPU-77aa", "NVIDIA L4", 24 * GiB, 20 * GiB, False, (
+        entry(40, "embedder", 4 * GiB, GiB, GiB, 2, "python embed.py"),), 0, {40: 5 * GiB})
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in families(HostView("d", view().taken_at, (gpu,), None),
+                                      {"GPU-77aa": "3"})
+               for sample in family.samples}
+    device = (("UUID", "GPU-77aa"), ("gpu", "3"), ("modelName", "NVIDIA L4"))
+    assert samples[("gpubudget_used_bytes", tuple(sorted(
+        (*device, ("budget", "embedder"), ("process", "40")))))] == GiB
+    assert samples[("gpubudget_denials_total", tuple(sorted(
+        (*device, ("budget", "embedder"), ("process", "40")))))] == 2
+    assert samples[("gpubudget_device_used_bytes", device)] == GiB
+    assert samples[("gpubudget_device_unclaimed_bytes", device)] == 16 * GiB  # the cap's
+    assert samples[("gpubudget_device_cap_bytes", device)] == 20 * GiB
+    assert samples[("gpubudget_outside_bytes", tuple(sorted((*device, ("process", "40")))))] \
+        == GiB  # NVML's 5 GiB less the 4 GiB its budget reserved
+    assert {label for key in samples for label, _ in key[1]} == {
+        "UUID", "gpu", "modelName", "process", "budget", "pid", "command"}
+
+
+def test_nvml_gives_the_gpu_index_dcgm_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubudget.metrics import nvml_indexes
+
+    class FakeNvml:
+        calls: list[str] = []
+
+        def nvmlInit(self) -> None:
+            self.calls.append("init")
+
+        def nvmlShutdown(self) -> None:
+            self.calls.append("shutdown")
+
+        def nvmlDeviceGetCount(self) -> int:
+            return 2
+
+        def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+            return index
+
+        def nvmlDeviceGetUUID(self, handle: int) -> bytes | str:
+            return b"GPU-aaaa" if handle == 0 else "GPU-bbbb"
+
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert nvml_indexes() == {"GPU-aaaa": "0", "GPU-bbbb": "1"}
+    assert fake.calls == ["init", "shutdown"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: no index, no error
+    assert nvml_indexes() == {}
+
+
+def test_a_stable_process_label_survives_a_restart(tmp_path: Path) -> None:
+    """With ``--process-label command`` a process started again under the same command
+    keeps its series; with the pid it would start new ones."""
+    def scrape_once(worker: Worker) -> Samples:
+        assert worker.ask("enter 1GiB server").startswith("ok")
+        server = start_metrics_server(0, nvml=False, process_label="command")
+        try:
+            return scrape(server.port)
+        finally:
+            server.close()
+
+    first = Worker()
+    try:
+        before = scrape_once(first)
+    finally:
+        first.close()
+    second = Worker()
+    try:
+        after = scrape_once(second)
+    finally:
+        second.close()
+    assert first.pid != second.pid
+    assert budget("server", WORKER, "gpubudget_limit_bytes", before) == GiB
+    assert budget("server", WORKER, "gpubudget_limit_bytes", after) == GiB  # the same series
+    assert after[("gpubudget_process_info", (
+        ("command", WORKER), ("pid", str(second.pid)), ("process", WORKER)))] == 1
+
+
+def test_processes_of_one_command_are_numbered_in_order_of_pid(busy: list[Worker]) -> None:
+    first, second = sorted(busy, key=lambda worker: worker.pid)
+    server = start_metrics_server(0, nvml=False, process_label="command")
+    try:
+        samples = scrape(server.port)
+    finally:
+        server.close()
+    assert budget("detector" if first is busy[0] else "llm", WORKER, "gpubudget_limit_bytes",
+                  samples) > 0
+    assert budget("llm" if first is busy[0] else "detector", f"{WORKER}#2",
+                  "gpubudget_limit_bytes", samples) > 0
+    assert samples[("gpubudget_process_info", (
+        ("command", WORKER), ("pid", str(second.pid)), ("process", f"{WORKER}#2")))] == 1

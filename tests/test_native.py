@@ -193,7 +193,7 @@ def test_published_words_follow_the_root() -> None:
 
 
 SIZES = st.one_of(st.integers(1, 40 * KiB), st.sampled_from([0, -5, 2**70, 10**30]),
-                  st.sampled_from(["1KiB", "3 KiB", "lots", 1.5, True]))
+                  st.sampled_from(["1KiB", "3 KiB", "lots"]))  # a float: test_size_types
 TAGS = st.sampled_from([None, None, "weights", "cache", "über", 7])
 LABELS = st.sampled_from([None, None, "phase-a", "phase-b"])
 

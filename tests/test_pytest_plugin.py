@@ -4,10 +4,21 @@ is raised, and its failure holds the report (run in a separate pytest with pytes
 from __future__ import annotations
 
 import importlib.metadata
+import os
+from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture(autouse=True)
+def _this_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pytest that pytester starts imports gpubudget from this checkout, not from
+    wherever the package is installed (the plugin's entry point names a module only)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
 
 
 def _plugin_flags() -> tuple[str, ...]:
@@ -78,3 +89,78 @@ def test_a_leak_and_a_peak_over_the_limit_fail(pytester: pytest.Pytester) -> Non
     peak.assert_outcomes(failed=1)
     peak.stdout.fnmatch_lines(["*peak 3.00 MiB, over the 2.00 MiB allowed*"])
     _run(pytester, "4MiB", extra='peak="3MiB"').assert_outcomes(passed=1)
+
+
+def test_marker_mistakes_are_usage_errors_at_collection_naming_each_test(
+        pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_marks="""
+        import pytest
+
+        @pytest.mark.gpu_budget("4MiB", backend="host", peek="2MiB")
+        def test_misspelt():
+            raise AssertionError("never runs")
+
+        @pytest.mark.gpu_budget(backend="host")
+        def test_no_limit():
+            raise AssertionError("never runs")
+
+        @pytest.mark.gpu_budget("2MiB", backend="host", peak="3MiB")
+        def test_peak_above_the_limit():
+            raise AssertionError("never runs")
+
+        @pytest.mark.gpu_budget("lots", backend="host", denials="yes")
+        def test_bad_values():
+            raise AssertionError("never runs")
+
+        @pytest.mark.gpu_budget("4MiB", backend="host", peak="1MiB")
+        def test_fine():
+            raise AssertionError("never runs either: the session stops at collection")
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", *_plugin_flags())
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: test_marks.py::test_misspelt: gpu_budget marker: unknown keyword peek= (did "
+        "you mean peak=?)",
+        "ERROR: test_marks.py::test_no_limit: gpu_budget marker without a limit: *",
+        "ERROR: test_marks.py::test_peak_above_the_limit: gpu_budget marker: peak='3MiB' "
+        "(3.00 MiB) is above the limit (2.00 MiB)*",
+        "ERROR: test_marks.py::test_bad_values: gpu_budget marker: denials must be True or "
+        "False, got 'yes'"])
+    assert "never runs" not in result.stdout.str() + result.stderr.str()
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def test_a_bad_size_in_a_marker_names_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_size="""
+        import pytest
+
+        @pytest.mark.gpu_budget("lots", backend="host")
+        def test_model():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", *_plugin_flags())
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: test_size.py::test_model: gpu_budget marker: *'lots'*"])
+
+
+def test_the_host_memory_warning_points_at_the_marked_test(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubudget.backends import cuda_usable
+
+    if cuda_usable():
+        pytest.skip("a usable GPU: budgets run on it, and nothing warns")
+    monkeypatch.delenv("GPUBUDGET_BACKEND", raising=False)
+    pytester.makepyfile(test_host="""
+        import pytest
+
+        @pytest.mark.gpu_budget("4MiB")
+        def test_model():
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider", "-W",
+                                           "always::RuntimeWarning", *_plugin_flags())
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["test_host.py::test_model",
+                                 "  */test_host.py:3: RuntimeWarning: gpubudget: no usable CUDA "
+                                 "device or PyCUDA; budgets are simulated in host memory*"])
+    assert "pluggy" not in result.stdout.str()

@@ -103,3 +103,24 @@ def test_to_json_leaves_the_timeline_out_unless_asked() -> None:
                                    "tag": "t", "used": KiB, "total": KiB}
     assert report.to_json(timeline=True) == json.dumps(report.as_dict(timeline=True), indent=2)
     assert report.to_json(None) == json.dumps(report.as_dict())
+
+
+def test_the_summary_and_the_stats_count_the_same_subtree() -> None:
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        assert pool.allocate(KiB) is not None
+        with gpu_budget("64KiB", name="model") as model:
+            with gpu_budget("16KiB", name="layer") as layer:
+                block = layer.allocate(2 * KiB)
+                assert block is not None and layer.free(block)
+                assert layer.allocate(4 * KiB) is not None
+                assert layer.allocate(32 * KiB) is None
+            assert model.allocate(8 * KiB) is not None
+        rows = {line.split()[-12]: line.split()[-4:]
+                for line in pool.memory_summary().splitlines()[1:]}
+        for budget in (pool, model, layer):
+            stats = budget.memory_stats()
+            assert rows[budget.name] == [str(stats[key]) for key in (
+                "allocation.all.allocated", "allocation.all.freed", "num_ooms",
+                "allocation.all.current")], budget.name
+    assert rows == {"pool": ["4", "1", "1", "3"], "model": ["3", "1", "1", "2"],
+                    "layer": ["2", "1", "1", "1"]}

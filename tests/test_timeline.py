@@ -119,7 +119,9 @@ def test_leaks_property_and_exit_listing_with_stacks(tmp_path: Path) -> None:
     err = result.stderr
     assert "1 block(s) of budget 'server' still live at exit" in err
     assert "weights" in err and "in load_model" in err and "leak.py" in err
-    assert "quiet" not in err
+    assert ("gpubudget: 1 block(s) of budget 'quiet' still live at exit (4.00 KiB: (no tag) "
+            "4.00 KiB); gpu_budget(..., track_stacks=True) shows where each was allocated"
+            ) in err.splitlines()
 
 
 def _red_pixels(path: Path) -> int:

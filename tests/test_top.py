@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -69,24 +69,31 @@ def view() -> HostView:
                     (gpu,), None)
 
 
+def table(lines: list[str]) -> list[list[str]]:
+    """The rows of the (first) table, split on blanks: the lines after its column titles."""
+    start = next(index for index, line in enumerate(lines) if line.split()[:1] == ["PID"])
+    return [line.split() for line in lines[start + 1:] if line.strip()]
+
+
 def budgets(lines: list[str]) -> list[str]:
     """The budget column of the rows."""
-    return [line.split()[3] if line.split()[2] in ("serve.py", "serve") else line.split()[2]
-            for line in lines[4:]]
+    return [row[3] if row[1] in ("python", "vllm") else row[2] for row in table(lines)]
 
 
 def test_rows_are_sorted_by_each_key_either_way() -> None:
     lines = render(view())
     assert lines[2] == ("GPU-8f3c NVIDIA H200 · 140.00 GiB · cap 120.00 GiB · claimed 120.00 "
-                        "GiB by 3 budgets in 2 processes · used 37.00 GiB · 1 ended not yet "
-                        "cleared")
-    assert lines[3].split() == ["PID", "PROCESS", "BUDGET", "LIMIT", "USED", "PEAK", "DENIED",
-                                "OUTSIDE"]
+                        "GiB · 3 budgets in 2 processes · unclaimed 0 B · used 37.00 GiB · 1 "
+                        "ended not yet cleared")
+    assert lines[3].split() == ["PID", "PROCESS", "BUDGET", "LIMIT", "USED", "FREE", "PEAK",
+                                "DENIED", "OUTSIDE"]
     assert lines[4].split() == ["10", "python", "serve.py", "classifier", "30.00", "GiB",
-                                "20.00", "GiB", "21.00", "GiB", "0", "1.00", "GiB"]
+                                "20.00", "GiB", "10.00", "GiB", "21.00", "GiB", "0", "1.00",
+                                "GiB"]
     assert budgets(lines) == ["classifier", "detector", "llm", "(no"]
     expected = {"used": ["classifier", "detector", "llm", "(no"],
                 "limit": ["llm", "detector", "classifier", "(no"],
+                "free": ["llm", "detector", "classifier", "(no"],
                 "peak": ["llm", "classifier", "detector", "(no"],
                 "denials": ["llm", "detector", "classifier", "(no"],
                 "outside": ["(no", "classifier", "detector", "llm"],
@@ -104,12 +111,53 @@ def test_rows_are_sorted_by_each_key_either_way() -> None:
         view(), TopOptions(sort="budget"))[0]
 
 
-def test_the_filter_keeps_matching_rows_or_a_whole_matching_device() -> None:
+def two_devices() -> HostView:
+    gpu = view().devices[0]
+    other = DeviceView("GPU-77aa", "NVIDIA L4", 24 * GiB, None, False, (
+        entry(40, "embedder", 4 * GiB, GiB, GiB, 0, "python embed.py"),), 0, None)
+    return HostView("/dev/shm/ledger", view().taken_at, (gpu, other), None)
+
+
+def test_the_filter_matches_rows_never_a_whole_device() -> None:
     assert budgets(render(view(), TopOptions(filter="VLLM"))) == ["llm"]
     assert budgets(render(view(), TopOptions(filter="10"))) == ["classifier", "detector"]
-    assert len(budgets(render(view(), TopOptions(filter="h200")))) == 4
+    # the device's name holds "h200" and its UUID "8f3c": neither matches its rows
+    for text in ("h200", "8f3c"):
+        lines = render(view(), TopOptions(filter=text))
+        assert lines[-1] == "no budget matches the filter" and "PID" not in "".join(lines)
     lines = render(view(), TopOptions(filter="nothing"))
     assert "filter 'nothing'" in lines[0] and lines[-1] == "no budget matches the filter"
+
+
+def test_devices_are_chosen_apart_by_uuid_or_name() -> None:
+    both = render(two_devices())
+    assert sum(line.startswith("GPU-") for line in both) == 2
+    for text, kept in (("l4", "embedder"), ("77AA", "embedder"), ("h200", "classifier")):
+        lines = render(two_devices(), TopOptions(device=text))
+        assert sum(line.startswith("GPU-") for line in lines) == 1, text
+        assert f"device {text!r}" in lines[0] and kept in budgets(lines)
+    lines = render(two_devices(), TopOptions(device="l4", filter="classifier"))
+    assert lines[-1] == "no budget matches the filter"
+
+
+@pytest.mark.parametrize("width, columns", [
+    (150, ["PID", "PROCESS", "BUDGET", "LIMIT", "USED", "FREE", "PEAK", "DENIED", "OUTSIDE"]),
+    (100, ["PID", "PROCESS", "BUDGET", "LIMIT", "USED", "FREE", "PEAK", "DENIED", "OUTSIDE"]),
+    (80, ["PID", "BUDGET", "LIMIT", "USED", "FREE", "PEAK", "DENIED"]),
+    (70, ["PID", "BUDGET", "LIMIT", "USED", "FREE", "DENIED"]),
+    (50, ["PID", "BUDGET", "LIMIT", "USED"]),
+    (40, ["PID", "BUDGET", "USED"]),
+])
+def test_a_narrow_terminal_gets_fewer_columns_never_cut_ones(width: int,
+                                                             columns: list[str]) -> None:
+    lines = render(two_devices(), TopOptions(), width)
+    assert max(len(line) for line in lines) <= width
+    assert [line.split() for line in lines if line.split()[:1] == ["PID"]] == [columns] * 2
+    row = next(line for line in lines if "classifier" in line)
+    assert "20.00 GiB" in row  # sizes whole
+    text = "\n".join(lines)
+    assert "unclaimed 0 B" in text and "claimed 120.00 GiB" in text  # wrapped, not cut
+    assert "embedder" in text  # names shrink only as far as they must
 
 
 def test_names_from_other_processes_are_escaped() -> None:
@@ -124,13 +172,14 @@ def test_once_and_json_show_the_budgets_of_several_processes(
     first, second = busy
     assert main(["top", "--once"]) == 0
     out = capsys.readouterr().out
-    assert "claimed 5.50 GiB by 3 budgets in 2 processes" in out
+    assert "claimed 5.50 GiB · 3 budgets in 2 processes" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith(
         (str(first.pid), str(second.pid)))]
     assert [(row[0], row[4]) for row in rows] == [  # process: "python -m tests.ledger_…"
         (str(second.pid), "trainer"), (str(first.pid), "detector"),
         (str(first.pid), "cls\\x1b[2J")]
-    assert rows[0][5:10] == ["2.50", "GiB", "300.00", "MiB", "300.00"] and rows[0][11] == "1"
+    assert rows[0][5:12] == ["2.50", "GiB", "300.00", "MiB", "2.21", "GiB", "300.00"]
+    assert rows[0][13] == "1"
     assert main(["top", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     (device,) = data["devices"]
@@ -160,9 +209,8 @@ def run_in_pty(args: list[str], keys: list[tuple[str, str]], *, rows: int = 24,
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            if keys and keys[0][0].encode() in seen:
-                time.sleep(0.1)
-                os.write(master, keys.pop(0)[1].encode())
+            if keys and keys[0][0].encode() in seen:  # a frame is drawn whole before a key
+                os.write(master, keys.pop(0)[1].encode())  # is read: none is lost
             ready, _, _ = select.select([master], [], [], 0.1)
             if not ready:
                 if process.poll() is not None:
@@ -219,46 +267,99 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
                                               "directory")
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_sorting_and_filtering_keys_in_tmux(busy: list[Worker], tmp_path: Path) -> None:
-    session = f"gpubudget-top-{uuid.uuid4().hex[:8]}"
-    env = subprocess_env()
-    command = " ".join([f"env PYTHONPATH={env['PYTHONPATH']}",
-                        f"GPUBUDGET_LEDGER_DIR={tmp_path / 'ledger'}", sys.executable,
-                        "-m gpubudget top; echo EXIT=$?; sleep 30"])
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "150", "-y", "20",
-                    command], check=True)
+class Tmux:
+    """``gpubudget top`` in a tmux session of its own, read with ``capture-pane``."""
 
-    def screen(until: str) -> list[str]:
-        deadline = time.monotonic() + 20
+    def __init__(self, ledger: Path, width: int, height: int = 20) -> None:
+        self.session = f"gpubudget-top-{uuid.uuid4().hex[:8]}"
+        env = subprocess_env()
+        command = " ".join([f"env PYTHONPATH={env['PYTHONPATH']}",
+                            f"GPUBUDGET_LEDGER_DIR={ledger}", sys.executable,
+                            "-m gpubudget top; echo EXIT=$?; sleep 30"])
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", str(width),
+                        "-y", str(height), command], check=True)
+
+    def lines(self) -> list[str]:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session],
+                              capture_output=True, text=True).stdout.splitlines()
+
+    def until(self, what: str, state: Callable[[list[str]], bool]) -> list[str]:
+        """The screen once ``state`` holds of it: each key's test waits for what only that
+        key can bring about (polling, as nothing else tells when tmux has drawn); 30 s
+        without it fails the test, showing the screen."""
+        deadline = time.monotonic() + 30
         while True:
-            shown = subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
-                                   capture_output=True, text=True).stdout
-            if until in shown or time.monotonic() > deadline:
-                return [line for line in shown.splitlines() if line.strip()]
-            time.sleep(0.1)
+            shown = self.lines()
+            try:
+                if state(shown):
+                    return shown
+            except (StopIteration, IndexError, ValueError):
+                pass  # a frame half drawn
+            if time.monotonic() > deadline:
+                pytest.fail(f"top never showed {what}; the screen:\n" + "\n".join(shown))
+            time.sleep(0.05)
 
-    def keys(*typed: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", session, *typed], check=True)
+    def keys(self, *typed: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.session, *typed], check=True)
 
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+
+
+def header(lines: list[str]) -> str:
+    """The title lines, joined (they wrap on a narrow terminal)."""
+    return " ".join(lines[:lines.index("")] if "" in lines else lines)
+
+
+def names(lines: list[str]) -> list[str]:
+    """The budget column of the rows, the process column being ``python -m tests.ledger…``."""
+    return [row[4] for row in table(lines)]
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@needs_tmux
+def test_sorting_and_filtering_keys_in_tmux(busy: list[Worker], tmp_path: Path) -> None:
+    top = Tmux(tmp_path / "ledger", 150)
+    everyone = ["trainer", "detector", "cls\\x1b[2J"]
     try:
-        first = screen("trainer")
-        assert [line.split()[4] for line in first[3:]] == ["trainer", "detector",
-                                                           "cls\\x1b[2J"]
-        keys("s")  # sort by limit
-        by_limit = screen("sort limit")
-        assert [line.split()[4] for line in by_limit[3:]] == ["trainer", "detector",
-                                                              "cls\\x1b[2J"]
-        keys("r")  # smallest first
-        reversed_ = screen("sort limit ▲")
-        assert [line.split()[4] for line in reversed_[3:]] == ["cls\\x1b[2J", "detector",
-                                                               "trainer"]
-        keys("/", "d", "e", "t", "Enter")
-        filtered = screen("filter 'det'")
-        assert [line.split()[4] for line in filtered[3:]] == ["detector"]
-        keys("c")
-        assert len(screen("sort limit ▲ ·")[3:]) == 3
-        keys("q")
-        assert "EXIT=0" in "\n".join(screen("EXIT="))
+        top.until("the three roots", lambda s: "sort used ▼" in header(s) and names(s) == everyone)
+        top.keys("s")  # sort by limit, largest first
+        top.until("sorted by limit", lambda s: "sort limit ▼" in header(s)
+                  and names(s) == everyone)
+        top.keys("r")  # smallest first
+        top.until("the order reversed", lambda s: "sort limit ▲" in header(s)
+                  and names(s) == everyone[::-1])
+        top.keys("/", "d", "e", "t")
+        top.until("the filter being typed", lambda s: "filter 'det' (typing" in header(s)
+                  and names(s) == ["detector"])
+        top.keys("Enter")
+        top.until("the filter kept", lambda s: "filter 'det'" in header(s)
+                  and "typing" not in header(s) and names(s) == ["detector"])
+        top.keys("c")
+        top.until("the filter cleared", lambda s: "· filter '" not in header(s)
+                  and names(s) == everyone[::-1])
+        top.keys("q")
+        top.until("the exit", lambda s: "EXIT=0" in s)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        top.close()
+
+
+@needs_tmux
+def test_a_narrow_terminal_adapts_and_follows_a_resize_in_tmux(busy: list[Worker],
+                                                              tmp_path: Path) -> None:
+    top = Tmux(tmp_path / "ledger", 60)
+    try:
+        narrow = top.until("the narrow table", lambda s: [line.split() for line in s if line
+                           .split()[:1] == ["PID"]] == [["PID", "BUDGET", "LIMIT", "USED",
+                                                         "FREE"]])
+        assert all(len(line) <= 60 for line in narrow) and "…" not in "".join(
+            line for line in narrow if line.split()[:1] == ["PID"])
+        subprocess.run(["tmux", "resize-window", "-t", top.session, "-x", "150"], check=True)
+        top.until("all the columns after the resize", lambda s: "OUTSIDE" in next(
+            line for line in s if line.split()[:1] == ["PID"]))
+        top.keys("q")
+        top.until("the exit", lambda s: "EXIT=0" in s)
+    finally:
+        top.close()

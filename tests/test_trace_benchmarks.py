@@ -25,7 +25,10 @@ def test_traces_speed_prints_every_table(tmp_path: Path) -> None:
                 "`gpubudget report server.jsonl`", "`gpubudget fit server.jsonl`",
                 "30 deep", "40 deep", "`gpubudget report blank.jsonl`"):
         assert row in out, out
-    assert "exit" not in out and not done.stderr.strip(), done.stderr
+    # the server trace keeps its kv pages to the end, on purpose: interpreter exit says so
+    assert "exit" not in out and done.stderr.splitlines() == [
+        "gpubudget: 200 block(s) of budget 'serve' still live at exit (400.00 MiB: kv 400.00 "
+        "MiB); gpu_budget(..., track_stacks=True) shows where each was allocated"], done.stderr
 
 
 def test_a_chain_trace_fragments_its_root(tmp_path: Path) -> None:

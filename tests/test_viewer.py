@@ -130,7 +130,8 @@ _PHASES = {"M", "X", "C", "i"}
 
 
 def _check_trace_event_format(document: dict[str, Any]) -> list[dict[str, Any]]:
-    """The fields the Trace Event Format documents, for the phases written."""
+    """The fields the Trace Event Format documents, for the phases written; times in whole
+    microseconds."""
     assert set(document) >= {"traceEvents"} and document["displayTimeUnit"] in ("ms", "ns")
     events = document["traceEvents"]
     for event in events:
@@ -140,11 +141,12 @@ def _check_trace_event_format(document: dict[str, Any]) -> list[dict[str, Any]]:
             assert event["name"] in ("process_name", "thread_name", "thread_sort_index")
             assert set(event["args"]) in ({"name"}, {"sort_index"})
             continue
-        assert isinstance(event["ts"], (int, float)) and event["ts"] >= 0
+        assert type(event["ts"]) is int and event["ts"] >= 0
         if event["ph"] == "X":
-            assert isinstance(event["tid"], int) and event["dur"] >= 0
+            assert isinstance(event["tid"], int) and type(event["dur"]) is int
+            assert event["dur"] >= 0
         elif event["ph"] == "C":
-            assert all(isinstance(v, (int, float)) for v in event["args"].values())
+            assert all(type(v) is int for v in event["args"].values())
         else:
             assert event["s"] in ("g", "p", "t") and isinstance(event["tid"], int)
     return list(events)
@@ -153,39 +155,22 @@ def _check_trace_event_format(document: dict[str, Any]) -> list[dict[str, Any]]:
 def test_the_perfetto_export_follows_the_trace_event_format(tmp_path: Path) -> None:
     trace = record(tmp_path / "run.jsonl")
     out = tmp_path / "run.json"
-    write_perfetto(trace, out)
+    assert write_perfetto(trace, out) == 1  # a small trace: every change kept
     events = _check_trace_event_format(json.loads(out.read_text()))
-    names = {(e["name"], e["args"]["name"]) for e in events if e["ph"] == "M" and "name" in
-             e["args"]}
-    assert names == {("process_name", "gpubudget pool"), ("thread_name", "pool"),
-                     ("thread_name", "reserved"), ("thread_name", "model")}
-    slices = {e["name"]: e for e in events if e["ph"] == "X"}
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == ["gpubudget pool"]
+    assert sorted(threads.values()) == ["model", "model blocks", "model blocks 2", "pool",
+                                        "pool blocks", "reserved", "reserved blocks"]
+    slices = {e["name"]: e for e in events if e.get("cat") == "budget"}
     assert set(slices) == {"pool", "reserved", "model"}
     assert slices["reserved"]["ts"] + slices["reserved"]["dur"] <= slices["model"]["ts"]
     (denial,) = [e for e in events if e["ph"] == "i"]
-    assert denial["tid"] == 3 and denial["args"] == {"bytes": 4 * MiB, "reason": "over_limit",
-                                                     "tag": "activations"}
-    model_counter = [e["args"]["used"] for e in events if e["ph"] == "C" and e["name"] == "model"]
+    assert threads[denial["tid"]] == "model"
+    assert denial["args"] == {"bytes": 4 * MiB, "reason": "over_limit", "tag": "activations"}
+    model_counter = [e["args"]["model"] for e in events if e["ph"] == "C"
+                     and "model" in e["args"]]
     assert max(model_counter) == 768 * KiB and model_counter[-1] == 512 * KiB
     assert events == list(perfetto_events(model_from_trace(trace)))  # the file's fast path
-
-
-def test_the_perfetto_export_loads_in_the_trace_processor(tmp_path: Path) -> None:
-    processor = pytest.importorskip(
-        "perfetto.trace_processor", reason="the perfetto package is not installed")
-    out = tmp_path / "run.json"
-    write_perfetto(record(tmp_path / "run.jsonl"), out)
-    try:
-        tp = processor.TraceProcessor(trace=str(out))
-    except Exception as exc:  # noqa: BLE001 - its binary is downloaded at run time
-        pytest.skip(f"the trace processor cannot start here: {type(exc).__name__}: {exc}")
-    try:
-        counters = {row.name for row in tp.query("select name from counter_track")}
-        slices = {row.name for row in tp.query("select name from slice")}
-    finally:
-        tp.close()
-    assert {"model used", "pool used"} <= counters
-    assert {"pool", "reserved", "model", "denied 4.00 MiB"} <= slices
 
 
 class _AllocWithStack(NamedTuple):

@@ -15,6 +15,11 @@ same. The pure-Python core runs when:
 - in a source checkout (``setup.py`` beside the package: an editable install), ``_native.c``
   is newer than the extension built from it: one ``RuntimeWarning`` says how to rebuild.
 
+A source checkout that holds no built extension, imported while another copy of gpubudget
+that has one is further down ``sys.path`` (``pip install .`` and then Python started in the
+checkout, whose directory comes first), runs the pure-Python core too, and one
+``RuntimeWarning`` names both copies and says how to run the built one.
+
 Both are tested side by side: ``tests/test_native.py`` runs the same random and adversarial
 operations through each and compares every answer and every number.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import os
+import sys
 import warnings
 from types import ModuleType
 from typing import Final
@@ -54,21 +60,57 @@ def _stale(directory: str) -> str | None:
     return None
 
 
+def _built(directory: str) -> str | None:
+    """The extension built in ``directory``, if there is one."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        built = os.path.join(directory, "_native" + suffix)
+        if os.path.exists(built):
+            return built
+    return None
+
+
+def _shadowed(directory: str) -> str | None:
+    """Where another copy of gpubudget on ``sys.path`` has the extension that this source
+    checkout lacks (the checkout shadows it), or ``None``."""
+    root = os.path.dirname(os.path.dirname(directory))
+    if not os.path.exists(os.path.join(root, "setup.py")) or _built(directory) is not None:
+        return None
+    for entry in sys.path:
+        other = os.path.join(os.path.abspath(entry or os.curdir), "gpubudget", "_core")
+        if os.path.realpath(other) == os.path.realpath(directory):
+            continue
+        built = _built(other)
+        if built is not None:
+            return built
+    return None
+
+
 def load_native(directory: str = _HERE) -> ModuleType | None:
     """The C extension, or ``None`` where the pure-Python core runs (see the module docstring)."""
     if pure_asked():
         return None
     why = _stale(directory)
+    root = os.path.dirname(os.path.dirname(directory))
     if why is not None:
         warnings.warn(f"gpubudget: {why}: the pure-Python core runs instead (slower). Rebuild "
                       f"it with `pip install -e .` (or `python setup.py build_ext --inplace`) "
-                      f"in {os.path.dirname(os.path.dirname(directory))}; or set {PURE_ENV}=1 "
-                      f"to run it without this warning", RuntimeWarning, stacklevel=3)
+                      f"in {root}; or set {PURE_ENV}=1 to run it without this warning",
+                      RuntimeWarning, stacklevel=3)
         return None
     try:
         return importlib.import_module(__name__ + "._native")
     except ImportError:
-        return None
+        pass
+    elsewhere = _shadowed(directory)
+    if elsewhere is not None:
+        warnings.warn(f"gpubudget: imported from the source tree {root}, which is first on "
+                      f"sys.path (Python started there?) and has no built C core, so the "
+                      f"pure-Python core runs (slower); the gpubudget it hides, "
+                      f"{os.path.dirname(os.path.dirname(os.path.dirname(elsewhere)))}, has it "
+                      f"built. Run from another directory to use that one, or build here with "
+                      f"`python setup.py build_ext --inplace`; or set {PURE_ENV}=1 to run the "
+                      f"pure-Python core without this warning", RuntimeWarning, stacklevel=3)
+    return None
 
 
 native: Final = load_native()

@@ -21,7 +21,6 @@ having changed nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import sys
@@ -97,6 +96,8 @@ _libc: list[ctypes.CDLL] = []
 def _c() -> ctypes.CDLL:
     """The C library, with the signatures of the calls used here (Linux)."""
     if not _libc:
+        import ctypes.util  # here: it imports subprocess, shutil and tempfile
+
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,

@@ -1,8 +1,9 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
 ``view``, ``export``, ``ray``, ``top``, ``metrics``, ``engine``.
 
-Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow (``engine
---limit``: the engine does not fit, or cannot be shown to); 2 bad input or usage (one line on stderr, never a traceback; set
+Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow, or does
+not match them (``engine --limit``: the engine does not fit, or cannot be shown to); 2 bad
+input or usage (one line on stderr, never a traceback; set
 ``GPUBUDGET_DEBUG=1`` to see the traceback of an internal error); 130 interrupted (Ctrl-C);
 141 the output was closed early (``| head``): the command stops quietly, as if killed by
 ``SIGPIPE``. Text from a trace (names, tags) is printed with unprintable characters escaped.
@@ -26,6 +27,7 @@ from ..tracefile import MAX_TRACE_BYTES, printable
 from ..units import format_size, parse_size
 from .demo import demo
 from .engine import add_engine_parser
+from .gate import ALLOWANCES
 from .output import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
@@ -104,7 +106,15 @@ def _parser() -> argparse.ArgumentParser:
     fit_parser.add_argument("--check", metavar="LIMITS",
                             help="a CI gate: exit 1, with a table, when the traces need more "
                             "than LIMITS allow (the 'with gpu_budget(...)' code fit prints, "
-                            "or a .toml file), 0 when they fit")
+                            "or a .toml file) or do not match them (a budget of LIMITS not "
+                            "in the run, a budget of a tree LIMITS names without a limit), 0 "
+                            "when they fit")
+    fit_parser.add_argument("--allow", action="append", default=[], metavar="WHAT",
+                            choices=ALLOWANCES,
+                            help="with --check, for every budget: 'absent' budgets of LIMITS "
+                            "may be missing from the run; 'unlisted' budgets of the run may "
+                            "have no limit; 'denials' of the run are expected (each budget "
+                            "must fit what it was granted). Repeat for more than one")
     view_parser = commands.add_parser(
         "view", help="an interactive viewer of a trace: one HTML file",
         description="Write one self-contained HTML page (no network needed to open it): a "
@@ -119,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="a trace in another format: --perfetto",
         description="Convert a trace: --perfetto writes the Trace Event Format (JSON) that "
         "ui.perfetto.dev and chrome://tracing open: a process per root budget, a thread and "
-        "a counter track per budget, a slice for its life, an instant for each denial.")
+        "a counter track per budget, a slice for its life and one for each block (tag, "
+        "bytes, stack), an instant for each denial; times in whole microseconds, the file "
+        "no larger than the trace.")
     export_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
     export_parser.add_argument("--perfetto", action="store_true", required=True,
                                help="write the Trace Event Format (the only format so far)")
@@ -155,7 +167,9 @@ def _host_commands(commands: Any) -> None:
                             help="sort rows by this (default: %(default)s)")
     top_parser.add_argument("--reverse", action="store_true", help="reverse the order")
     top_parser.add_argument("--filter", default="", metavar="TEXT",
-                            help="only rows whose pid, process, budget or device has TEXT")
+                            help="only rows whose pid, process or budget has TEXT")
+    top_parser.add_argument("--device", default="", metavar="TEXT",
+                            help="only devices whose UUID or name has TEXT")
     top_parser.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
                             help="seconds between refreshes (default: %(default)s)")
     top_parser.add_argument("--all", action="store_true",
@@ -167,6 +181,9 @@ def _host_commands(commands: Any) -> None:
         "install 'gpubudget[metrics]').")
     metrics_parser.add_argument("--port", type=_port, required=True,
                                 help="the port (0: any free one, printed on stderr)")
+    metrics_parser.add_argument("--process-label", choices=("pid", "command"), default="pid",
+                                help="what the process label holds: the pid (default), or "
+                                "the command line, the same after a restart")
     metrics_parser.add_argument("--address", default="127.0.0.1",
                                 help="the address to listen on (default: %(default)s, this "
                                 "host only; 0.0.0.0 for every interface)")
@@ -220,8 +237,8 @@ def _run(argv: Sequence[str] | None) -> int:
             from .top import TopOptions, top_command
 
             options = TopOptions(sort=args.sort, reverse=args.reverse, filter=args.filter,
-                                 directory=args.ledger_dir, interval=args.interval,
-                                 idle=args.all)
+                                 device=args.device, directory=args.ledger_dir,
+                                 interval=args.interval, idle=args.all)
             return top_command(options, once=args.once, as_json=args.json)
         if args.command == "engine":
             from .engine import engine_command
@@ -230,11 +247,14 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "metrics":
             from ..metrics import metrics_command
 
-            return metrics_command(args.port, args.address, args.ledger_dir)
+            return metrics_command(args.port, args.address, args.ledger_dir,
+                                   args.process_label)
         if args.check is not None:
             from .gate import check_command
 
-            return check_command(args.check, args.traces, args.max_size)
+            return check_command(args.check, args.traces, args.max_size, args.allow)
+        if args.allow:
+            raise Failure("--allow goes with --check LIMITS")
         return fit_command(args.traces, args.max_size)
     except BrokenPipeError:
         raise

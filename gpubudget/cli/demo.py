@@ -73,6 +73,8 @@ def demo(plot: str | None, backend_name: str | None) -> None:
                 if block is not None:
                     model.free(block)
         assert weights is not None
+        for model in (detector, classifier):  # loaded until the program ends, as an engine
+            model.pin()  # would be: their memory is not a leak, and exit says nothing of it
     print(f"\npool: {format_size(pool.used)} used of {format_size(pool.limit)}, "
           f"{format_size(pool.available)} left\n")
     report = pool.report()

@@ -1,10 +1,10 @@
-"""``gpubudget fit --check LIMITS TRACE...``: a CI gate. Exit 1, with a table of the budgets
-that need more, when a recorded run needs more than LIMITS allow; 0 when it fits.
+"""``gpubudget fit --check LIMITS TRACE...``: a CI gate. Exit 1, with a table, when a recorded
+run needs more than LIMITS allow or does not match LIMITS; 0 when it fits.
 
 LIMITS is either the code ``gpubudget fit`` prints (or any Python with nested
 ``with gpu_budget("2GiB", name="detector"):`` blocks: the limit a literal, the name a
 ``name=`` string), or a TOML file (``.toml``) of nested tables, one per budget, each with a
-``limit``::
+``limit`` (see :mod:`gpubudget.cli.limits`)::
 
     [shared]
     limit = "4GiB"
@@ -13,148 +13,90 @@ LIMITS is either the code ``gpubudget fit`` prints (or any Python with nested
     limit = "2GiB"
 
 Budgets are matched by their path of names from the root (``shared/detector``), as ``fit``
-groups them: the largest need of budgets sharing a path is checked. Budgets of the run that
-LIMITS does not name are listed, not checked.
+groups them: the largest need of budgets sharing a path is checked. The gate fails (exit 1)
+when:
+
+- a budget needs more than its limit: the smallest limit under which the run replays
+  without a denial is above it. A budget whose denials are expected (``denials =
+  "expected"``) is fitted on the run without its denied requests: it must fit what it was
+  granted;
+- a budget of LIMITS is not in the run (misspelt, or the run changed), unless it says
+  ``absent = "ok"``;
+- a budget of the run has no limit in LIMITS although LIMITS names its root (LIMITS speaks
+  for that whole tree), unless it or a budget above it says ``unlisted = "unchecked"``.
+
+``--allow absent``, ``--allow unlisted`` and ``--allow denials`` say the same for every
+budget. Budgets of roots that LIMITS does not name are listed, not checked. LIMITS that
+match no budget of the run at all are bad input (exit 2): a gate that checks nothing does
+not pass.
 """
 
 from __future__ import annotations
 
-import ast
+import difflib
 import os
 import sys
-import textwrap
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
 
 from ..errors import GpuBudgetError
 from ..replay import fit
-from ..tracefile import TraceReader, printable
-from ..units import format_size, parse_size
+from ..tracefile import Alloc, Enter, TraceEvent, TraceReader, printable
+from ..units import format_size
+from .limits import Limits, Path, read_limits
 from .output import Failure
 
-__all__ = ["EXIT_OVER", "check_command", "read_limits"]
+__all__ = ["ALLOWANCES", "EXIT_OVER", "check_command"]
 
 EXIT_OVER: Final = 1
-"""The exit status when the run needs more than the limits allow."""
-_CALLS: Final = ("gpu_budget", "Budget")
-
-Path = tuple[str, ...]
-
-
-def _literal_limit(call: ast.Call, where: str) -> int:
-    node = call.args[0] if call.args else next(
-        (k.value for k in call.keywords if k.arg == "limit"), None)
-    if node is None:
-        raise Failure(f"{where}: gpu_budget(...) without a limit")
-    try:
-        value = ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError):
-        raise Failure(f"{where}: the limit is not written out (a literal such as \"2GiB\" "
-                      f"or 2147483648)") from None
-    try:
-        return parse_size(value, what="the limit")
-    except (ValueError, TypeError) as exc:
-        raise Failure(f"{where}: {exc}") from None
+"""The exit status when the run needs more than the limits allow, or does not match them."""
+ALLOWANCES: Final = ("absent", "unlisted", "denials")
+"""What ``--allow`` takes: each turns a setting of :mod:`gpubudget.cli.limits` on for every
+budget."""
 
 
-def _budget_call(item: ast.withitem) -> ast.Call | None:
-    call = item.context_expr
-    if not isinstance(call, ast.Call):
-        return None
-    func = call.func
-    name = func.id if isinstance(func, ast.Name) else (
-        func.attr if isinstance(func, ast.Attribute) else "")
-    return call if name in _CALLS else None
+class _Run(TraceReader):
+    """A trace read for the gate: it counts each budget's denied requests and leaves out
+    those of the budgets whose denials are expected, so that ``fit`` does not grant them."""
 
+    def __init__(self, path: str, max_bytes: int, limits: Limits, all_expected: bool,
+                 denied: dict[Path, int], expected: dict[Path, int]) -> None:
+        super().__init__(path, max_bytes=max_bytes)
+        self.limits = limits
+        self.all_expected = all_expected
+        self.denied = denied
+        self.expected = expected
+        self.paths: dict[int, Path] = {}
 
-def _from_python(text: str, shown: str) -> dict[Path, int]:
-    try:
-        tree = ast.parse(textwrap.dedent(text), filename=shown)
-    except (SyntaxError, ValueError) as exc:
-        line = getattr(exc, "lineno", None)
-        raise Failure(f"{shown}{f':{line}' if line else ''}: not Python ({getattr(exc, 'msg', exc)}); "
-                      f"TOML limits go in a file named *.toml") from None
-    limits: dict[Path, int] = {}
-    stack: list[tuple[ast.AST, Path]] = [(tree, ())]
-    while stack:  # a loop: the nesting may be deep
-        node, path = stack.pop()
-        inner = path
-        if isinstance(node, (ast.With, ast.AsyncWith)):
-            for item in node.items:
-                call = _budget_call(item)
-                if call is None:
+    def __iter__(self) -> Iterator[TraceEvent]:
+        paths = self.paths
+        for event in super().__iter__():
+            if type(event) is Enter:
+                parent = paths[event.parent] if event.parent is not None else ()
+                paths[event.budget] = parent + (event.name,)
+            elif type(event) is Alloc and event.ptr is None:
+                path = paths[event.budget]
+                self.denied[path] = self.denied.get(path, 0) + 1
+                if self.all_expected or self.limits.settings(path).denials:
+                    self.expected[path] = self.expected.get(path, 0) + 1
                     continue
-                where = f"{shown}:{call.lineno}"
-                named = next((k.value for k in call.keywords if k.arg == "name"), None)
-                if not (isinstance(named, ast.Constant) and isinstance(named.value, str)):
-                    raise Failure(f"{where}: gpu_budget(...) without a name=\"...\" string: "
-                                  f"it cannot be matched to a recorded budget")
-                inner = inner + (named.value,)
-                limits[inner] = _literal_limit(call, where)
-        stack.extend((child, inner) for child in reversed(list(ast.iter_child_nodes(node))))
-    if not limits:
-        raise Failure(f"{shown}: no 'with gpu_budget(..., name=...)' block in it")
-    return limits
+            yield event
 
 
-def _from_toml(text: str, shown: str) -> dict[Path, int]:
-    try:
-        import tomllib as toml
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as toml  # type: ignore[import-not-found, no-redef]
-        except ImportError:
-            raise Failure("TOML limits need Python 3.11 or tomli: pip install tomli") from None
-    try:
-        data = toml.loads(text)
-    except toml.TOMLDecodeError as exc:
-        raise Failure(f"{shown}: not valid TOML ({exc})") from None
-    limits: dict[Path, int] = {}
-    stack: list[tuple[Path, dict[str, Any]]] = [((name,), table) for name, table in
-                                                data.items() if isinstance(table, dict)]
-    if len(stack) != len(data):
-        raise Failure(f"{shown}: every top-level key must be a [table] named after a root "
-                      f"budget")
-    while stack:
-        path, table = stack.pop()
-        for key, value in table.items():
-            if isinstance(value, dict):
-                stack.append((path + (key,), value))
-            elif key == "limit":
-                try:
-                    limits[path] = parse_size(value, what=f"[{'.'.join(path)}] limit")
-                except (TypeError, ValueError) as exc:
-                    raise Failure(f"{shown}: {exc}") from None
-            else:
-                raise Failure(f"{shown}: [{'.'.join(path)}] has {key!r}: only 'limit' and "
-                              f"tables of the budgets inside it are read")
-    if not limits:
-        raise Failure(f"{shown}: no budget with a limit in it")
-    return limits
+@dataclass
+class _Measured:
+    """What the traces need, path by path."""
+
+    needs: dict[Path, int] = field(default_factory=dict)
+    """The largest fitted limit among the traces (``fit``'s numbers)."""
+    denied: dict[Path, int] = field(default_factory=dict)
+    """Requests the run was refused."""
+    expected: dict[Path, int] = field(default_factory=dict)
+    """Of those, the ones expected (left out of the fit)."""
 
 
-def read_limits(path: str) -> dict[Path, int]:
-    """Budget path (names from the root) -> limit, from a Python or TOML file; a
-    :class:`~gpubudget.cli.output.Failure` in one line for a bad one."""
-    shown = printable(path)
-    try:
-        with open(path, "rb") as file:
-            raw = file.read((1 << 20) + 1)
-    except OSError as exc:
-        raise Failure(f"{shown}: {exc.strerror or exc}") from None
-    if len(raw) > 1 << 20:
-        raise Failure(f"{shown}: over 1 MiB; not a limits file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise Failure(f"{shown}: not UTF-8 text") from None
-    if path.lower().endswith(".toml"):
-        return _from_toml(text, shown)
-    return _from_python(text, shown)
-
-
-def _needs(paths: Sequence[str], max_bytes: int) -> dict[Path, int]:
-    """Budget path -> the largest fitted limit among the traces (``fit``'s numbers)."""
+def _trace_files(paths: Sequence[str]) -> list[str]:
     files: list[str] = []
     for path in paths:
         if path != "-" and os.path.isdir(path):
@@ -164,16 +106,22 @@ def _needs(paths: Sequence[str], max_bytes: int) -> dict[Path, int]:
             files.append(path)
     if not files:
         raise Failure("no .jsonl trace in " + ", ".join(printable(p) for p in paths))
-    needs: dict[Path, int] = {}
-    for path in files:
-        with TraceReader(path, max_bytes=max_bytes) as reader:
+    return files
+
+
+def _measure(paths: Sequence[str], max_bytes: int, limits: Limits,
+             all_expected: bool) -> _Measured:
+    found = _Measured()
+    for path in _trace_files(paths):
+        with _Run(path, max_bytes, limits, all_expected, found.denied,
+                  found.expected) as reader:
             fits = fit(reader)
         where: dict[int, Path] = {}
-        for found in fits:  # parents before children
-            key = (where[found.parent] if found.parent is not None else ()) + (found.name,)
-            where[found.budget] = key
-            needs[key] = max(needs.get(key, 0), found.limit)
-    return needs
+        for each in fits:  # parents before children
+            key = (where[each.parent] if each.parent is not None else ()) + (each.name,)
+            where[each.budget] = key
+            found.needs[key] = max(found.needs.get(key, 0), each.limit)
+    return found
 
 
 def _literal(nbytes: int) -> str:
@@ -184,45 +132,136 @@ def _literal(nbytes: int) -> str:
     return str(nbytes)
 
 
-def check_command(limits_path: str, traces: Sequence[str], max_bytes: int) -> int:
-    """Compare what ``traces`` need with the limits in ``limits_path``; print the table."""
-    limits = read_limits(limits_path)
-    try:
-        needs = _needs(traces, max_bytes)
-    except (GpuBudgetError, ValueError) as exc:
-        raise Failure(str(exc)) from None
-    checked = [path for path in needs if path in limits]
+def _name(path: Path) -> str:
+    return printable("/".join(path))
+
+
+@dataclass
+class _Verdict:
+    """The gate's findings."""
+
+    checked: list[Path]
+    over: list[Path]
+    absent: list[Path]
+    """Budgets of LIMITS not in the run (the outermost of each missing subtree): failures."""
+    absent_ok: list[Path]
+    unlisted: list[Path]
+    """Budgets of the run without a limit in LIMITS, which speaks for their tree: failures."""
+    unchecked: list[Path]
+
+    @property
+    def fails(self) -> bool:
+        return bool(self.over or self.absent or self.unlisted)
+
+
+def _judge(limits: Limits, run: _Measured, allowed: Collection[str]) -> _Verdict:
+    needs = run.needs
+    checked = [path for path in needs if path in limits.limits]
     if not checked:  # a gate that checks nothing must not pass
-        raise Failure(f"none of the budgets of {printable(limits_path)} is in the run (its "
-                      f"root budgets: {', '.join(sorted({printable(p[0]) for p in needs}))}); "
+        raise Failure(f"none of the budgets of {limits.shown} is in the run (its root "
+                      f"budgets: {', '.join(sorted({printable(p[0]) for p in needs}))}); "
                       f"names are matched from the root down")
-    over = [path for path in checked if needs[path] > limits[path]]
-    shown = printable(limits_path)
-    width = max([len("budget")] + [len(printable("/".join(p))) for p in checked])
+    over = [path for path in checked if needs[path] > limits.limits[path]]
+    missing = [path for path in limits.named
+               if path not in needs and (len(path) == 1 or path[:-1] in needs)]
+    may_miss = "absent" in allowed
+    absent = [path for path in missing if not (may_miss or limits.settings(path).absent)]
+    absent_ok = [path for path in missing if path not in absent]
+    claimed = limits.roots()
+    without = [path for path in needs if path not in limits.limits]
+    unlisted = [path for path in without if path[0] in claimed
+                and "unlisted" not in allowed and not limits.unlisted_unchecked(path)]
+    unchecked = [path for path in without if path not in unlisted]
+    return _Verdict(checked, over, absent, absent_ok, unlisted, unchecked)
+
+
+def _headline(verdict: _Verdict, shown: str) -> str:
+    if not verdict.fails:
+        return f"gpubudget fit --check: the run fits in {shown}"
+    parts = []
+    if verdict.over:
+        parts.append(f"{len(verdict.over)} budget(s) need more than {shown} allows")
+    if verdict.absent:
+        parts.append(f"{len(verdict.absent)} budget(s) of {shown} not in the run")
+    if verdict.unlisted:
+        parts.append(f"{len(verdict.unlisted)} budget(s) of the run without a limit in "
+                     f"{shown}")
+    return "gpubudget fit --check: " + "; ".join(parts)
+
+
+def _table(verdict: _Verdict, limits: Limits, run: _Measured) -> list[str]:
+    over, needs = verdict.over, run.needs
+    width = max([len("budget")] + [len(_name(p)) for p in verdict.checked])
     lines = [f"  {'budget':<{width}}  {'limit':>10}  {'needs':>10}"]
-    for path in sorted(checked, key=lambda p: (p not in over, p)):
-        name = printable("/".join(path))
-        verdict = (f"+{format_size(needs[path] - limits[path])} over" if path in over
-                   else "ok")
-        lines.append(f"{'-' if path in over else ' '} {name:<{width}}  "
-                     f"{format_size(limits[path]):>10}  {format_size(needs[path]):>10}  "
-                     f"{verdict}")
+    for path in sorted(verdict.checked, key=lambda p: (p not in over, p)):
+        limit = limits.limits[path]
+        if path in over:
+            verdict_text = f"+{format_size(needs[path] - limit)} over"
+        else:
+            verdict_text = "ok"
+        if run.expected.get(path):
+            verdict_text += f" ({run.expected[path]} denial(s) expected, left out)"
+        lines.append(f"{'-' if path in over else ' '} {_name(path):<{width}}  "
+                     f"{format_size(limit):>10}  {format_size(needs[path]):>10}  "
+                     f"{verdict_text}")
     if over:
         lines.append("to fit, change:")
         for path in sorted(over):
-            lines.append(f"  {printable('/'.join(path))}: {_literal(limits[path])} -> "
+            lines.append(f"  {_name(path)}: {_literal(limits.limits[path])} -> "
                          f"{_literal(needs[path])}")
-    unchecked = [printable("/".join(p)) for p in needs if p not in limits]
-    missing = [printable("/".join(p)) for p in limits if p not in needs]
-    if over:
-        print(f"gpubudget fit --check: {len(over)} budget(s) need more than {shown} allows")
-    else:
-        print(f"gpubudget fit --check: the run fits in {shown}")
-    print("\n".join(lines))
-    if unchecked:
-        print(f"not in {shown} (not checked): {', '.join(unchecked)}")
-    if missing:
-        print(f"in {shown} but not in the run: {', '.join(missing)}")
-    sys.stdout.flush()
-    return EXIT_OVER if over else 0
+        refused = [path for path in sorted(over)
+                   if run.denied.get(path, 0) > run.expected.get(path, 0)]
+        for path in refused:
+            lines.append(f"  ({_name(path)} was refused {run.denied[path]} request(s) in the "
+                         f"run: if the program handles them, say denials = \"expected\" in "
+                         f"its table, and it need only fit what it was granted)")
+    return lines
 
+
+def _similar(path: Path, needs: Collection[Path]) -> str:
+    """`` (the run has: a/b?)`` for the budgets of the run with a name like ``path``'s."""
+    siblings = {other[-1] for other in needs if other[:-1] == path[:-1]}
+    close = difflib.get_close_matches(path[-1], sorted(siblings), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (misspelt? the run has {', '.join(_name(path[:-1] + (c,)) for c in close)})"
+
+
+def _mismatches(verdict: _Verdict, limits: Limits, run: _Measured) -> list[str]:
+    shown, lines = limits.shown, []
+    if verdict.absent:
+        lines.append(f"in {shown} but not in the run (if a run may lack one, say absent = "
+                     f"\"ok\" in its table, or --allow absent):")
+        lines += [f"- {_name(path)}{_similar(path, run.needs)}" for path in verdict.absent]
+    if verdict.unlisted:
+        lines.append(f"in the run but without a limit in {shown}, which names their root "
+                     f"(add one; or say unlisted = \"unchecked\" in the table of a budget "
+                     f"above them, or --allow unlisted):")
+        lines += [f"- {_name(path)}: needs {format_size(run.needs[path])}, limit = "
+                  f"{_literal(run.needs[path])}" for path in verdict.unlisted]
+    if verdict.unchecked:
+        lines.append(f"not in {shown} (not checked): "
+                     f"{', '.join(_name(p) for p in verdict.unchecked)}")
+    if verdict.absent_ok:
+        lines.append(f"in {shown} but not in the run (absent allowed): "
+                     f"{', '.join(_name(p) for p in verdict.absent_ok)}")
+    return lines
+
+
+def check_command(limits_path: str, traces: Sequence[str], max_bytes: int,
+                  allow: Collection[str] = ()) -> int:
+    """Compare what ``traces`` need with the limits in ``limits_path``; print the table and
+    what does not match; return :data:`EXIT_OVER` when the gate fails, else 0."""
+    unknown = set(allow) - set(ALLOWANCES)
+    if unknown:
+        raise ValueError(f"allow takes {', '.join(ALLOWANCES)}, not {sorted(unknown)}")
+    limits = read_limits(limits_path)
+    try:
+        run = _measure(traces, max_bytes, limits, "denials" in allow)
+    except (GpuBudgetError, ValueError) as exc:
+        raise Failure(str(exc)) from None
+    verdict = _judge(limits, run, allow)
+    print(_headline(verdict, limits.shown))
+    print("\n".join(_table(verdict, limits, run) + _mismatches(verdict, limits, run)))
+    sys.stdout.flush()
+    return EXIT_OVER if verdict.fails else 0

@@ -1,20 +1,25 @@
 """``gpubudget top``: every budget of every process on the host, per device, live.
 
 The view is the host ledger (:func:`gpubudget.hostledger.host_view`): one block per device
-(its memory, cap, what the roots claimed and use), one row per root budget of a live
-process (pid, process, budget, limit, used, peak, denials) and, where NVML answers, the
-memory each process holds on the device outside its budgets, with the processes that hold
-GPU memory and have no budget at all. On a terminal it redraws every second: ``s`` changes
-the column rows are sorted by, ``r`` reverses the order, ``/`` filters (type, then Enter;
-Esc cancels), ``c`` clears the filter, ``q`` quits. ``--once`` prints the view once as text
-(as does ``top`` when its output is not a terminal), ``--json`` once as JSON. Names come from
-other processes: unprintable characters are shown escaped.
+(its memory, cap, what the roots claimed, what is left unclaimed, what they use), one row
+per root budget of a live process (pid, process, budget, limit, used, free under its limit,
+peak, denials) and, where NVML answers, the memory each process holds on the device outside
+its budgets, with the processes that hold GPU memory and have no budget at all. On a
+terminal it redraws every second: ``s`` changes the column rows are sorted by, ``r``
+reverses the order, ``/`` filters rows by pid, process or budget (type, then Enter; Esc
+cancels), ``c`` clears the filter, ``q`` quits; ``--device`` keeps the devices whose UUID or
+name holds some text. The view fits the terminal: header and device lines wrap, the name
+columns shrink, then the least needed columns go (OUTSIDE, PROCESS, PEAK, DENIED, FREE,
+LIMIT, in that order). ``--once`` prints the view once as text (as does ``top`` when its
+output is not a terminal), ``--json`` once as JSON. Names come from other processes:
+unprintable characters are shown escaped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -27,11 +32,30 @@ from ..units import format_size
 
 __all__ = ["SORT_KEYS", "TopOptions", "render", "top_command"]
 
-SORT_KEYS: Final = ("used", "limit", "peak", "denials", "outside", "pid", "budget", "process")
+SORT_KEYS: Final = ("used", "limit", "free", "peak", "denials", "outside", "pid", "budget",
+                    "process")
 """What rows may be sorted by (``--sort``, and ``s`` cycles through them)."""
-_NUMERIC: Final = frozenset({"used", "limit", "peak", "denials", "outside"})
-_COLUMNS: Final = (("PID", 8), ("PROCESS", 24), ("BUDGET", 20), ("LIMIT", 11), ("USED", 11),
-                   ("PEAK", 11), ("DENIED", 7), ("OUTSIDE", 11))
+_NUMERIC: Final = frozenset({"used", "limit", "free", "peak", "denials", "outside"})
+
+
+@dataclass(frozen=True)
+class _Column:
+    title: str
+    width: int
+    right: bool
+    keep: int
+    """Columns with the smallest ``keep`` go first when the terminal is too narrow."""
+    least: int = 0
+    """A name column shrinks down to this before any column goes (0: it does not shrink)."""
+
+
+_COLUMNS: Final = (_Column("PID", 8, True, 8), _Column("PROCESS", 24, False, 2, 10),
+                   _Column("BUDGET", 20, False, 9, 10), _Column("LIMIT", 11, True, 6),
+                   _Column("USED", 11, True, 7), _Column("FREE", 11, True, 5),
+                   _Column("PEAK", 11, True, 3), _Column("DENIED", 7, True, 4),
+                   _Column("OUTSIDE", 11, True, 1))
+"""The table's columns: wide enough for ``1023.99 GiB``; on a narrow terminal the names
+shrink first, then columns go, the least needed first (see :func:`_fit`)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +66,9 @@ class TopOptions:
     reverse: bool = False
     """Numbers sort largest first, names A to Z; ``reverse`` turns that around."""
     filter: str = ""
-    """Only rows whose pid, process, budget or device contains this (any case)."""
+    """Only rows whose pid, process or budget contains this (any case)."""
+    device: str = ""
+    """Only devices whose identity (a GPU's UUID) or label (its name) contains this."""
     directory: str | None = None
     interval: float = 1.0
     idle: bool = False
@@ -57,14 +83,28 @@ class _Row:
     entry: Entry | None
     outside: int | None
 
+    @property
+    def free(self) -> int | None:
+        """What the budget has left under its limit."""
+        return None if self.entry is None else max(self.entry.limit - self.entry.used, 0)
+
     def key(self, sort: str) -> Any:
         entry = self.entry
+        free = self.free
         values: dict[str, Any] = {
             "used": entry.used if entry else -1, "limit": entry.limit if entry else -1,
+            "free": free if free is not None else -1,
             "peak": entry.peak if entry else -1, "denials": entry.denials if entry else -1,
             "outside": self.outside if self.outside is not None else -1, "pid": self.pid,
             "budget": self.budget.lower(), "process": self.process.lower()}
         return values[sort]
+
+    def cells(self) -> list[str]:
+        entry = self.entry
+        return [str(self.pid), self.process, self.budget,
+                _size(entry.limit if entry else None), _size(entry.used if entry else None),
+                _size(self.free), _size(entry.peak if entry else None),
+                str(entry.denials) if entry else "-", _size(self.outside)]
 
 
 def _rows(device: DeviceView, options: TopOptions) -> list[_Row]:
@@ -74,7 +114,7 @@ def _rows(device: DeviceView, options: TopOptions) -> list[_Row]:
     rows += [_Row(pid, "?", "(no budget)", None, device.outside(pid))
              for pid in device.pids if pid not in budgeted]
     wanted = options.filter.lower()
-    if wanted and wanted not in f"{device.identity} {device.label}".lower():
+    if wanted:  # rows only: a device's name would match all of its rows
         rows = [row for row in rows if wanted in f"{row.pid} {row.process} {row.budget}".lower()]
     rows.sort(key=lambda row: (row.pid, row.budget))  # ties stay in this order
     rows.sort(key=lambda row: row.key(options.sort),
@@ -93,55 +133,108 @@ def _cell(text: str, width: int, right: bool) -> str:
     return text.rjust(width) if right else text.ljust(width)
 
 
-def _device_line(device: DeviceView) -> str:
+def _fit(width: int | None) -> list[_Column]:
+    """The columns that fit in ``width`` characters (all for ``None``): names shrink to their
+    least first, then the least needed columns go, PID, BUDGET and USED last."""
+    columns = list(_COLUMNS)
+    if width is None:
+        return columns
+
+    def total() -> int:
+        return sum(column.width for column in columns) + len(columns) - 1
+
+    for index, column in enumerate(columns):  # names shrink first
+        if column.least and total() > width:
+            columns[index] = replace(column, width=max(column.least,
+                                                       column.width - (total() - width)))
+    for column in sorted(columns, key=lambda c: c.keep):
+        if total() <= width or len(columns) <= 3:
+            break
+        columns.remove(column)
+    for title in ("BUDGET", "PROCESS"):  # room left: the names take it back
+        for index, column in enumerate(columns):
+            full = next(c.width for c in _COLUMNS if c.title == title)
+            if column.title == title and total() < width:
+                columns[index] = replace(column, width=min(full, column.width + width - total()))
+    return columns
+
+
+def _line(cells: list[str], columns: list[_Column]) -> str:
+    """A row's cells in the columns shown."""
+    shown = {column.title: column for column in columns}
+    return " ".join(_cell(text, shown[column.title].width, column.right)
+                    for text, column in zip(cells, _COLUMNS) if column.title in shown).rstrip()
+
+
+def _wrapped(parts: list[str], width: int | None) -> list[str]:
+    """``parts`` joined by `` · `` on as few lines as ``width`` allows."""
+    if width is not None:  # a part longer than a line (a long directory) is cut
+        parts = [part if len(part) <= width - 2 else part[: width - 3] + "…" for part in parts]
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if width is not None and len(lines[-1]) + 3 + len(part) > width:
+            lines.append("  " + part)
+        else:
+            lines[-1] += " · " + part
+    return lines
+
+
+def _device_lines(device: DeviceView, width: int | None) -> list[str]:
     processes = len({entry.pid for entry in device.entries})
     named = device.label if device.identity in device.label else (
         f"{device.identity} {device.label}")
-    parts = [printable(named),
-             f"{format_size(device.total)}"]
+    parts = [printable(named), f"{format_size(device.total)}"]
     if device.cap is not None:
         parts.append(f"cap {format_size(device.cap)}")
-    parts.append(f"claimed {format_size(device.claimed)} by {len(device.entries)} budgets "
-                 f"in {processes} processes")
+    parts.append(f"claimed {format_size(device.claimed)}")
+    budgets = len(device.entries)
+    parts.append(f"{budgets} budget{'s' * (budgets != 1)} in {processes} "
+                 f"process{'es' * (processes != 1)}")
+    room = (device.cap if device.cap is not None else device.total) - device.claimed
+    parts.append(f"unclaimed {format_size(max(room, 0))}")
     parts.append(f"used {format_size(device.used)}")
     if device.ended:
         parts.append(f"{device.ended} ended not yet cleared")
-    return " · ".join(parts)
+    return _wrapped(parts, width)
 
 
-def render(view: HostView, options: TopOptions = TopOptions()) -> list[str]:
+def render(view: HostView, options: TopOptions = TopOptions(), width: int | None = None
+           ) -> list[str]:
     """The text of the view, one string per line (what ``--once`` prints and the live view
-    draws).
+    draws), fitted to ``width`` characters when given (a terminal's): header and device lines
+    wrap, the table's names shrink and its least needed columns go.
 
     >>> import tempfile
     >>> render(host_view(tempfile.mkdtemp(), nvml=False))[-1]
     'no budgets registered on this host'
     """
     order = f"{options.sort} {'▲' if (options.sort in _NUMERIC) == options.reverse else '▼'}"
-    lines = [f"gpubudget top · {view.taken_at.astimezone():%Y-%m-%d %H:%M:%S} · "
-             f"{printable(view.directory)} · sort {order}"
-             + (f" · filter {printable(options.filter)!r}" if options.filter else "")
-             + ("" if view.nvml_error is None else " · outside: -, no NVML")]
+    parts = ["gpubudget top", f"{view.taken_at.astimezone():%Y-%m-%d %H:%M:%S}",
+             printable(view.directory), f"sort {order}"]
+    if options.filter:
+        parts.append(f"filter {printable(options.filter)!r}")
+    if options.device:
+        parts.append(f"device {printable(options.device)!r}")
+    if view.nvml_error is not None:
+        parts.append("outside: -, no NVML")
+    lines = _wrapped(parts, width)
+    columns = _fit(width)
     shown = 0
+    wanted = options.device.lower()
     for device in view.devices:
+        if wanted and wanted not in f"{device.identity} {device.label}".lower():
+            continue
         rows = _rows(device, options)
         if not rows and (options.filter or not options.idle):
             continue
-        lines += ["", _device_line(device),
-                  "".join(_cell(title, width, index != 1 and index != 2) + " "
-                          for index, (title, width) in enumerate(_COLUMNS)).rstrip()]
+        lines += ["", *_device_lines(device, width),
+                  _line([column.title for column in _COLUMNS], columns)]
         for row in rows:
-            entry = row.entry
-            cells = [str(row.pid), row.process, row.budget,
-                     _size(entry.limit if entry else None), _size(entry.used if entry else None),
-                     _size(entry.peak if entry else None),
-                     str(entry.denials) if entry else "-", _size(row.outside)]
-            lines.append("".join(_cell(text, width, index not in (1, 2)) + " " for index, (
-                text, (_, width)) in enumerate(zip(cells, _COLUMNS))).rstrip())
+            lines.append(_line(row.cells(), columns))
             shown += 1
     if not shown:
-        lines += ["", "no budgets registered on this host" if not options.filter
-                  else "no budget matches the filter"]
+        lines += ["", "no budgets registered on this host"
+                  if not (options.filter or options.device) else "no budget matches the filter"]
     return lines
 
 
@@ -152,7 +245,9 @@ def top_command(options: TopOptions, *, once: bool, as_json: bool) -> int:
         print(json.dumps(host_view(options.directory, idle=options.idle).as_dict(), indent=2))
         return 0
     if once or not _terminal():
-        print("\n".join(render(host_view(options.directory, idle=options.idle), options)))
+        width = shutil.get_terminal_size().columns if _terminal(stdin=False) else None
+        print("\n".join(render(host_view(options.directory, idle=options.idle), options,
+                               width)))
         return 0
     import curses
 
@@ -166,10 +261,11 @@ def top_command(options: TopOptions, *, once: bool, as_json: bool) -> int:
     return result
 
 
-def _terminal() -> bool:
-    """Whether standard input and output are a terminal the live view can take over."""
+def _terminal(*, stdin: bool = True) -> bool:
+    """Whether standard output (and input, with ``stdin``) are a terminal: the live view can
+    take it over, and ``--once`` fits its width."""
     try:
-        return sys.stdin.isatty() and sys.stdout.isatty()
+        return (not stdin or sys.stdin.isatty()) and sys.stdout.isatty()
     except (AttributeError, ValueError):
         return False
 
@@ -188,7 +284,7 @@ def _live(screen: Any, options: TopOptions, read: Callable[[], HostView], view: 
     refreshed = time.monotonic()
     while True:
         shown = replace(options, filter=typing) if typing is not None else options
-        lines = render(view, shown)
+        lines = render(view, shown, max(screen.getmaxyx()[1] - 1, 20))
         if typing is not None:
             lines[0] += " (typing: Enter keeps it, Esc cancels)"
         _draw(screen, lines)

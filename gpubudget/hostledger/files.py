@@ -24,9 +24,7 @@ what is wrong.
 from __future__ import annotations
 
 import os
-import secrets
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Final
@@ -50,7 +48,12 @@ def default_directory() -> Path:
     >>> default_directory().name == f"gpubudget-ledger-{os.geteuid()}"
     True
     """
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    if os.path.isdir("/dev/shm"):
+        base = "/dev/shm"
+    else:
+        import tempfile  # here: it imports shutil and random
+
+        base = tempfile.gettempdir()
     return Path(base) / f"gpubudget-ledger-{os.geteuid()}"
 
 
@@ -157,7 +160,7 @@ class LedgerDirectory:
             return self.open(name, writable=True)
         except FileNotFoundError:
             pass
-        temporary = f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        temporary = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
         try:

@@ -74,6 +74,8 @@ Events and error messages are the same either way (:mod:`.fastparse`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Final
+
 from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
 from .format import (
     FLUSH_EVERY,
@@ -88,9 +90,24 @@ from .format import (
     TraceError,
     printable,
 )
-from .reader import PARSER_ENV, PARSERS, Trace, TraceReader, read_trace
 from .files import TraceBusy
 from .writer import TraceWriter, writer_for, writer_from_env
+
+if TYPE_CHECKING:
+    from .reader import PARSER_ENV, PARSERS, Trace, TraceReader, read_trace
+
+_READER: Final = frozenset({"PARSER_ENV", "PARSERS", "Trace", "TraceReader", "read_trace"})
+
+
+def __getattr__(name: str) -> Any:
+    """The reader's names, imported at their first use: reading (with msgspec, where it is
+    installed) is a third of the package's import time, and a program that only writes
+    traces never needs it."""
+    if name in _READER:
+        from . import reader
+
+        return getattr(reader, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Alloc",
