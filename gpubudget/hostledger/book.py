@@ -25,7 +25,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import secrets
 import struct
 import threading
 import time
@@ -388,7 +387,7 @@ class DeviceBook:
 
 def _new_mark() -> int:
     """A mark for a change made without the lock: random, never 0 (a new file's)."""
-    return secrets.randbits(64) | 1
+    return int.from_bytes(os.urandom(8), "little") | 1
 
 
 def _locked_message(path: object, wait: float) -> str:
