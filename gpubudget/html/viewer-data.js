@@ -1,0 +1,262 @@
+// gpubudget's memory viewer, part 1 of 6: the data. Decoding the page's columns, formats,
+// and a dataset's questions: the budgets and their points, every block's life, the blocks of
+// a budget and its descendants in event order, and which of them are live at a moment
+// (checkpoints of the live set every K events, so a moment costs at most K steps).
+"use strict";
+const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
+(function () {
+  const B64 = typeof Uint8Array.fromBase64 === "function";
+  function bytesOf(b64) {
+    if (B64) return Uint8Array.fromBase64(b64);
+    const text = atob(b64), bytes = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+    return bytes;
+  }
+  function decode(b64) {
+    const stream = new Blob([bytesOf(b64)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    return new Response(stream).arrayBuffer();
+  }
+  async function columns(spec, kinds) {
+    const keys = Object.keys(kinds);
+    const buffers = await Promise.all(keys.map(k => decode(spec[k])));
+    const out = { n: spec.n };
+    keys.forEach((k, i) => { out[k] = new kinds[k](buffers[i]); });
+    return out;
+  }
+
+  const UNITS = [["TiB", 2 ** 40], ["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 1024]];
+  function formatSize(n) {
+    for (const [unit, size] of UNITS) if (Math.abs(n) >= size) return (n / size).toFixed(2) + " " + unit;
+    return Math.round(n) + " B";
+  }
+  function shortSize(n) {  // axis labels: "512 MiB", "1.5 GiB"
+    for (const [unit, size] of UNITS) if (Math.abs(n) >= size) return +(n / size).toFixed(2) + " " + unit;
+    return Math.round(n) + " B";
+  }
+  function sizeStep(scale, ticks) {  // a power of two of a unit, about scale / ticks
+    const raw = Math.max(scale / ticks, 1);
+    return Math.pow(2, Math.round(Math.log2(raw)));
+  }
+  const TIME_UNITS = [["h", 3600], ["min", 60], ["s", 1], ["ms", 1e-3], ["µs", 1e-6]];
+  function timeUnit(span) {
+    for (const [name, len] of TIME_UNITS) if (span >= 2 * len) return [name, len];
+    return TIME_UNITS[TIME_UNITS.length - 1];
+  }
+  function lowerBound(arr, value, n) {
+    let lo = 0, hi = n === undefined ? arr.length : n;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (arr[mid] < value) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+  function upperBound(arr, value, n) {
+    let lo = 0, hi = n === undefined ? arr.length : n;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (arr[mid] <= value) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+  function el(tag, attrs, text) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+  // Eleven colours for the keys that hold the most bytes, grey for the others, light grey
+  // for blocks without one. Red and orange stay for denials, leaks and the selection.
+  const PALETTE = ["#3d7bd9", "#59a14f", "#8e6bbf", "#2a9d8f", "#d4a72c", "#e377c2", "#9c755f",
+    "#8fb8ea", "#a3b84a", "#c5a3e0", "#1f6f78", "#98a2b3", "#d0d5dd"];
+  const OTHER = 11, NONE = 12, RANKS = 13;
+  const RGBA = PALETTE.map(hex => {  // little-endian ABGR words for ImageData
+    const v = parseInt(hex.slice(1), 16);
+    return (0xff << 24 | (v & 0xff) << 16 | (v >> 8 & 0xff) << 8 | v >> 16) >>> 0;
+  });
+  Object.assign(GB, { decode, columns, formatSize, shortSize, sizeStep, timeUnit, lowerBound,
+    upperBound, el, PALETTE, RGBA, OTHER, NONE, RANKS });
+
+  GB.loadDataset = async function (raw) {
+    const ds = { raw, title: raw.title, source: raw.source, timeUnit: raw.timeUnit || "s",
+      notes: raw.notes || [], tags: raw.tags, frames: raw.frames, stacks: raw.stacks,
+      denials: raw.denials, regions: raw.regions };
+    const [timesBuf, points, blocks] = await Promise.all([decode(raw.times.t),
+      columns(raw.points, { at: Int32Array, b: Int32Array, used: Float64Array, own: Float64Array }),
+      columns(raw.blocks, { b: Int32Array, size: Float64Array, tag: Int32Array, addr: Float64Array,
+        from: Int32Array, to: Int32Array, stack: Int32Array })]);
+    const times = ds.times = new Float64Array(timesBuf);
+    ds.blocks = blocks;
+    ds.end = raw.end > 0 ? raw.end : 1e-6;
+    const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
+      limit: b[2], reserve: b[3], entered: b[4], exited: b[5], peak: b[6], allocations: b[7],
+      frees: b[8], denied: b[9], children: [] }));
+    for (const b of budgets) if (b.parent !== null) budgets[b.parent].children.push(b.index);
+    const order = ds.order = [];  // depth first, parents before children
+    const todo = budgets.filter(b => b.parent === null).map(b => b.index).reverse();
+    while (todo.length) { const i = todo.pop(); order.push(i); todo.push(...budgets[i].children.slice().reverse()); }
+    const pre = ds.pre = new Int32Array(budgets.length), post = ds.post = new Int32Array(budgets.length);
+    order.forEach((b, i) => { pre[b] = i; });
+    for (let i = order.length - 1; i >= 0; i--) {
+      const b = order[i], kids = budgets[b].children;
+      post[b] = kids.length ? Math.max(...kids.map(c => post[c])) : pre[b];
+    }
+    const seen = new Map();
+    for (const i of order) {
+      const b = budgets[i];
+      b.depth = b.parent === null ? 0 : budgets[b.parent].depth + 1;
+      b.root = b.parent === null ? i : budgets[b.parent].root;
+      const path = (b.parent === null ? "" : budgets[b.parent].path + "/") + b.name;
+      const count = seen.get(path) || 0;
+      seen.set(path, count + 1);
+      b.path = path; b.key = path + "#" + count;
+    }
+    ds.within = (b, lane) => pre[b] >= pre[lane] && pre[b] <= post[lane];
+
+    // Each budget's points, in time order: t, used, own.
+    const counts = new Int32Array(budgets.length);
+    for (let i = 0; i < points.n; i++) counts[points.b[i]]++;
+    ds.lanes = budgets.map((b, i) => ({ n: 0, t: new Float64Array(counts[i]),
+      used: new Float64Array(counts[i]), own: new Float64Array(counts[i]) }));
+    for (let i = 0; i < points.n; i++) {
+      const lane = ds.lanes[points.b[i]], k = lane.n++;
+      lane.t[k] = times[points.at[i]]; lane.used[k] = points.used[i]; lane.own[k] = points.own[i];
+    }
+    ds.t0 = k => blocks.from[k] >= 0 ? times[blocks.from[k]] : -Infinity;
+    ds.t1 = k => blocks.to[k] >= 0 ? times[blocks.to[k]] : Infinity;
+    ds.leaks = [];
+    for (let k = 0; k < blocks.n; k++) if (blocks.to[k] < 0 && budgets[blocks.b[k]].exited !== null) ds.leaks.push(k);
+    ds.leaks.sort((a, b) => blocks.size[b] - blocks.size[a]);
+    ds.isLeak = new Uint8Array(blocks.n);
+    ds.leaked = new Float64Array(budgets.length);  // bytes each budget's scope leaked
+    for (const k of ds.leaks) { ds.isLeak[k] = 1; ds.leaked[blocks.b[k]] += blocks.size[k]; }
+    ds.events = laneEvents(ds);
+    ds.liveAt = (lane, t) => liveAtIndex(ds, ds.events(lane), eventsBefore(ds, lane, t));
+    ds.eventsBefore = (lane, t) => eventsBefore(ds, lane, t);
+    ds.liveAtIndex = (lane, i) => liveAtIndex(ds, ds.events(lane), i);
+    ds.peakOf = b => {  // the first moment of the budget's highest used
+      const lane = ds.lanes[b];
+      let best = 0;
+      for (let i = 1; i < lane.n; i++) if (lane.used[i] > lane.used[best]) best = i;
+      return lane.n ? lane.t[best] : 0;
+    };
+    ds.stackText = k => blocks.stack[k] >= 0 ? ds.stacks[blocks.stack[k]].map(f => ds.frames[f]) : [];
+    ds.tagText = k => blocks.tag[k] >= 0 ? ds.tags[blocks.tag[k]] : "";
+    ds.formatTime = (t, span) => {
+      if (!Number.isFinite(t)) return "—";
+      if (ds.timeUnit === "event") return "#" + Math.round(t);
+      const [name, len] = timeUnit(span || Math.abs(t) || 1e-6), v = t / len;
+      return (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3)) + " " + name;
+    };
+    return ds;
+  };
+
+  // The block events of every budget's subtree, in event order: +(k+1) when block k is
+  // allocated, -(k+1) when it is freed (ends first where both share an event), with the
+  // event index of each; the blocks live from the start (allocated before the record).
+  function laneEvents(ds) {
+    const blocks = ds.blocks, n = blocks.n, cache = new Map();
+    let all = null;
+    function everything() {
+      if (all) return all;
+      const slots = new Int32Array(ds.times.length + 1);
+      for (let k = 0; k < n; k++) {
+        if (blocks.from[k] >= 0) slots[blocks.from[k] + 1]++;
+        if (blocks.to[k] >= 0) slots[blocks.to[k] + 1]++;
+      }
+      for (let i = 1; i < slots.length; i++) slots[i] += slots[i - 1];
+      const total = slots[slots.length - 1], ev = new Int32Array(total), at = new Int32Array(total);
+      for (let k = 0; k < n; k++) if (blocks.to[k] >= 0) { const s = slots[blocks.to[k]]++; ev[s] = -(k + 1); at[s] = blocks.to[k]; }
+      for (let k = 0; k < n; k++) if (blocks.from[k] >= 0) { const s = slots[blocks.from[k]]++; ev[s] = k + 1; at[s] = blocks.from[k]; }
+      const initial = [];
+      for (let k = 0; k < n; k++) if (blocks.from[k] < 0) initial.push(k);
+      all = { n: total, ev, at, initial: Int32Array.from(initial) };
+      return all;
+    }
+    return function events(lane) {
+      let found = cache.get(lane);
+      if (found) return found;
+      const source = everything(), b = blocks.b;
+      const isRoot = ds.budgets[lane].parent === null;
+      if (isRoot && ds.order.filter(i => ds.budgets[i].parent === null).length === 1) {
+        found = { n: source.n, ev: source.ev, at: source.at, initial: source.initial };
+      } else {
+        const base = isRoot ? source : events(ds.budgets[lane].root);
+        let count = 0;
+        for (let i = 0; i < base.n; i++) { const e = base.ev[i], k = e > 0 ? e - 1 : -e - 1; if (ds.within(b[k], lane)) count++; }
+        const ev = new Int32Array(count), at = new Int32Array(count);
+        let j = 0;
+        for (let i = 0; i < base.n; i++) {
+          const e = base.ev[i], k = e > 0 ? e - 1 : -e - 1;
+          if (ds.within(b[k], lane)) { ev[j] = e; at[j++] = base.at[i]; }
+        }
+        found = { n: count, ev, at, initial: base.initial.filter(k => ds.within(b[k], lane)) };
+      }
+      cache.set(lane, found);
+      return found;
+    };
+  }
+
+  function eventsBefore(ds, lane, t) {  // the lane's events at or before t
+    const events = ds.events(lane);
+    return lowerBound(events.at, upperBound(ds.times, t), events.n);
+  }
+
+  // The live set: a dense array and each block's place in it (-1: not live).
+  function LiveSet(ds) {
+    if (!ds.pos) { ds.pos = new Int32Array(ds.blocks.n).fill(-1); }
+    const pos = ds.pos;
+    let items = new Int32Array(64), n = 0;
+    return {
+      add(k) { if (n === items.length) { const more = new Int32Array(n * 2); more.set(items); items = more; } pos[k] = n; items[n++] = k; },
+      remove(k) { const i = pos[k]; if (i < 0) return; const last = items[--n]; items[i] = last; pos[last] = i; pos[k] = -1; },
+      apply(e) { if (e > 0) this.add(e - 1); else this.remove(-e - 1); },
+      get size() { return n; },
+      snapshot() { return items.slice(0, n); },
+      clear() { for (let i = 0; i < n; i++) pos[items[i]] = -1; n = 0; },
+    };
+  }
+  GB.LiveSet = LiveSet;
+
+  function checkpoints(ds, events) {
+    if (events.cps) return events;
+    let live = events.initial.length, most = live;
+    for (let i = 0; i < events.n; i++) { live += events.ev[i] > 0 ? 1 : -1; if (live > most) most = live; }
+    const K = Math.max(8192, 8 * most), cps = [], set = LiveSet(ds);
+    for (const k of events.initial) set.add(k);
+    for (let i = 0; i < events.n; i++) {
+      if (i % K === 0) cps.push(set.snapshot());
+      set.apply(events.ev[i]);
+    }
+    if (events.n % K === 0) cps.push(set.snapshot());
+    set.clear();
+    events.K = K; events.cps = cps; events.most = most;
+    return events;
+  }
+  GB.checkpoints = checkpoints;
+
+  function liveAtIndex(ds, events, i) {  // the blocks live after the lane's first i events
+    checkpoints(ds, events);
+    const c = Math.min(Math.floor(i / events.K), events.cps.length - 1), set = LiveSet(ds);
+    for (const k of events.cps[c]) set.add(k);
+    for (let j = c * events.K; j < i; j++) set.apply(events.ev[j]);
+    const out = set.snapshot();
+    set.clear();
+    return out;
+  }
+
+  // Colour keys: what a block is coloured by (its tag, its innermost frame, its budget),
+  // and each key's rank: the eleven keys with the most bytes allocated first.
+  GB.colourKeys = function (ds, mode) {
+    const blocks = ds.blocks, n = blocks.n, key = new Int32Array(n);
+    for (let k = 0; k < n; k++) {
+      if (mode === "tag") key[k] = blocks.tag[k];
+      else if (mode === "budget") key[k] = blocks.b[k];
+      else { const s = blocks.stack[k]; key[k] = s >= 0 && ds.stacks[s].length ? ds.stacks[s][ds.stacks[s].length - 1] : -1; }
+    }
+    const bytes = new Map();
+    for (let k = 0; k < n; k++) if (key[k] >= 0) bytes.set(key[k], (bytes.get(key[k]) || 0) + blocks.size[k]);
+    const top = [...bytes.entries()].sort((a, b) => b[1] - a[1]).slice(0, OTHER);
+    const rankOf = new Map(top.map(([k], i) => [k, i]));
+    const rank = new Uint8Array(n);
+    for (let k = 0; k < n; k++) rank[k] = key[k] < 0 ? NONE : (rankOf.has(key[k]) ? rankOf.get(key[k]) : OTHER);
+    const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : ds.frames[k];
+    const legend = top.map(([k, total], i) => ({ rank: i, label: label(k), bytes: total }));
+    if (bytes.size > OTHER) legend.push({ rank: OTHER, label: "other " + mode + "s", bytes: 0 });
+    if (rank.some(r => r === NONE)) legend.push({ rank: NONE, label: mode === "tag" ? "no tag" : mode === "frame" ? "no stack" : "none", bytes: 0 });
+    return { mode, rank, legend };
+  };
+})();
