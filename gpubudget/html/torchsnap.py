@@ -52,8 +52,11 @@ def looks_like_pickle(path: str) -> bool:
         if path == "-":
             peek = getattr(sys.stdin.buffer, "peek", None)
             return bool(peek is not None and peek(1)[:1] == b"\x80")
-        with open(path, "rb") as file:
-            return file.read(1) == b"\x80"
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 1) == b"\x80"
+        finally:
+            os.close(fd)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -63,10 +66,12 @@ def _read(path: str, max_bytes: int) -> bytes:
     try:
         if path == "-":
             data = sys.stdin.buffer.read(max_bytes + 1)
-        else:
-            with open(path, "rb") as file:
-                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                    raise SnapshotError(f"{name}: not a regular file")
+        else:  # opened without waiting (a FIFO), then refused unless a regular file
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise SnapshotError(f"{name}: not a regular file")
+            with open(fd, "rb") as file:
                 data = file.read(max_bytes + 1)
     except OSError as exc:
         raise SnapshotError(f"cannot read snapshot {name}: "

@@ -145,6 +145,7 @@
     const step = GB.sizeStep(layout.bytes, 4);
     if (layout.spans.length === 1) for (let v = step; v < layout.bytes; v += step) ctx.fillText("+" + shortSize(v), GUTTER - 6, y(layout.spans[0].start + v) + 4);
     ctx.textAlign = "left";
+    const blocks = ds.blocks;
     if (s.block !== null && blocks.addr[s.block] >= 0 && ds.within(blocks.b[s.block], root)) {
       const k = s.block, x0 = app.xOf(Math.max(ds.t0(k), s.v0)), x1 = app.xOf(Math.min(ds.t1(k), ds.end, s.v1));
       ctx.strokeStyle = "#f79009"; ctx.lineWidth = 2;

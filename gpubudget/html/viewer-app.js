@@ -41,6 +41,8 @@
     const blocksUsed = ds.blocks.n > 0;
     state.colour = ds.tags.length ? "tag" : ds.frames.length ? "frame" : "budget";
     document.getElementById("colour-by").value = state.colour;
+    state.flameByTag = !ds.frames.length && ds.tags.length > 0;  // no stacks: the tags at least
+    document.getElementById("flame-by-tag").checked = state.flameByTag;
 
     document.getElementById("note").textContent = (ds.source === "report" ? "from a report: its timeline's last events; " :
       ds.source === "torch" ? "a PyTorch memory snapshot; " : "") + ds.budgets.length + " budgets, " +
