@@ -1,7 +1,8 @@
 // gpubudget's memory viewer, part 5 of 6: the panels below the timeline. The blocks live at
 // the chosen moment (largest first), the leaks (blocks live at the end whose scope had
 // exited), the denials (a click goes to the moment), a block's life, and the comparison of
-// two moments, of this record or of another one, by tag and by stack.
+// two moments, of this record or of another one, by tag and by stack (its functions: the
+// lines they were called from may move between two versions of the code).
 (function () {
   const { formatSize, el } = GB;
   const MAX_ROWS = 500, MAX_DIFF_ROWS = 100;
@@ -118,7 +119,8 @@
     const tags = new Map(), stacks = new Map();
     let bytes = 0;
     for (const k of blocks) {
-      const size = ds.blocks.size[k], tag = ds.tagText(k) || "(no tag)", st = ds.stackText(k), key = st.length ? st.join("\n") : "(no stack)";
+      const size = ds.blocks.size[k], tag = ds.tagText(k) || "(no tag)", st = ds.stackText(k);
+      const key = st.length ? st.map(frame => frame.replace(/:\d+ in /, " in ")).join("\n") : "(no stack)";
       bytes += size;
       tags.set(tag, (tags.get(tag) || 0) + size);
       stacks.set(key, (stacks.get(key) || 0) + size);
