@@ -18,6 +18,7 @@ from gpubudget.cli import main
 from gpubudget.html import model_from_trace, write_page
 from gpubudget.html.torchsnap import model_from_torch_data
 from gpubudget.tracefile import writer_for
+from gpubudget.units import format_size
 
 from tests.test_viewer_browser import (
     V,
@@ -67,11 +68,11 @@ def fragmented(path: Path) -> Path:
     with gpu_budget("4MiB", name="pool", backend="host", trace=str(path),
                     track_stacks=True) as pool:
         with gpu_budget("4MiB", name="model") as model:
-            blocks = [model.allocate(MiB, tag=tag) for tag in "abcd"]
-            assert all(blocks) and model.free(blocks[1]) and model.free(blocks[3])
+            a, b, c, d = (model.allocate(MiB, tag=tag) for tag in "abcd")
+            assert a is not None and c is not None
+            assert b is not None and model.free(b) and d is not None and model.free(d)
             assert model.allocate(2 * MiB, tag="big") is None
-            for block in (blocks[0], blocks[2]):
-                assert model.free(block)
+            assert model.free(a) and model.free(c)
         assert pool.used == 0
     writer_for(path).flush()
     return path
@@ -145,7 +146,10 @@ def test_the_address_view_shows_fragmentation_and_the_largest_free_block(
     browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
                            f"{V}.draw()", freed, t_denied + (t_denied - freed) * 0.25)
     x = js(browser, f"{V}.xOf(arguments[0])", (freed + t_denied) / 2)
-    y = lambda address: js(browser, f"{V}.app.addressY(arguments[0])", address)  # noqa: E731
+
+    def y(address: int) -> float:
+        return float(js(browser, f"{V}.app.addressY(arguments[0])", address))
+
     assert pixel(browser, x, y(c + MiB // 2), "addresses")[:3] == rgb(palette[legend["c"]])
     assert pixel(browser, x, y(a + MiB // 2), "addresses")[:3] == rgb(palette[legend["a"]])
     held = [0xE4, 0xE7, 0xEC]
@@ -191,6 +195,23 @@ def test_the_flame_graph_shows_live_bytes_by_stack_and_by_tag(browser: Any,
     assert names["load_weights"] == 4 * MiB and names["load_cache"] == 2 * MiB
     assert rows[0] == ["all", 0, 6 * MiB]
     assert "Live bytes by stack in server at" in browser.find_element(By.ID, "flame-title").text
+    # hovering the model's lane: the band under the mouse is a block, with its stack
+    budget, height = model.budgets[1], js(browser, f"{V}.LANE")
+    scale = js(browser, "window.gpubudgetParts.laneScale(arguments[0])",
+               {"limit": budget.limit, "peak": budget.peak})
+    base = lane_top(browser, 1) + height - 4
+    t = (model.block_start[1] + model.block_end[1]) / 2  # both blocks live
+    for below, tag, function in ((2 * MiB, "weights", "load_weights"),
+                                 (5 * MiB, "cache", "load_cache")):  # weights first: more bytes
+        at_canvas(browser, js(browser, f"{V}.xOf(arguments[0])", t),
+                  base - below / scale * (height - 14)).perform()
+        tip = browser.find_element(By.ID, "tip").text.split("\n")
+        assert tip[0].startswith(f"{format_size(4 * MiB if tag == 'weights' else 2 * MiB)} · "
+                                 f"tag {tag} · model")
+        assert tip[3] == f"tag {tag}: {format_size(4 * MiB if tag == 'weights' else 2 * MiB)}" \
+                         " in 1 blocks"
+        assert tip[4].endswith(f"in {function}")  # the innermost frame first
+    shot(browser, tmp_path, "lane-hover")
     # hover and click a frame: zoom into it
     flame_rows = js(browser, f"{V}.app.flame.rows.map(([n, d, x, w]) => [n.name, d, x, w])")
     name, depth, x, width = next(r for r in flame_rows if r[0].endswith("in load_cache"))
@@ -288,6 +309,7 @@ def test_leaks_are_listed_clickable_and_hatched(browser: Any, tmp_path: Path) ->
     assert len(rows) == 1 and rows[0].text.split()[:4] == ["4.00", "MiB", "engine", "model"]
     rows[0].click()
     exited = data.budgets[1].exited
+    assert exited is not None
     assert js(browser, f"{V}.state.moment") == exited and js(browser, f"{V}.state.lane") == 1
     assert "leaked 4.00 MiB" in browser.find_element(By.ID, "tree").text
     # after the exit the engine's band is hatched red over its colour
