@@ -43,8 +43,11 @@ def record(path: Path) -> Path:
     return path
 
 
-def _column(encoded: str, kind: str) -> list[Any]:
-    return list(array(kind, zlib.decompress(base64.b64decode(encoded))))
+_CODES = {"u8": "B", "i8": "b", "u16": "H", "i16": "h", "u32": "I", "i32": "i", "f64": "d"}
+
+
+def _column(spec: dict[str, str]) -> list[Any]:
+    return list(array(_CODES[spec["type"]], zlib.decompress(base64.b64decode(spec["data"]))))
 
 
 def test_the_model_of_a_trace_agrees_with_its_replay(tmp_path: Path) -> None:
@@ -137,10 +140,15 @@ def test_the_page_is_self_contained_and_carries_the_model(tmp_path: Path) -> Non
     data = payload["main"]
     assert payload["other"] is None
     assert data["budgets"][1][0] == "</script><script>alert(1)</script>"
-    assert _column(data["points"]["used"], "d") == list(model.point_used)
-    assert _column(data["blocks"]["b"], "i") == list(model.block_budget)
-    assert _column(data["blocks"]["to"], "i") == list(model.block_to)
-    assert _column(data["times"]["t"], "d") == list(model.times)
+    assert _column(data["points"]["used"]) == list(model.point_used)
+    assert data["points"]["used"]["type"] == "u32"  # whole bytes under 4 GiB: 4 bytes each
+    assert _column(data["blocks"]["b"]) == list(model.block_budget)
+    assert data["blocks"]["b"]["type"] == "u8" and data["blocks"]["to"]["type"] == "i8"
+    assert _column(data["blocks"]["to"]) == list(model.block_to)
+    assert _column(data["blocks"]["addr"]) == list(model.block_address)  # 64-bit: f64
+    assert _column(data["times"]["t"]) == list(model.times)
+    counts = _column(data["points"]["count"])
+    assert [i for i, c in enumerate(counts) for _ in range(c)] == list(model.point_at)
     assert data["regions"] == [list(r) for r in model.regions]
 
 

@@ -2,9 +2,12 @@
 network at view time), written for a :class:`~gpubudget.html.model.ViewModel`.
 
 The data travels as one JSON object; its numeric columns as little-endian typed arrays,
-compressed with zlib and written in base64 (the page inflates them with the browser's
-``DecompressionStream``), so a million events take a few megabytes. Times travel once, in
-the model's event order; points and blocks name their events by index. A summary of the
+each in the narrowest width that holds its values, compressed with zlib and written in
+base64 (the page inflates them with the browser's ``DecompressionStream``, which takes
+longer the more bytes come out), so a million events take a few megabytes. Times travel
+once, in the model's event order; points as how many each event has, then their budget and
+``used`` (a budget's own bytes do not travel: its blocks say them); blocks name their events
+by index. A summary of the
 budgets is written as plain HTML (:mod:`~gpubudget.html.overview`), so the page shows it
 before, or without, its script.
 """
@@ -17,7 +20,9 @@ import os
 import sys
 import zlib
 from array import array
+from collections import Counter
 from importlib import resources
+from itertools import repeat
 from typing import Any, Final
 
 from .model import ViewModel
@@ -30,14 +35,42 @@ _SCRIPTS: Final = ("viewer-data.js", "viewer-lanes.js", "viewer-address.js",
 """The page's script, in the order it is inlined (each file one part, see its header)."""
 
 
-def _column(values: array[Any], kind: str) -> str:
-    """``values`` as a base64 zlib stream of little-endian ``kind`` items (``d`` float64,
-    ``i`` int32)."""
-    packed = values if values.typecode == kind else array(kind, values)
+_WIDTHS: Final = (("u8", "B", 0, 2**8), ("i8", "b", -(2**7), 2**7), ("u16", "H", 0, 2**16),
+                  ("i16", "h", -(2**15), 2**15), ("u32", "I", 0, 2**32),
+                  ("i32", "i", -(2**31), 2**31))
+"""The integer widths a column may travel in (its name for the page, ``array`` typecode,
+range), narrowest first."""
+
+
+def _packed(values: array[Any], code: str, name: str) -> dict[str, str]:
+    packed = values if values.typecode == code else array(code, values)
     if sys.byteorder != "little":  # pragma: no cover - every platform gpubudget runs on
-        packed = array(kind, packed)
+        packed = array(code, packed)
         packed.byteswap()
-    return base64.b64encode(zlib.compress(packed.tobytes(), 1)).decode("ascii")
+    return {"type": name, "data": base64.b64encode(zlib.compress(packed.tobytes(), 1))
+            .decode("ascii")}
+
+
+def _integers(values: array[Any]) -> dict[str, str]:
+    """Whole numbers (kept as ints or as floats) in the narrowest width that holds them
+    all: what the browser has to inflate is what it has to wait for."""
+    low, high = (min(values), max(values)) if len(values) else (0, 0)
+    for name, code, first, beyond in _WIDTHS:
+        if first <= low and high < beyond:
+            return _packed(values if values.typecode in "bBhHiIlLqQ" else
+                           array(code, map(int, values)), code, name)
+    return _packed(values, "d", "f64")
+
+
+def _column(values: array[Any]) -> dict[str, str]:
+    """Floats (times), little-endian float64."""
+    return _packed(values, "d", "f64")
+
+
+def _per_event(model: ViewModel) -> dict[str, str]:
+    """How many points each event has, in event order (the points are in that order)."""
+    counts = Counter(model.point_at)
+    return _integers(array("l", map(counts.get, range(len(model.times)), repeat(0))))
 
 
 def _data(model: ViewModel) -> dict[str, Any]:
@@ -49,18 +82,16 @@ def _data(model: ViewModel) -> dict[str, Any]:
         "notes": model.notes,
         "budgets": [[b.name, b.parent, b.limit, b.reserve, b.entered, b.exited, b.peak,
                      b.allocations, b.frees, b.denied] for b in model.budgets],
-        "times": {"n": len(model.times), "t": _column(model.times, "d")},
-        "points": {"n": len(model.point_at), "at": _column(model.point_at, "i"),
-                   "b": _column(model.point_budget, "i"),
-                   "used": _column(model.point_used, "d"),
-                   "own": _column(model.point_own, "d")},
-        "blocks": {"n": len(model.block_budget), "b": _column(model.block_budget, "i"),
-                   "size": _column(model.block_size, "d"),
-                   "tag": _column(model.block_tag, "i"),
-                   "addr": _column(model.block_address, "d"),
-                   "from": _column(model.block_from, "i"),
-                   "to": _column(model.block_to, "i"),
-                   "stack": _column(model.block_stack, "i")},
+        "times": {"n": len(model.times), "t": _column(model.times)},
+        "points": {"n": len(model.point_at), "count": _per_event(model),
+                   "b": _integers(model.point_budget), "used": _integers(model.point_used)},
+        "blocks": {"n": len(model.block_budget), "b": _integers(model.block_budget),
+                   "size": _integers(model.block_size),
+                   "tag": _integers(model.block_tag),
+                   "addr": _integers(model.block_address),
+                   "from": _integers(model.block_from),
+                   "to": _integers(model.block_to),
+                   "stack": _integers(model.block_stack)},
         "denials": [list(d) for d in model.denials],
         "regions": [list(r) for r in model.regions],
         "tags": model.tags,

@@ -6,7 +6,7 @@
 // pieces, and the largest free block, outlined.
 (function () {
   const { formatSize, shortSize, lowerBound, RGBA } = GB;
-  const GAP_SHARE = 0.03, GRID_T = 4096, GRID_A = 512, HELD = 0xffece7e4 >>> 0, LEAK = (0xff << 24 | 0x20 << 16 | 0x2d << 8 | 0xd9) >>> 0;
+  const GAP_SHARE = 0.03, GRID_T = 2048, GRID_A = 384, HELD = 0xffece7e4 >>> 0, LEAK = (0xff << 24 | 0x20 << 16 | 0x2d << 8 | 0xd9) >>> 0;
 
   // The root's address ranges merged, each with its offset in the packed axis (bytes).
   GB.addressLayout = function (ds, root) {
@@ -29,7 +29,7 @@
       const i = Math.max(0, lowerBound(starts, a + 1) - 1), span = spans[i];
       return (span.offset + Math.min(Math.max(a, span.start), span.end) - span.start + gap * i) / total;
     };
-    return { root, spans, bytes, starts, pos };
+    return { root, spans, bytes, total, starts, pos };
   };
 
   function yMapper(layout, bottom, height) {  // address -> y (CSS pixels), low addresses at the bottom
@@ -78,6 +78,7 @@
     const blocks = ds.blocks, rank = app.keys.rank, events = ds.events(root), times = ds.times;
     const addrs = blocks.addr, sizes = blocks.size, from = blocks.from, to = blocks.to, isLeak = ds.isLeak;
     const first = ds.eventsBefore(root, v0), stop = ds.eventsBefore(root, v1);
+    const span = layout.spans.length === 1 ? layout.spans[0] : null, perByte = rows / layout.total;
     const block = k => {
       const a = addrs[k];
       if (a < 0) return;
@@ -87,6 +88,11 @@
         const exit = ds.budgets[blocks.b[k]].exited;
         if (exit > t0) paint(t0, Math.min(exit, t1), a, a + sizes[k], colour);
         paint(Math.max(t0, exit), t1, a, a + sizes[k], colour, true);
+      } else if (span !== null) {  // the common case, inline: one range, no hatch
+        const c0 = Math.max(0, Math.floor((t0 - v0) * perSecond)), c1 = Math.min(cols, Math.max(Math.ceil((t1 - v0) * perSecond), c0 + 1));
+        const top = rows - (Math.min(a + sizes[k], span.end) - span.start) * perByte, bottom = rows - (Math.min(a, span.end) - span.start) * perByte;
+        const r0 = Math.max(0, Math.floor(top)), r1 = Math.min(rows, Math.max(Math.ceil(bottom), r0 + 1));
+        for (let r = r0; r < r1; r++) for (let c = r * cols + c0, e = r * cols + c1; c < e; c++) px[c] = colour;
       } else paint(t0, t1, a, a + sizes[k], colour);
     };
     let drawn = 0;
@@ -98,7 +104,7 @@
 
   GB.drawAddresses = function (app) {
     const canvas = app.addressCanvas, ctx = canvas.getContext("2d"), ds = app.ds, s = app.state;
-    const ratio = window.devicePixelRatio || 1, width = canvas.clientWidth, height = canvas.clientHeight || 200;
+    const ratio = window.devicePixelRatio || 1, width = app.sizes.addresses, height = app.sizes.addressHeight;
     canvas.width = Math.round(width * ratio); canvas.height = Math.round(height * ratio);
     ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
     ctx.clearRect(0, 0, width, height);
@@ -112,8 +118,6 @@
     }
     const GUTTER = GB.GUTTER, w = app.plotWidth(), top = 6, bottom = height - 6, plotH = bottom - top;
     const y = app.addressY = yMapper(layout, bottom, plotH);
-    GB.drawTimeAxis(ctx, app, height);
-    ctx.clearRect(0, 0, width, GB.AXIS - 8);  // the lanes carry the time labels
     const cols = Math.round(w * ratio), rows = Math.round(plotH * ratio);
     const image = new ImageData(Math.max(cols, 1), Math.max(rows, 1)), px = new Uint32Array(image.data.buffer);
     let drawn;
@@ -132,7 +136,8 @@
       const found = render(app, root, layout, s.v0, s.v1, cols, rows);
       px.set(found.px); drawn = found.drawn;
     }
-    ctx.putImageData(image, Math.round(GUTTER * ratio), Math.round(top * ratio));
+    ctx.putImageData(image, Math.round(GUTTER * ratio), Math.round(top * ratio));  // first: cheap
+    GB.drawTimeAxis(ctx, app, height, true, false);  // the lanes carry the time labels
     // the gutter: the root, the address axis (offsets from each range's start)
     ctx.fillStyle = "#1d2330"; ctx.font = "12px system-ui";
     ctx.fillText(ds.budgets[root].name, 4, top + 12);

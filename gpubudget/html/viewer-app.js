@@ -26,15 +26,24 @@
   }
 
   async function main() {
+    const timings = viewer.timings = { script: performance.now() };  // ms since navigation
     const raw = JSON.parse(document.getElementById("gpubudget-data").textContent);
+    timings.parsed = performance.now();
     const [ds, other] = await Promise.all([GB.loadDataset(raw.main), raw.other ? GB.loadDataset(raw.other) : null]);
+    timings.loaded = performance.now();
     const roots = ds.order.filter(i => ds.budgets[i].parent === null);
     const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false };
     const app = { ds, other, state, summaries: new Map(), canvas: document.getElementById("lanes"),
       addressCanvas: document.getElementById("addresses"), flameCanvas: document.getElementById("flame"),
       drawnLanes: ds.order.slice(0, MAX_LANES), laneRow: new Map(), laneHeight: 64, flame: {}, layouts: new Map(), grids: new Map() };
     app.drawnLanes.forEach((b, row) => app.laneRow.set(b, row));
-    app.plotWidth = () => app.canvas.clientWidth - GB.GUTTER - 12;
+    // the canvases' widths, read when the window changes (reading them after the tables
+    // change would lay the whole page out again, every time)
+    app.measure = () => { app.sizes = { lanes: app.canvas.clientWidth, addresses: app.addressCanvas.clientWidth,
+      addressHeight: app.addressCanvas.clientHeight || 200, flame: app.flameCanvas.clientWidth }; };
+    document.getElementById("overview").hidden = true;
+    app.measure();
+    app.plotWidth = () => app.sizes.lanes - GB.GUTTER - 12;
     app.xOf = t => GB.GUTTER + (t - state.v0) / (state.v1 - state.v0) * app.plotWidth();
     app.tOf = x => state.v0 + (x - GB.GUTTER) / app.plotWidth() * (state.v1 - state.v0);
     app.addressRoot = () => state.lane !== null ? ds.budgets[state.lane].root : roots[0];
@@ -103,7 +112,7 @@
         state.v0 = Math.max(t - span / 2, 0); state.v1 = state.v0 + span;
       }
       if (reveal && lane !== null) showLane(lane);
-      markTree(); draw(); listBlocks(); flame(); app.refreshCompare();
+      markTree(); draw(); flame(); listBlocks(); app.refreshCompare();  // the canvases before the table
     }
     function showLife(k) { state.block = k; draw(); listBlocks(); GB.showLife(app, k); viewer.life = k; }
     app.select = select; app.showLife = showLife;
@@ -211,7 +220,7 @@
       if (e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
       if (e.key === "+" || e.key === "=") zoom(0.5); else if (e.key === "-") zoom(2);
     });
-    window.addEventListener("resize", () => { draw(); flame(); });
+    window.addEventListener("resize", () => { app.measure(); draw(); flame(); });
 
     const first = roots[0];
     app.compareSpec = other ? { a: { source: "other", when: "peak" }, b: { source: "main", when: "peak" } }
@@ -223,8 +232,8 @@
     Object.defineProperty(viewer, "LANE", { get: () => app.laneHeight });
     recolour(); buildTree(); GB.fillLeaks(app); GB.fillDenials(app); GB.compareControls(app);
     app.compareDirty = true;
-    document.getElementById("overview").hidden = true;
     select(first === undefined || !blocksUsed && !ds.lanes[first].n ? null : ds.peakOf(first), first === undefined ? null : first);
+    timings.drawn = performance.now();
     viewer.ready = true; document.body.dataset.ready = "1";
   }
   window.addEventListener("error", e => viewer.errors.push(String(e.message)));

@@ -16,11 +16,11 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     const stream = new Blob([bytesOf(b64)]).stream().pipeThrough(new DecompressionStream("deflate"));
     return new Response(stream).arrayBuffer();
   }
-  async function columns(spec, kinds) {
-    const keys = Object.keys(kinds);
-    const buffers = await Promise.all(keys.map(k => decode(spec[k])));
+  const TYPES = { u8: Uint8Array, i8: Int8Array, u16: Uint16Array, i16: Int16Array, u32: Uint32Array,
+    i32: Int32Array, f64: Float64Array };
+  async function columns(spec, keys) {  // one after the other: in parallel is no faster
     const out = { n: spec.n };
-    keys.forEach((k, i) => { out[k] = new kinds[k](buffers[i]); });
+    for (const k of keys) out[k] = new TYPES[spec[k].type](await decode(spec[k].data));
     return out;
   }
 
@@ -74,17 +74,18 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     const ds = { raw, title: raw.title, source: raw.source, timeUnit: raw.timeUnit || "s",
       notes: raw.notes || [], tags: raw.tags, frames: raw.frames, stacks: raw.stacks,
       denials: raw.denials, regions: raw.regions };
-    const [timesBuf, points, blocks] = await Promise.all([decode(raw.times.t),
-      columns(raw.points, { at: Int32Array, b: Int32Array, used: Float64Array, own: Float64Array }),
-      columns(raw.blocks, { b: Int32Array, size: Float64Array, tag: Int32Array, addr: Float64Array,
-        from: Int32Array, to: Int32Array, stack: Int32Array })]);
-    const times = ds.times = new Float64Array(timesBuf);
+    const times = ds.times = (await columns(raw.times, ["t"])).t;
+    const points = await columns(raw.points, ["count", "b", "used"]);
+    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"]);
+    points.at = new Int32Array(points.n);  // each point's event, from how many each event has
+    for (let e = 0, i = 0; e < points.count.length; e++) for (let c = points.count[e]; c > 0; c--) points.at[i++] = e;
     ds.blocks = blocks;
     ds.end = raw.end > 0 ? raw.end : 1e-6;
     const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
       limit: b[2], reserve: b[3], entered: b[4], exited: b[5], peak: b[6], allocations: b[7],
       frees: b[8], denied: b[9], children: [] }));
     for (const b of budgets) if (b.parent !== null) budgets[b.parent].children.push(b.index);
+    ds.parentOf = Int32Array.from(budgets, b => b.parent === null ? -1 : b.parent);
     const order = ds.order = [];  // depth first, parents before children
     const todo = budgets.filter(b => b.parent === null).map(b => b.index).reverse();
     while (todo.length) { const i = todo.pop(); order.push(i); todo.push(...budgets[i].children.slice().reverse()); }
@@ -106,14 +107,13 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     ds.within = (b, lane) => pre[b] >= pre[lane] && pre[b] <= post[lane];
 
-    // Each budget's points, in time order: t, used, own.
+    // Each budget's points, in time order: t, used.
     const counts = new Int32Array(budgets.length);
     for (let i = 0; i < points.n; i++) counts[points.b[i]]++;
-    ds.lanes = budgets.map((b, i) => ({ n: 0, t: new Float64Array(counts[i]),
-      used: new Float64Array(counts[i]), own: new Float64Array(counts[i]) }));
+    ds.lanes = budgets.map((b, i) => ({ n: 0, t: new Float64Array(counts[i]), used: new Float64Array(counts[i]) }));
     for (let i = 0; i < points.n; i++) {
       const lane = ds.lanes[points.b[i]], k = lane.n++;
-      lane.t[k] = times[points.at[i]]; lane.used[k] = points.used[i]; lane.own[k] = points.own[i];
+      lane.t[k] = times[points.at[i]]; lane.used[k] = points.used[i];
     }
     ds.t0 = k => blocks.from[k] >= 0 ? times[blocks.from[k]] : -Infinity;
     ds.t1 = k => blocks.to[k] >= 0 ? times[blocks.to[k]] : Infinity;
@@ -174,14 +174,16 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
       if (isRoot && ds.order.filter(i => ds.budgets[i].parent === null).length === 1) {
         found = { n: source.n, ev: source.ev, at: source.at, initial: source.initial };
       } else {
-        const base = isRoot ? source : events(ds.budgets[lane].root);
+        const base = isRoot ? source : events(ds.budgets[lane].root), pre = ds.pre, lo = pre[lane], hi = ds.post[lane];
+        const inside = new Uint8Array(ds.budgets.length);
+        for (let x = 0; x < inside.length; x++) inside[x] = pre[x] >= lo && pre[x] <= hi ? 1 : 0;
         let count = 0;
-        for (let i = 0; i < base.n; i++) { const e = base.ev[i], k = e > 0 ? e - 1 : -e - 1; if (ds.within(b[k], lane)) count++; }
+        for (let i = 0; i < base.n; i++) { const e = base.ev[i]; count += inside[b[e > 0 ? e - 1 : -e - 1]]; }
         const ev = new Int32Array(count), at = new Int32Array(count);
         let j = 0;
         for (let i = 0; i < base.n; i++) {
-          const e = base.ev[i], k = e > 0 ? e - 1 : -e - 1;
-          if (ds.within(b[k], lane)) { ev[j] = e; at[j++] = base.at[i]; }
+          const e = base.ev[i];
+          if (inside[b[e > 0 ? e - 1 : -e - 1]]) { ev[j] = e; at[j++] = base.at[i]; }
         }
         found = { n: count, ev, at, initial: base.initial.filter(k => ds.within(b[k], lane)) };
       }
@@ -247,15 +249,19 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
       else if (mode === "budget") key[k] = blocks.b[k];
       else { const s = blocks.stack[k]; key[k] = s >= 0 && ds.stacks[s].length ? ds.stacks[s][ds.stacks[s].length - 1] : -1; }
     }
-    const bytes = new Map();
-    for (let k = 0; k < n; k++) if (key[k] >= 0) bytes.set(key[k], (bytes.get(key[k]) || 0) + blocks.size[k]);
-    const top = [...bytes.entries()].sort((a, b) => b[1] - a[1]).slice(0, OTHER);
-    const rankOf = new Map(top.map(([k], i) => [k, i]));
+    const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : ds.frames.length;
+    const bytes = new Float64Array(keys);
+    for (let k = 0; k < n; k++) if (key[k] >= 0) bytes[key[k]] += blocks.size[k];
+    const used = [];
+    for (let k = 0; k < keys; k++) if (bytes[k] > 0) used.push([k, bytes[k]]);
+    const top = used.sort((a, b) => b[1] - a[1] || a[0] - b[0]).slice(0, OTHER);
+    const rankOf = new Uint8Array(keys).fill(OTHER);
+    top.forEach(([k], i) => { rankOf[k] = i; });
     const rank = new Uint8Array(n);
-    for (let k = 0; k < n; k++) rank[k] = key[k] < 0 ? NONE : (rankOf.has(key[k]) ? rankOf.get(key[k]) : OTHER);
+    for (let k = 0; k < n; k++) rank[k] = key[k] < 0 ? NONE : rankOf[key[k]];
     const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : ds.frames[k];
     const legend = top.map(([k, total], i) => ({ rank: i, label: label(k), bytes: total }));
-    if (bytes.size > OTHER) legend.push({ rank: OTHER, label: "other " + mode + "s", bytes: 0 });
+    if (used.length > OTHER) legend.push({ rank: OTHER, label: "other " + mode + "s", bytes: 0 });
     if (rank.some(r => r === NONE)) legend.push({ rank: NONE, label: mode === "tag" ? "no tag" : mode === "frame" ? "no stack" : "none", bytes: 0 });
     return { mode, rank, legend };
   };

@@ -43,7 +43,7 @@
 
   GB.drawFlame = function (app) {
     const canvas = app.flameCanvas, ctx = canvas.getContext("2d"), tree = app.flame.focus;
-    const ratio = window.devicePixelRatio || 1, width = canvas.clientWidth;
+    const ratio = window.devicePixelRatio || 1, width = app.sizes.flame;
     const rows = [];  // [node, depth, x, w]
     (function place(n, depth, x, w) {
       if (depth >= MAX_ROWS || w < 0.5) return;
