@@ -193,11 +193,17 @@ def test_the_demo_trace_loads_draws_and_answers_clicks(browser: Any, tmp_path: P
     assert "in detector, tag detector/weights" in life and "still live at the end" in life
     assert "allocated at" in life and "leaked: its budget's scope exited at" in life
 
-    # Search by tag.
+    # Search by tag, at a moment in the life of one of the detector's activations.
+    active = next(k for k in range(len(model.block_size)) if model.block_budget[k] == detector
+                  and model.tags[model.block_tag[k]] == "detector/activations")
+    click_canvas(browser, js(browser, f"{V}.xOf(arguments[0])",
+                             (model.block_start[active] + model.block_end[active]) / 2),
+                 lane_top(browser, 1) + 30)
     search = browser.find_element(By.ID, "search")
     search.send_keys("activations")
     listed = js(browser, f"{V}.listed")
-    assert listed and all(model.tags[model.block_tag[k]].endswith("activations") for k in listed)
+    assert active in listed
+    assert all(model.tags[model.block_tag[k]] == "detector/activations" for k in listed)
     shot(browser, tmp_path, "viewer-clicked")
     assert console_problems(browser) == []
     if os.environ.get("GPUBUDGET_SCREENSHOT"):  # docs/viewer.png, made with this test

@@ -241,6 +241,8 @@ def test_compare_two_moments_of_one_record(browser: Any, tmp_path: Path) -> None
     # A: a moment with the weights alone; B: one with the cache too
     between = (model.block_start[0] + model.block_start[1]) / 2
     later = (model.block_start[1] + model.block_end[1]) / 2
+    browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
+                           f"{V}.draw()", model.block_start[0], model.block_end[1])  # wide apart
     for name, t in (("a", between), ("b", later)):
         click_canvas(browser, js(browser, f"{V}.xOf(arguments[0])", t), lane_top(browser, 1) + 30)
         browser.find_element(By.ID, f"compare-{name}-pin").click()
