@@ -323,8 +323,10 @@ def test_leaks_are_listed_clickable_and_hatched(browser: Any, tmp_path: Path) ->
     scale = js(browser, "window.gpubudgetParts.laneScale(arguments[0])",
                {"limit": data.budgets[1].limit, "peak": data.budgets[1].peak})
     middle = base - 2 * MiB / scale * (height - 14)
+    browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
+                           f"{V}.draw()", data.block_start[0], exited)  # before the exit
     before = js(browser, f"{V}.xOf(arguments[0])", (data.block_start[0] + exited) / 2)
-    assert pixel(browser, before, middle)[:3] == engine  # before the exit: not a leak
+    assert pixel(browser, before, middle)[:3] == engine  # not a leak yet
     browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
                            f"{V}.draw()", exited, end)  # the time after the exit, whole
     x = js(browser, f"{V}.xOf(arguments[0])", (exited + end) / 2)
