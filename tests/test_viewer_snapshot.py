@@ -103,6 +103,7 @@ def test_a_snapshot_becomes_budgets_blocks_and_points(tmp_path: Path) -> None:
     (denial,) = model.denials
     assert denial[1:3] == (0, 64 * 2**30) and "3.00 MiB free" in denial[3]
     assert denial[0] == pytest.approx(600e-6)
+    assert model.end == pytest.approx(700e-6)  # the snapshot's own action, after the last change
     regions = sorted((address - BASE, size, first >= 0) for _, address, size, first, _ in
                      model.regions)
     assert regions == [(0, 8 * MiB, True), (64 * MiB, 2 * MiB, False)]

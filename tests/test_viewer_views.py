@@ -351,6 +351,7 @@ def test_a_pytorch_snapshot_opens(browser: Any, tmp_path: Path) -> None:
     row = browser.find_element(By.CSS_SELECTOR, "#denials tbody tr")
     assert "out of memory: the device had 3.00 MiB free" in row.text
     row.click()
+    assert js(browser, f"{V}.state.moment") == pytest.approx(600e-6)  # after the last change
     listed = js(browser, f"{V}.listed")
     assert sorted(int(model.block_size[k]) for k in listed) == [MiB, 3 * MiB]
     rows = js(browser, f"{V}.app.flame.rows.map(([n, d]) => [n.name, d, n.bytes])")

@@ -102,7 +102,7 @@ class ViewModel:
     stacks: list[list[int]] = field(default_factory=list)
     """Each a list of frame indices, outermost first."""
     end: float = 0.0
-    """The time of the last event."""
+    """The time of the last event (a denial's included)."""
     time_unit: str = "s"
     """``s``, or ``event`` where the record has no clock (times are event numbers)."""
     notes: list[str] = field(default_factory=list)
@@ -342,7 +342,8 @@ def model_from_trace(path: str | os.PathLike[str], *, title: str | None = None,
     with TraceReader(path, max_bytes=max_bytes, progress=progress) as reader:
         for event in reader:
             handlers[type(event)](event)
-    model.end = model.times[-1] if model.times else 0.0
+    model.end = max(model.times[-1] if model.times else 0.0,
+                    max((d[0] for d in model.denials), default=0.0))
     model.infer_regions(state.spans)
     return model
 
@@ -405,7 +406,7 @@ def model_from_report(report: BudgetReport, *, title: str | None = None) -> View
             else:
                 model.block(budget, block.size, tag, block.address, -1,
                             model.stack_id(block.stack))
-    model.end = model.times[-1]
+    model.end = max(model.times[-1], max((d[0] for d in model.denials), default=0.0))
     for left in live.values():  # live by the timeline, not in the report: a resize's
         for orphan in left:       # parts; they end with it
             model.end_block(orphan, len(model.times) - 1)

@@ -273,7 +273,8 @@ class _Reader:
         for device, state in states.items():
             self.finish(state, by_device.get(device, []))
             state.points(start)
-        model.end = model.times[-1]
+        last = actions[-1][0] if actions else 0  # an out-of-memory or the snapshot itself
+        model.end = max(model.times[-1], (last - first) / 1e6 if timed else float(last))
         model.notes.append("a PyTorch memory snapshot: used is what the caching allocator "
                            "reserved from the device, the bands its live blocks" +
                            ("" if timed else "; it has no clock: times are action numbers"))
