@@ -193,7 +193,10 @@ def test_the_flame_graph_shows_live_bytes_by_stack_and_by_tag(browser: Any,
     rows = js(browser, f"{V}.app.flame.rows.map(([n, d]) => [n.name, d, n.bytes])")
     names = {name.rsplit(" in ", 1)[-1]: nbytes for name, depth, nbytes in rows if depth}
     assert names["load_weights"] == 4 * MiB and names["load_cache"] == 2 * MiB
-    assert rows[0] == ["all", 0, 6 * MiB]
+    test = "in test_the_flame_graph_shows_live_bytes_by_stack_and_by_tag"
+    assert rows[0][0].endswith(test) and rows[0][1:] == [0, 6 * MiB]  # where the stacks
+    # part (loading calls the two from two lines): every block shares the frames above it
+    depth = js(browser, f"{V}.flame.depth")
     assert "Live bytes by stack in server at" in browser.find_element(By.ID, "flame-title").text
     # hovering the model's lane: the band under the mouse is a block, with its stack
     budget, height = model.budgets[1], js(browser, f"{V}.LANE")
@@ -214,14 +217,18 @@ def test_the_flame_graph_shows_live_bytes_by_stack_and_by_tag(browser: Any,
     shot(browser, tmp_path, "lane-hover")
     # hover and click a frame: zoom into it
     flame_rows = js(browser, f"{V}.app.flame.rows.map(([n, d, x, w]) => [n.name, d, x, w])")
-    name, depth, x, width = next(r for r in flame_rows if r[0].endswith("in load_cache"))
-    at_canvas(browser, x + width / 2, depth * 18 + 9, "flame").perform()
+    name, row, x, width = next(r for r in flame_rows if r[0].endswith("in load_cache"))
+    at_canvas(browser, x + width / 2, row * 18 + 9, "flame").perform()
     assert browser.find_element(By.ID, "tip").text.startswith(name)
     assert "2.00 MiB in 1 blocks (33.3%)" in browser.find_element(By.ID, "tip").text
-    click_canvas(browser, x + width / 2, depth * 18 + 9, "flame")
+    click_canvas(browser, x + width / 2, row * 18 + 9, "flame")
     assert js(browser, f"{V}.flameFocus")[-1] == name
     assert js(browser, f"{V}.flame.bytes") == 2 * MiB
     shot(browser, tmp_path, "flame-zoomed")
+    click_canvas(browser, 20, 9, "flame")  # the top row: every frame, from the outermost
+    assert js(browser, f"{V}.flameFocus") == [] and js(browser, f"{V}.flame.bytes") == 6 * MiB
+    assert js(browser, f"{V}.app.flame.rows[0][0].name") == "all"
+    assert js(browser, f"{V}.flame.depth") > depth  # the shared frames too
     # tags first: a level of tags above the frames
     browser.find_element(By.ID, "flame-by-tag").click()
     tags = js(browser, f"{V}.app.flame.rows.filter(r => r[1] === 1).map(r => [r[0].name, "
@@ -251,6 +258,9 @@ def test_compare_two_moments_of_one_record(browser: Any, tmp_path: Path) -> None
     assert compared["tags"] == [["cache", 0, 2 * MiB], ["weights", 4 * MiB, 4 * MiB]]
     (stack, before, after), _ = compared["stacks"]
     assert stack.endswith("in load_cache") and (before, after) == (0, 2 * MiB)
+    first_stack = browser.find_element(By.CSS_SELECTOR, "#compare-stacks tbody tr")
+    assert first_stack.text.split()[:2] == ["load_cache", "(test_viewer_views.py)"]
+    assert first_stack.get_attribute("title") == stack  # the whole stack on hover
     first = browser.find_element(By.CSS_SELECTOR, "#compare-tags tbody tr")
     assert first.text.split() == ["cache", "0", "B", "2.00", "MiB", "+2.00", "MiB"]
     assert "grew" in first.find_elements(By.TAG_NAME, "td")[3].get_attribute("class")
@@ -355,7 +365,8 @@ def test_a_pytorch_snapshot_opens(browser: Any, tmp_path: Path) -> None:
     listed = js(browser, f"{V}.listed")
     assert sorted(int(model.block_size[k]) for k in listed) == [MiB, 3 * MiB]
     rows = js(browser, f"{V}.app.flame.rows.map(([n, d]) => [n.name, d, n.bytes])")
-    assert ["/work/load_weights.py:10 in load_weights", 2, 3 * MiB] in rows
+    assert rows[0] == ["/work/main.py:11 in main", 0, 4 * MiB]  # the frame they share
+    assert ["/work/load_weights.py:10 in load_weights", 1, 3 * MiB] in rows
     title = browser.find_element(By.ID, "address-title").text
     assert title.startswith("Addresses of cuda:0 at ") and "free of 10.00 MiB" in title
     assert js(browser, f"{V}.app.layout.spans.length") == 2  # two ranges, packed

@@ -80,7 +80,8 @@
 
     function flame() {
       const blocks = state.moment === null ? [] : GB.liveBlocks(ds, state.lane, state.moment);
-      app.flame.tree = app.flame.focus = GB.flameTree(ds, blocks, state.flameByTag);
+      app.flame.tree = GB.flameTree(ds, blocks, state.flameByTag);
+      app.flame.focus = GB.flameStart(app.flame.tree);
       document.getElementById("flame-title").textContent = state.moment === null ? "Live bytes by stack" :
         "Live bytes by stack" + (state.lane !== null ? " in " + ds.budgets[state.lane].name : "") + " at " + ds.formatTime(state.moment, ds.end) +
         ": " + formatSize(app.flame.tree.bytes);
@@ -201,7 +202,7 @@
     app.flameCanvas.addEventListener("click", e => {
       const n = GB.flameHit(app, e.offsetX, e.offsetY);
       if (!n) return;
-      app.flame.focus = n === app.flame.focus && n.parent ? n.parent : n;
+      app.flame.focus = n === app.flame.focus ? (n.parent ? app.flame.tree : n) : n;  // the top row: all
       viewer.flame = GB.drawFlame(app);
       viewer.flameFocus = GB.flamePath(app.flame.focus);
     });

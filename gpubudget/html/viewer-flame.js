@@ -1,8 +1,8 @@
 // gpubudget's memory viewer, part 4 of 6: the flame graph (an icicle). The blocks live at the
 // chosen moment in the chosen budget (and its descendants), as a tree of their stacks:
 // outermost frame at the top, each frame as wide as the bytes allocated under it; with "tags
-// first", a level of tags above the frames. Hover: the frame and its bytes; click: zoom into
-// it (click the top row to zoom out).
+// first", a level of tags above the frames. It opens below the frames all blocks share.
+// Hover: the frame and its bytes; click: zoom into it (click the top row to zoom out).
 (function () {
   const { formatSize } = GB;
   const ROW = 18, MAX_ROWS = 40;
@@ -41,6 +41,18 @@
     return name.slice(at + 4) + " (" + base + ")";
   }
 
+  // Where to open: below the frames every live block shares (a runner's, a framework's), at
+  // the first frame where the stacks part, so that the rows shown say something.
+  GB.flameStart = function (tree) {
+    let at = tree;
+    while (at.children.size === 1) {
+      const only = at.children.values().next().value;
+      if (!only.children.size || only.name.startsWith("tag ")) break;
+      at = only;
+    }
+    return at;
+  };
+
   GB.drawFlame = function (app) {
     const canvas = app.flameCanvas, ctx = canvas.getContext("2d"), tree = app.flame.focus;
     const ratio = window.devicePixelRatio || 1, width = app.sizes.flame;
@@ -66,7 +78,9 @@
       ctx.fillRect(x, d * ROW, Math.max(w - 1, 0.5), ROW - 1);
       if (w > 40) {
         ctx.fillStyle = "#1d2330";
-        let text = (d === 0 ? (n === app.flame.tree ? "all live blocks" : "▲ " + label(n.name)) : label(n.name)) + " · " + formatSize(n.bytes);
+        const hidden = d === 0 && n !== app.flame.tree ? GB.flamePath(n).length : 0;
+        let text = (d === 0 ? (n === app.flame.tree ? "all live blocks" : "▲ " + hidden + " frames, to " + label(n.name)) : label(n.name)) +
+          " · " + formatSize(n.bytes);
         const room = Math.floor((w - 6) / 6);
         if (text.length > room) text = text.slice(0, Math.max(room - 1, 1)) + "…";
         ctx.fillText(text, x + 3, d * ROW + ROW / 2);

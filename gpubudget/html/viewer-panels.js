@@ -160,7 +160,10 @@
       formatSize(b.bytes) + " in " + b.count + " blocks. B − A: " + signed(b.bytes - a.bytes) + ".";
     const tags = diffRows(a.tags, b.tags), stacks = diffRows(a.stacks, b.stacks);
     fillDiff(document.querySelector("#compare-tags tbody"), tags, key => key);
-    fillDiff(document.querySelector("#compare-stacks tbody"), stacks, key => key.split("\n").pop());
+    fillDiff(document.querySelector("#compare-stacks tbody"), stacks, key => {  // "function (file)"
+      const frame = key.split("\n").pop(), at = frame.lastIndexOf(" in ");
+      return at < 0 ? frame : frame.slice(at + 4) + " (" + frame.slice(0, at).split("/").pop() + ")";
+    });
     return (app.compared = { a: { t: a.t, bytes: a.bytes, count: a.count }, b: { t: b.t, bytes: b.bytes, count: b.count }, tags, stacks });
   };
 
