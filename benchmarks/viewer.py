@@ -133,6 +133,9 @@ def _measure(driver: Any, page: str) -> dict[str, float]:
     if driver.execute_script("return document.body.dataset.ready") != "1":
         raise RuntimeError(f"{page}: the page failed: "
                            f"{driver.execute_script('return window.gpubudgetViewer.errors')}")
+    while driver.execute_script("return 'warm' in window.gpubudgetViewer && "
+                                "!document.body.dataset.warm"):
+        time.sleep(0.02)  # what the page prepares once shown, before the first zoom
     timings = dict(driver.execute_script(_TIMING))
     timings["load"] = loaded * 1000
     return timings

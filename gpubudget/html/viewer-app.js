@@ -5,7 +5,7 @@
 (function () {
   const { el, formatSize } = GB;
   const MAX_LANES = 200;
-  const viewer = { ready: false, errors: [] };
+  const viewer = { ready: false, warm: false, errors: [] };
   window.gpubudgetViewer = viewer;
 
   function tip(text, x, y) {
@@ -236,6 +236,10 @@
     select(first === undefined || !blocksUsed && !ds.lanes[first].n ? null : ds.peakOf(first), first === undefined ? null : first);
     timings.drawn = performance.now();
     viewer.ready = true; document.body.dataset.ready = "1";
+    setTimeout(() => {  // once shown: what zooming in will need, for the lanes drawn
+      for (const b of app.drawnLanes.slice(0, 24)) GB.checkpoints(ds, ds.events(b));
+      viewer.warm = true; document.body.dataset.warm = "1";
+    }, 0);
   }
   window.addEventListener("error", e => viewer.errors.push(String(e.message)));
   main().catch(err => {

@@ -166,29 +166,38 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
       all = { n: total, ev, at, initial: Int32Array.from(initial) };
       return all;
     }
+    // Every lane's events, made for many lanes in one pass: every root's from all events,
+    // every budget below a root from the root's (each event goes to each of its ancestors).
+    function distribute(base, slot, lanes, up) {
+      const b = blocks.b, count = new Int32Array(lanes.length);
+      for (let i = 0; i < base.n; i++) { const e = base.ev[i]; up(b[e > 0 ? e - 1 : -e - 1], s => { count[s]++; }); }
+      const made = lanes.map((lane, s) => ({ n: count[s], ev: new Int32Array(count[s]), at: new Int32Array(count[s]), initial: [] }));
+      const fill = new Int32Array(lanes.length);
+      for (let i = 0; i < base.n; i++) {
+        const e = base.ev[i], t = base.at[i];
+        up(b[e > 0 ? e - 1 : -e - 1], s => { const m = made[s], j = fill[s]++; m.ev[j] = e; m.at[j] = t; });
+      }
+      for (const k of base.initial) up(b[k], s => { made[s].initial.push(k); });
+      lanes.forEach((lane, s) => { made[s].initial = Int32Array.from(made[s].initial); cache.set(lane, made[s]); });
+    }
     return function events(lane) {
       let found = cache.get(lane);
       if (found) return found;
-      const source = everything(), b = blocks.b;
-      const isRoot = ds.budgets[lane].parent === null;
-      if (isRoot && ds.order.filter(i => ds.budgets[i].parent === null).length === 1) {
-        found = { n: source.n, ev: source.ev, at: source.at, initial: source.initial };
+      const source = everything(), budgets = ds.budgets, parent = ds.parentOf;
+      const roots = ds.order.filter(i => budgets[i].parent === null);
+      if (budgets[lane].parent === null && roots.length === 1) {
+        cache.set(lane, { n: source.n, ev: source.ev, at: source.at, initial: source.initial });
+      } else if (budgets[lane].parent === null) {
+        const slot = new Int32Array(budgets.length).fill(-1);
+        roots.forEach((r, s) => { slot[r] = s; });
+        distribute(source, slot, roots, (x, visit) => visit(slot[budgets[x].root]));
       } else {
-        const base = isRoot ? source : events(ds.budgets[lane].root), pre = ds.pre, lo = pre[lane], hi = ds.post[lane];
-        const inside = new Uint8Array(ds.budgets.length);
-        for (let x = 0; x < inside.length; x++) inside[x] = pre[x] >= lo && pre[x] <= hi ? 1 : 0;
-        let count = 0;
-        for (let i = 0; i < base.n; i++) { const e = base.ev[i]; count += inside[b[e > 0 ? e - 1 : -e - 1]]; }
-        const ev = new Int32Array(count), at = new Int32Array(count);
-        let j = 0;
-        for (let i = 0; i < base.n; i++) {
-          const e = base.ev[i];
-          if (inside[b[e > 0 ? e - 1 : -e - 1]]) { ev[j] = e; at[j++] = base.at[i]; }
-        }
-        found = { n: count, ev, at, initial: base.initial.filter(k => ds.within(b[k], lane)) };
+        const root = budgets[lane].root, base = events(root), lanes = ds.order.filter(i => budgets[i].root === root && i !== root);
+        const slot = new Int32Array(budgets.length).fill(-1);
+        lanes.forEach((l, s) => { slot[l] = s; });
+        distribute(base, slot, lanes, (x, visit) => { for (let a = x; a !== root; a = parent[a]) visit(slot[a]); });
       }
-      cache.set(lane, found);
-      return found;
+      return cache.get(lane);
     };
   }
 
@@ -217,7 +226,7 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     if (events.cps) return events;
     let live = events.initial.length, most = live;
     for (let i = 0; i < events.n; i++) { live += events.ev[i] > 0 ? 1 : -1; if (live > most) most = live; }
-    const K = Math.max(8192, 8 * most), cps = [], set = LiveSet(ds);
+    const K = Math.max(1024, 2 * most), cps = [], set = LiveSet(ds);  // memory: n / 2 per lane
     for (const k of events.initial) set.add(k);
     for (let i = 0; i < events.n; i++) {
       if (i % K === 0) cps.push(set.snapshot());
