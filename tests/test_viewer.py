@@ -10,6 +10,7 @@ import math
 import re
 import zlib
 from array import array
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -146,10 +147,21 @@ def test_the_page_is_self_contained_and_carries_the_model(tmp_path: Path) -> Non
     assert data["blocks"]["b"]["type"] == "u8" and data["blocks"]["to"]["type"] == "i8"
     assert _column(data["blocks"]["to"]) == list(model.block_to)
     assert _column(data["blocks"]["addr"]) == list(model.block_address)  # 64-bit: f64
-    assert _column(data["times"]["t"]) == list(model.times)
-    counts = _column(data["points"]["count"])
-    assert [i for i, c in enumerate(counts) for _ in range(c)] == list(model.point_at)
+    assert data["times"]["t"]["steps"] == "ns"  # a trace's times: whole nanoseconds
+    assert list(accumulate(_column(data["times"]["t"]))) == [round(t * 1e9) for t in model.times]
+    assert [ns / 1e9 for ns in accumulate(_column(data["times"]["t"]))] == list(model.times)
+    assert data["points"]["at"]["type"] == "u8"  # steps of 0 and 1 mostly
+    assert list(accumulate(_column(data["points"]["at"]))) == list(model.point_at)
     assert data["regions"] == [list(r) for r in model.regions]
+
+
+def test_times_that_are_not_whole_nanoseconds_travel_as_they_are() -> None:
+    model = ViewModel("t", "report")
+    for t in (0.0, 1 / 3, 0.5, 2 / 3):
+        model.tick(t)
+    spec = json.loads(page_html(model).split('id="gpubudget-data">')[1].split("</script>")[0])
+    assert spec["main"]["times"]["t"]["type"] == "f64" and "steps" not in spec["main"]["times"]["t"]
+    assert _column(spec["main"]["times"]["t"]) == list(model.times)
 
 
 def test_to_html_and_view_write_the_same_renderer(tmp_path: Path,

@@ -5,7 +5,8 @@ The data travels as one JSON object; its numeric columns as little-endian typed 
 each in the narrowest width that holds its values, compressed with zlib and written in
 base64 (the page inflates them with the browser's ``DecompressionStream``, which takes
 longer the more bytes come out), so a million events take a few megabytes. Times travel
-once, in the model's event order; points as how many each event has, then their budget and
+once, in the model's event order (as nanoseconds from one to the next where they are whole
+nanoseconds); points as the steps from one's event to the next's, their budget and
 ``used`` (a budget's own bytes do not travel: its blocks say them); blocks name their events
 by index. A summary of the
 budgets is written as plain HTML (:mod:`~gpubudget.html.overview`), so the page shows it
@@ -20,9 +21,9 @@ import os
 import sys
 import zlib
 from array import array
-from collections import Counter
 from importlib import resources
-from itertools import repeat
+from itertools import chain, repeat
+from operator import eq, mul, sub, truediv
 from typing import Any, Final
 
 from .model import ViewModel
@@ -62,15 +63,23 @@ def _integers(values: array[Any]) -> dict[str, str]:
     return _packed(values, "d", "f64")
 
 
-def _column(values: array[Any]) -> dict[str, str]:
-    """Floats (times), little-endian float64."""
+def _times(values: array[float]) -> dict[str, Any]:
+    """The events' times: where every one is a whole number of nanoseconds (a trace's, a
+    snapshot's, as written: nine decimals at most), the nanoseconds from one to the next as
+    integers (a quarter of the bytes, and they compress), which the page adds up; else
+    little-endian float64."""
+    nanoseconds = array("q", map(round, map(mul, values, repeat(1e9))))
+    if all(map(eq, map(truediv, nanoseconds, repeat(1e9)), values)):
+        steps = array("q", map(sub, nanoseconds, chain((0,), nanoseconds)))
+        if not steps or max(steps) < 2**32:
+            return {"steps": "ns", **_integers(steps)}
     return _packed(values, "d", "f64")
 
 
-def _per_event(model: ViewModel) -> dict[str, str]:
-    """How many points each event has, in event order (the points are in that order)."""
-    counts = Counter(model.point_at)
-    return _integers(array("l", map(counts.get, range(len(model.times)), repeat(0))))
+def _steps(values: array[int]) -> dict[str, str]:
+    """Non-decreasing integers (each point's event) as the steps from one to the next: mostly
+    0 and 1, a byte each, which the page adds up."""
+    return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
 def _data(model: ViewModel) -> dict[str, Any]:
@@ -82,8 +91,8 @@ def _data(model: ViewModel) -> dict[str, Any]:
         "notes": model.notes,
         "budgets": [[b.name, b.parent, b.limit, b.reserve, b.entered, b.exited, b.peak,
                      b.allocations, b.frees, b.denied] for b in model.budgets],
-        "times": {"n": len(model.times), "t": _column(model.times)},
-        "points": {"n": len(model.point_at), "count": _per_event(model),
+        "times": {"n": len(model.times), "t": _times(model.times)},
+        "points": {"n": len(model.point_at), "at": _steps(model.point_at),
                    "b": _integers(model.point_budget), "used": _integers(model.point_used)},
         "blocks": {"n": len(model.block_budget), "b": _integers(model.block_budget),
                    "size": _integers(model.block_size),

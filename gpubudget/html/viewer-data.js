@@ -74,11 +74,15 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     const ds = { raw, title: raw.title, source: raw.source, timeUnit: raw.timeUnit || "s",
       notes: raw.notes || [], tags: raw.tags, frames: raw.frames, stacks: raw.stacks,
       denials: raw.denials, regions: raw.regions };
-    const times = ds.times = (await columns(raw.times, ["t"])).t;
-    const points = await columns(raw.points, ["count", "b", "used"]);
+    let times = (await columns(raw.times, ["t"])).t;
+    if (raw.times.t.steps === "ns") {  // nanoseconds from one event to the next: add them up
+      const steps = times;
+      times = new Float64Array(steps.length);
+      for (let i = 0, ns = 0; i < steps.length; i++) { ns += steps[i]; times[i] = ns / 1e9; }
+    }
+    ds.times = times;
+    const points = await columns(raw.points, ["at", "b", "used"]);
     const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"]);
-    points.at = new Int32Array(points.n);  // each point's event, from how many each event has
-    for (let e = 0, i = 0; e < points.count.length; e++) for (let c = points.count[e]; c > 0; c--) points.at[i++] = e;
     ds.blocks = blocks;
     ds.end = raw.end > 0 ? raw.end : 1e-6;
     const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
@@ -111,9 +115,10 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     const counts = new Int32Array(budgets.length);
     for (let i = 0; i < points.n; i++) counts[points.b[i]]++;
     ds.lanes = budgets.map((b, i) => ({ n: 0, t: new Float64Array(counts[i]), used: new Float64Array(counts[i]) }));
-    for (let i = 0; i < points.n; i++) {
+    for (let i = 0, e = 0; i < points.n; i++) {  // each point's event: the steps added up
+      e += points.at[i];
       const lane = ds.lanes[points.b[i]], k = lane.n++;
-      lane.t[k] = times[points.at[i]]; lane.used[k] = points.used[i];
+      lane.t[k] = times[e]; lane.used[k] = points.used[i];
     }
     ds.t0 = k => blocks.from[k] >= 0 ? times[blocks.from[k]] : -Infinity;
     ds.t1 = k => blocks.to[k] >= 0 ? times[blocks.to[k]] : Infinity;
@@ -240,23 +245,35 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
   GB.checkpoints = checkpoints;
 
   function liveAtIndex(ds, events, i) {  // the blocks live after the lane's first i events
-    checkpoints(ds, events);
-    const c = Math.min(Math.floor(i / events.K), events.cps.length - 1), set = LiveSet(ds);
-    for (const k of events.cps[c]) set.add(k);
-    for (let j = c * events.K; j < i; j++) set.apply(events.ev[j]);
+    if (events.last && events.last.i === i) return events.last.live.slice();
+    const set = LiveSet(ds);
+    if (events.cps || events.asked) {  // asked again: checkpoints pay
+      checkpoints(ds, events);
+      const c = Math.min(Math.floor(i / events.K), events.cps.length - 1);
+      for (const k of events.cps[c]) set.add(k);
+      for (let j = c * events.K; j < i; j++) set.apply(events.ev[j]);
+    } else {  // the first question: one pass, no checkpoints yet
+      for (const k of events.initial) set.add(k);
+      for (let j = 0; j < i; j++) set.apply(events.ev[j]);
+    }
+    events.asked = true;
     const out = set.snapshot();
     set.clear();
-    return out;
+    events.last = { i, live: out };
+    return out.slice();
   }
 
   // Colour keys: what a block is coloured by (its tag, its innermost frame, its budget),
   // and each key's rank: the eleven keys with the most bytes allocated first.
   GB.colourKeys = function (ds, mode) {
-    const blocks = ds.blocks, n = blocks.n, key = new Int32Array(n);
-    for (let k = 0; k < n; k++) {
-      if (mode === "tag") key[k] = blocks.tag[k];
-      else if (mode === "budget") key[k] = blocks.b[k];
-      else { const s = blocks.stack[k]; key[k] = s >= 0 && ds.stacks[s].length ? ds.stacks[s][ds.stacks[s].length - 1] : -1; }
+    const blocks = ds.blocks, n = blocks.n;
+    let key;
+    if (mode === "tag") key = blocks.tag;
+    else if (mode === "budget") key = blocks.b;
+    else {
+      const innermost = Int32Array.from(ds.stacks, s => s.length ? s[s.length - 1] : -1);
+      key = new Int32Array(n);
+      for (let k = 0; k < n; k++) key[k] = blocks.stack[k] >= 0 ? innermost[blocks.stack[k]] : -1;
     }
     const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : ds.frames.length;
     const bytes = new Float64Array(keys);

@@ -5,7 +5,7 @@
 // lines they were called from may move between two versions of the code).
 (function () {
   const { formatSize, el } = GB;
-  const MAX_ROWS = 500, MAX_DIFF_ROWS = 100;
+  const MAX_ROWS = 200, MAX_LISTED = 1000, MAX_DIFF_ROWS = 100;
 
   function innermost(ds, k) { const st = ds.stackText(k); return st.length ? st[st.length - 1] : ""; }
 
@@ -71,10 +71,11 @@
     tab.textContent = "Leaks (" + ds.leaks.length + ")";
     tab.classList.toggle("alert", ds.leaks.length > 0);
     document.getElementById("leaks-title").textContent = ds.leaks.length ? ds.leaks.length +
-      " blocks live at the end whose budget's scope had exited, " + formatSize(total) + " (click one: the moment its scope exited)"
+      " blocks live at the end whose budget's scope had exited, " + formatSize(total) +
+      (ds.leaks.length > MAX_LISTED ? ", the largest " + MAX_LISTED + " listed" : "") + " (click one: the moment its scope exited)"
       : ds.source === "torch" ? "A PyTorch snapshot has no scopes: nothing is a leak by this rule" : "No leaks: every block of an exited scope was freed";
     const last = k => ds.formatTime(ds.budgets[ds.blocks.b[k]].exited, ds.end);
-    document.querySelector("#leaks tbody").replaceChildren(...ds.leaks.slice(0, MAX_ROWS).map(k => {
+    document.querySelector("#leaks tbody").replaceChildren(...ds.leaks.slice(0, MAX_LISTED).map(k => {
       const tr = GB.blockRow(app, k, last);
       tr.addEventListener("click", () => app.select(ds.budgets[ds.blocks.b[k]].exited, ds.blocks.b[k], true));
       return tr;
@@ -86,8 +87,9 @@
     tab.textContent = "Denials (" + ds.denials.length + ")";
     tab.classList.toggle("alert", ds.denials.length > 0);
     document.getElementById("denials-title").textContent = ds.denials.length ? ds.denials.length +
-      " requests refused (click one: the moment, its budget's blocks then, the largest free block)" : "No request was refused";
-    document.querySelector("#denials tbody").replaceChildren(...ds.denials.slice(0, MAX_ROWS).map(([t, b, bytes, reason, tag], i) => {
+      " requests refused" + (ds.denials.length > MAX_LISTED ? ", the first " + MAX_LISTED + " listed" : "") +
+      " (click one: the moment, its budget's blocks then, the largest free block)" : "No request was refused";
+    document.querySelector("#denials tbody").replaceChildren(...ds.denials.slice(0, MAX_LISTED).map(([t, b, bytes, reason, tag], i) => {
       const tr = el("tr", { "data-denial": i });
       [ds.formatTime(t, ds.end), ds.budgets[b].name, formatSize(bytes), reason.replace(/_/g, " "), tag >= 0 ? ds.tags[tag] : ""]
         .forEach((text, j) => tr.appendChild(el("td", j === 2 ? { class: "num" } : {}, text)));
