@@ -373,3 +373,68 @@ def test_a_pytorch_snapshot_opens(browser: Any, tmp_path: Path) -> None:
     assert js(browser, f"{V}.app.layout.spans[0].start") == BASE
     assert "Leaks (0)" == browser.find_element(By.ID, "leaks-tab").text
     shot(browser, tmp_path, "pytorch-snapshot")
+
+
+def test_the_whole_run_shows_each_buckets_peak_with_its_bytes_per_colour(
+        browser: Any, tmp_path: Path) -> None:
+    """A lane with many events is drawn, at the whole run, from a summary: per bucket of the
+    run, the most bytes live at once (the state carried into the bucket included) and the
+    bytes of each colour at that moment. Checked against the same computed here from the
+    model, bucket by bucket."""
+    import math
+    import random
+
+    rng = random.Random(7)
+    trace = tmp_path / "many.jsonl"
+    with gpu_budget("64MiB", name="server", backend="host", trace=str(trace)):
+        with gpu_budget("32MiB", name="model") as model:
+            live: list[int] = []
+            for _ in range(24_000):  # more changes than a lane draws one by one
+                if live and (len(live) > 60 or rng.random() < 0.45):
+                    assert model.free(live.pop(rng.randrange(len(live))))
+                else:
+                    block = model.allocate(rng.randrange(1, 64) * 4 * KiB,
+                                           tag=rng.choice("abc"))
+                    assert block is not None
+                    live.append(block)
+            for block in live:
+                assert model.free(block)
+    writer_for(trace).flush()
+    data = model_from_trace(trace)
+    load(browser, page_of(trace, tmp_path))
+    assert js(browser, f"{V}.drawn.modes") == {"0": "summary", "1": "summary"}
+    nb = js(browser, "window.gpubudgetParts.NB")
+    legend = dict(js(browser, f"{V}.app.keys.legend.map(e => [e.label, e.rank])"))
+    peaks, keys = browser.execute_script(
+        f"const s = window.gpubudgetParts.summary({V}.app, 1);"
+        "return [Array.from(s.peak), Array.from(s.keys)];")
+    ranks = len(keys) // nb
+    # the same here: the model's events in order, frees before allocations at one event
+    changes: dict[int, list[tuple[int, int]]] = {}
+    for k in range(len(data.block_size)):
+        changes.setdefault(data.block_from[k], []).append((1, k))
+        if data.block_to[k] >= 0:
+            changes.setdefault(data.block_to[k], []).append((0, k))
+    scale = nb / data.end
+    total, sums = 0.0, [0.0] * ranks
+    expected_peak = [0.0] * nb
+    expected_keys = [[0.0] * ranks for _ in range(nb)]
+    current = 0
+    expected_peak[0], expected_keys[0] = total, sums[:]
+    for at in range(len(data.times)):
+        bucket = min(nb - 1, math.floor(data.times[at] * scale))
+        while current < bucket:
+            current += 1
+            expected_peak[current], expected_keys[current] = total, sums[:]
+        for start, k in sorted(changes.get(at, ())):
+            size = data.block_size[k] if start else -data.block_size[k]
+            total += size
+            sums[legend[data.tags[data.block_tag[k]]]] += size
+            if total > expected_peak[current]:
+                expected_peak[current], expected_keys[current] = total, sums[:]
+    while current < nb - 1:
+        current += 1
+        expected_peak[current], expected_keys[current] = total, sums[:]
+    assert peaks == expected_peak
+    assert [keys[j * ranks:(j + 1) * ranks] for j in range(nb)] == expected_keys
+    shot(browser, tmp_path, "summary-bands")

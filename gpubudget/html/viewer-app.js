@@ -53,10 +53,11 @@
     state.flameByTag = !ds.frames.length && ds.tags.length > 0;  // no stacks: the tags at least
     document.getElementById("flame-by-tag").checked = state.flameByTag;
 
-    document.getElementById("note").textContent = (ds.source === "report" ? "from a report: its timeline's last events; " :
-      ds.source === "torch" ? "a PyTorch memory snapshot; " : "") + ds.budgets.length + " budgets, " +
+    document.getElementById("note").textContent = (ds.source === "report" ? "from a report: its timeline's last events; " : "") +
+      ds.budgets.length + " budgets, " +
       ds.times.length.toLocaleString() + " events, " + ds.blocks.n.toLocaleString() + " blocks, " + ds.denials.length + " denials" +
-      (other ? "; compared with " + other.title : "") + (ds.order.length > MAX_LANES ? "; " + MAX_LANES + " budgets drawn at once (pick one in the tree)" : "");
+      (other ? "; compared with " + other.title : "") + (ds.order.length > MAX_LANES ? "; " + MAX_LANES + " budgets drawn at once (pick one in the tree)" : "") +
+      ds.notes.map(note => "; " + note).join("");
 
     function recolour() {
       app.keys = GB.colourKeys(ds, state.colour);

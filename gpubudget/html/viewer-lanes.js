@@ -12,7 +12,7 @@
     const mix = s => Math.round(((c >>> s) & 0xff) * 0.55 + 255 * 0.45) << s;
     return (0xff << 24 | mix(16) | mix(8) | mix(0)) >>> 0;
   });
-  GB.GUTTER = GUTTER; GB.AXIS = AXIS; GB.summary = (app, b) => summary(app, b);
+  GB.GUTTER = GUTTER; GB.AXIS = AXIS; GB.NB = NB; GB.summary = (app, b) => summary(app, b);
 
   // The bytes a lane's height stands for: its limit, or its peak with room above where the
   // peak stays under a quarter of the limit (the limit is then named, not drawn).
