@@ -159,6 +159,12 @@ def test_the_demo_trace_loads_draws_and_answers_clicks(browser: Any, tmp_path: P
     assert "free of 4.00 GiB" in browser.find_element(By.ID, "address-title").text
     legend = browser.find_element(By.ID, "legend").text.split("\n")
     assert sorted(legend) == sorted(model.tags)
+    colour = browser.find_element(By.ID, "colour-by")  # colour by budget, then by tag again
+    colour.find_element(By.CSS_SELECTOR, "option[value='budget']").click()
+    assert browser.find_element(By.ID, "legend").text.split("\n") == ["detector", "classifier"]
+    assert js(browser, f"{V}.app.keys.mode") == "budget"
+    colour.find_element(By.CSS_SELECTOR, "option[value='tag']").click()
+    assert js(browser, f"{V}.app.keys.mode") == "tag"
 
     # The denial is drawn: red at its time, at the top of the classifier's lane.
     (t_denied, lane, *_), = model.denials
