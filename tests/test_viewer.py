@@ -4,11 +4,13 @@ replay of the same trace and against the Trace Event Format's documented fields.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import re
 import zlib
 from array import array
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,8 +44,11 @@ def record(path: Path) -> Path:
     return path
 
 
-def _column(encoded: str, kind: str) -> list[Any]:
-    return list(array(kind, zlib.decompress(base64.b64decode(encoded))))
+_CODES = {"u8": "B", "i8": "b", "u16": "H", "i16": "h", "u32": "I", "i32": "i", "f64": "d"}
+
+
+def _column(spec: dict[str, str]) -> list[Any]:
+    return list(array(_CODES[spec["type"]], zlib.decompress(base64.b64decode(spec["data"]))))
 
 
 def test_the_model_of_a_trace_agrees_with_its_replay(tmp_path: Path) -> None:
@@ -74,14 +79,53 @@ def test_the_model_of_a_report_keeps_its_blocks_and_stacks() -> None:
     with gpu_budget("1MiB", name="pool", backend="host", track_stacks=True) as pool:
         with gpu_budget("256KiB", name="model") as model:
             block = model.allocate(4 * KiB, tag="weights")
+            temp = model.allocate(8 * KiB, tag="scratch")
+            assert temp is not None and model.free(temp)
             assert model.allocate(512 * KiB) is None
     model_ = model_from_report(pool.report())
     assert block is not None and model.free(block)
     assert model_.source == "report" and [b.name for b in model_.budgets] == ["pool", "model"]
-    assert list(model_.block_size) == [4 * KiB] and math.isnan(model_.block_start[0])
+    # the timeline's allocations are blocks; the live one took the report's address, stack
+    assert list(model_.block_size) == [4 * KiB, 8 * KiB]
+    assert [model_.tags[t] for t in model_.block_tag] == ["weights", "scratch"]
+    assert list(model_.block_address) == [block, -1]  # a freed one's address is not kept
+    assert list(model_.block_to) == [-1, model_.block_from[1] + 1]
     frames = [model_.frames[f] for f in model_.stacks[model_.block_stack[0]]]
     assert any("test_viewer.py" in frame for frame in frames)
+    assert model_.block_stack[1] == -1
     assert len(model_.denials) == 1 and model_.denials[0][1] == 1
+    assert model_.regions == [(0, block, MiB, -1, -1)]  # from its lowest block, its limit
+
+
+def test_a_report_block_from_before_its_timeline_is_live_from_the_start() -> None:
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        old = pool.allocate(KiB, tag="old")
+        report = pool.report()
+    assert old is not None and pool.free(old)
+    trimmed = dataclasses.replace(report, timeline=())  # as if its events had rolled out
+    model = model_from_report(trimmed)
+    assert list(model.block_from) == [-1] and list(model.block_to) == [-1]
+    assert list(model.block_address) == [old] and list(model.point_used) == [KiB]
+
+
+def test_times_never_go_back_and_name_their_events(tmp_path: Path) -> None:
+    """Threads may write a trace's lines slightly out of order: the model's clock does not
+    go back, and points and blocks name their events by index."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in [
+        {"format": "gpubudget-trace", "version": 1},
+        {"ev": "enter", "t": 1.0, "b": 1, "name": "pool", "parent": None, "limit": MiB,
+         "align": 256, "reserve": 0, "backend": "host"},
+        {"ev": "alloc", "t": 2.0, "b": 1, "size": 256, "align": 0, "tag": None, "ptr": 4096,
+         "bytes": 256, "reason": None},
+        {"ev": "alloc", "t": 1.5, "b": 1, "size": 256, "align": 0, "tag": None, "ptr": 8192,
+         "bytes": 256, "reason": None},
+        {"ev": "free", "t": 3.0, "b": 1, "ptr": 4096}]) + "\n")
+    model = model_from_trace(trace)
+    assert list(model.times) == [1.0, 2.0, 2.0, 3.0]
+    assert list(model.point_t) == [model.times[i] for i in model.point_at]
+    assert list(model.block_from) == [1, 2] and list(model.block_to) == [3, -1]
+    assert model.regions == [(0, 4096, MiB, 0, -1)]
 
 
 def test_the_page_is_self_contained_and_carries_the_model(tmp_path: Path) -> None:
@@ -89,13 +133,35 @@ def test_the_page_is_self_contained_and_carries_the_model(tmp_path: Path) -> Non
     model.budgets[1].name = "</script><script>alert(1)</script>"
     page = page_html(model)
     assert page.startswith("<!DOCTYPE html>") and page.count("</script>") == 2
+    overview = page[page.index('<section id="overview">'):page.index("</section>")]
+    assert "&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in overview  # escaped
+    assert "3 budgets, 5 blocks, 1 denials, 2 leaked blocks" in overview
     assert not re.search(r"(src|href)\s*=|https?://|@import|fetch\(", page)
-    data = json.loads(page[page.index('id="gpubudget-data">') + 20:page.index("</script>")])
+    payload = json.loads(page[page.index('id="gpubudget-data">') + 20:page.index("</script>")])
+    data = payload["main"]
+    assert payload["other"] is None
     assert data["budgets"][1][0] == "</script><script>alert(1)</script>"
-    assert _column(data["points"]["used"], "d") == list(model.point_used)
-    assert _column(data["blocks"]["b"], "i") == list(model.block_budget)
-    t1 = _column(data["blocks"]["t1"], "d")
-    assert [math.isnan(x) for x in t1] == [math.isnan(x) for x in model.block_end]
+    assert _column(data["points"]["used"]) == list(model.point_used)
+    assert data["points"]["used"]["type"] == "u32"  # whole bytes under 4 GiB: 4 bytes each
+    assert _column(data["blocks"]["b"]) == list(model.block_budget)
+    assert data["blocks"]["b"]["type"] == "u8" and data["blocks"]["to"]["type"] == "i8"
+    assert _column(data["blocks"]["to"]) == list(model.block_to)
+    assert _column(data["blocks"]["addr"]) == list(model.block_address)  # 64-bit: f64
+    assert data["times"]["t"]["steps"] == "ns"  # a trace's times: whole nanoseconds
+    assert list(accumulate(_column(data["times"]["t"]))) == [round(t * 1e9) for t in model.times]
+    assert [ns / 1e9 for ns in accumulate(_column(data["times"]["t"]))] == list(model.times)
+    assert data["points"]["at"]["type"] == "u8"  # steps of 0 and 1 mostly
+    assert list(accumulate(_column(data["points"]["at"]))) == list(model.point_at)
+    assert data["regions"] == [list(r) for r in model.regions]
+
+
+def test_times_that_are_not_whole_nanoseconds_travel_as_they_are() -> None:
+    model = ViewModel("t", "report")
+    for t in (0.0, 1 / 3, 0.5, 2 / 3):
+        model.tick(t)
+    spec = json.loads(page_html(model).split('id="gpubudget-data">')[1].split("</script>")[0])
+    assert spec["main"]["times"]["t"]["type"] == "f64" and "steps" not in spec["main"]["times"]["t"]
+    assert _column(spec["main"]["times"]["t"]) == list(model.times)
 
 
 def test_to_html_and_view_write_the_same_renderer(tmp_path: Path,

@@ -118,11 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     view_parser = commands.add_parser(
         "view", help="an interactive viewer of a trace: one HTML file",
         description="Write one self-contained HTML page (no network needed to open it): a "
-        "lane per budget with its used bytes, limit and denials, zoom and pan, the blocks "
-        "live at a moment, a block's life, search by tag, and the tree of budgets.")
-    view_parser.add_argument("trace", help="a .jsonl trace file, or - for standard input")
+        "lane per budget with its live blocks as bands, its limit and denials, where blocks "
+        "sit in memory, the live bytes by stack at a moment, leaks, and a comparison of two "
+        "moments or two records. Reads gpubudget traces and PyTorch memory snapshots "
+        "(torch.cuda.memory._dump_snapshot; only plain data is read from the pickle).")
+    view_parser.add_argument("trace", help="a .jsonl trace file, a PyTorch memory snapshot "
+                             "(.pickle), or - for standard input")
     view_parser.add_argument("-o", "--output", required=True, metavar="FILE",
                              help="where to write the page (.html)")
+    view_parser.add_argument("--compare", metavar="OTHER",
+                             help="another trace or snapshot (before a change) to compare with")
     view_parser.add_argument("--max-size", type=_size_argument, default=MAX_TRACE_BYTES,
                              metavar="SIZE", help=size_help)
     export_parser = commands.add_parser(
@@ -222,7 +227,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.command == "view":
             from .visual import view_command
 
-            view_command(args.trace, args.output, args.max_size)
+            view_command(args.trace, args.output, args.max_size, args.compare)
             return 0
         if args.command == "export":
             from .visual import export_command

@@ -1,5 +1,6 @@
-"""``gpubudget view`` (the viewer's page for a trace) and ``gpubudget export --perfetto``
-(the trace in the Trace Event Format)."""
+"""``gpubudget view`` (the viewer's page for a trace or a PyTorch memory snapshot, and
+another to compare it with) and ``gpubudget export --perfetto`` (the trace in the Trace
+Event Format)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..html import model_from_trace, write_page
+from ..html import ViewModel, model_from_trace, write_page
+from ..html.torchsnap import looks_like_pickle, model_from_torch_snapshot
 from ..perfetto import write_perfetto
 from ..tracefile import printable
 from ..units import format_size
@@ -33,18 +35,27 @@ def _written(path: str, action: str) -> None:
     print(f"{action} written to {printable(path)} ({format_size(size)})")
 
 
-def view_command(trace: str, output: str, max_bytes: int) -> None:
-    """Write the viewer's page for ``trace`` into ``output``."""
-    progress = Progress(sys.stderr)
+def _model(path: str, max_bytes: int, progress: Progress) -> ViewModel:
+    """The model of a trace, or of a PyTorch snapshot (a pickle: read as plain data only)."""
+    if looks_like_pickle(path):
+        return model_from_torch_snapshot(path, max_bytes=max_bytes)
     try:
-        model = model_from_trace(trace, max_bytes=max_bytes,
-                                 progress=_reading(trace, progress))
+        model = model_from_trace(path, max_bytes=max_bytes, progress=_reading(path, progress))
     finally:
         progress.clear()
     if not model.budgets:
-        raise Failure(f"{printable(trace)}: the trace holds no budget")
+        raise Failure(f"{printable(path)}: the trace holds no budget")
+    return model
+
+
+def view_command(trace: str, output: str, max_bytes: int, compare: str | None = None) -> None:
+    """Write the viewer's page for ``trace`` (a trace or a PyTorch memory snapshot) into
+    ``output``; with ``compare``, another record that the page compares it with."""
+    progress = Progress(sys.stderr)
+    model = _model(trace, max_bytes, progress)
+    other = _model(compare, max_bytes, progress) if compare is not None else None
     try:
-        write_page(model, output)
+        write_page(model, output, compare=other)
     except OSError as exc:
         raise Failure(f"cannot write {output!r}: {exc.strerror or exc}") from None
     _written(output, "viewer")

@@ -1,14 +1,21 @@
 """The memory viewer: one self-contained HTML page drawn from a trace
-(``gpubudget view TRACE -o view.html``) or a report (``report().to_html(path)``).
+(``gpubudget view TRACE -o view.html``), a report (``report().to_html(path)``) or a PyTorch
+memory snapshot (``gpubudget view snapshot.pickle -o view.html``); see docs/viewer.md.
 
-:mod:`~gpubudget.html.model` reads what to draw; :mod:`~gpubudget.html.page` writes the page
-(``viewer.html``, ``viewer.css`` and ``viewer.js`` beside them, inlined).
+:mod:`~gpubudget.html.model` reads what to draw from a trace or a report,
+:mod:`~gpubudget.html.torchsnap` from a PyTorch snapshot (read by
+:mod:`~gpubudget.html.plainpickle`, which refuses any pickle that is not plain data);
+:mod:`~gpubudget.html.page` writes the page (``viewer.html``, ``viewer.css`` and the
+``viewer-*.js`` parts beside them, inlined) with the summary of
+:mod:`~gpubudget.html.overview`.
 """
 
 from __future__ import annotations
 
 from .model import ViewBudget, ViewModel, model_from_report, model_from_trace
 from .page import page_html, write_page
+from .plainpickle import SnapshotError
+from .torchsnap import model_from_torch_data, model_from_torch_snapshot
 
-__all__ = ["ViewBudget", "ViewModel", "model_from_report", "model_from_trace", "page_html",
-           "write_page"]
+__all__ = ["SnapshotError", "ViewBudget", "ViewModel", "model_from_report", "model_from_trace",
+           "model_from_torch_data", "model_from_torch_snapshot", "page_html", "write_page"]

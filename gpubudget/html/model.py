@@ -5,6 +5,14 @@ A trace gives everything: points for a budget and all its ancestors at each even
 from their allocation to their free, with their stacks where the trace carries them. A
 report gives its timeline (``EVENT_LOG_LIMIT`` events at most): a budget's points at its own
 events (the root's at every event), and its blocks only as they were when it was taken.
+A PyTorch memory snapshot gives its own model (:mod:`~gpubudget.html.torchsnap`).
+
+Every event that changes something gets an index into :attr:`ViewModel.times` (its time,
+never earlier than the one before: threads may write a trace slightly out of order); points
+and blocks name their events by index as well as by time, which is what the page carries.
+Each root's *region* is the address range its blocks sit in: a trace does not record where
+a root's reservation starts, so it is taken to start at the lowest address any of its blocks
+had (the first block of a fresh arena sits at its start) and to span the root's limit.
 
 Columns are kept in ``array`` objects (8 bytes a number), so a trace of a million events
 costs tens of megabytes here, not hundreds.
@@ -20,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..tracefile import MAX_TRACE_BYTES, Alloc, Enter, Exit, Free, Resize, TraceReader
+from ..units import format_size
 
 if TYPE_CHECKING:
     from ..report import BudgetReport
@@ -27,6 +36,9 @@ if TYPE_CHECKING:
 __all__ = ["ViewBudget", "ViewModel", "model_from_report", "model_from_trace"]
 
 _NO_TAG = -1
+_UNKNOWN = -1
+"""An event index where there is none: a block allocated before the record began, or one
+still live at its end; a region that spans the whole record."""
 
 
 @dataclass
@@ -37,6 +49,7 @@ class ViewBudget:
     parent: int | None
     """Index of its parent in :attr:`ViewModel.budgets`."""
     limit: int
+    """Its limit; 0 where there is none (a PyTorch snapshot's device)."""
     reserve: int
     entered: float
     exited: float | None = None
@@ -52,12 +65,18 @@ class ViewModel:
 
     title: str
     source: str
-    """``trace`` or ``report``: how complete the blocks are (see the module docstring)."""
+    """``trace``, ``report`` or ``torch`` (a PyTorch snapshot): how complete the blocks
+    are, and what ``used`` means (see the module docstring)."""
     budgets: list[ViewBudget] = field(default_factory=list)
+    times: array[float] = field(default_factory=lambda: array("d"))
+    """The time of each event, in order (never decreasing)."""
     point_t: array[float] = field(default_factory=lambda: array("d"))
+    point_at: array[int] = field(default_factory=lambda: array("l"))
+    """The event (index into :attr:`times`) of each point."""
     point_budget: array[int] = field(default_factory=lambda: array("l"))
     point_used: array[float] = field(default_factory=lambda: array("d"))
-    """The budget's ``used`` after the change (children's and reserves included)."""
+    """The budget's ``used`` after the change (children's and reserves included); for a
+    PyTorch snapshot, the bytes its caching allocator had reserved from the device."""
     point_own: array[float] = field(default_factory=lambda: array("d"))
     """Bytes of the budget's own blocks after the change."""
     block_budget: array[int] = field(default_factory=lambda: array("l"))
@@ -68,15 +87,26 @@ class ViewModel:
     """When the block was allocated; NaN where unknown (a report's older blocks)."""
     block_end: array[float] = field(default_factory=lambda: array("d"))
     """When it was freed; NaN while live at the end."""
+    block_from: array[int] = field(default_factory=lambda: array("l"))
+    """The event of its allocation, -1 where unknown."""
+    block_to: array[int] = field(default_factory=lambda: array("l"))
+    """The event of its free, -1 while live at the end."""
     block_stack: array[int] = field(default_factory=lambda: array("l"))
     denials: list[tuple[float, int, int, str, int]] = field(default_factory=list)
     """``(t, budget, bytes, reason, tag)``."""
+    regions: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """``(root, address, bytes, from, to)``: address ranges a root's blocks sit in, from
+    event ``from`` to event ``to`` (-1: from the start, to the end)."""
     tags: list[str] = field(default_factory=list)
     frames: list[str] = field(default_factory=list)
     stacks: list[list[int]] = field(default_factory=list)
     """Each a list of frame indices, outermost first."""
     end: float = 0.0
-    """The time of the last event."""
+    """The time of the last event (a denial's included)."""
+    time_unit: str = "s"
+    """``s``, or ``event`` where the record has no clock (times are event numbers)."""
+    notes: list[str] = field(default_factory=list)
+    """Sentences the page shows about where the data came from."""
     _tag_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _frame_ids: dict[str, int] = field(default_factory=dict, repr=False)
     _stack_ids: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
@@ -108,8 +138,17 @@ class ViewModel:
             self.stacks.append(frames)
         return index
 
-    def point(self, t: float, budget: int, used: int, own: int) -> None:
-        self.point_t.append(t)
+    def tick(self, t: float) -> int:
+        """A new event at ``t`` (raised to the last event's time if earlier): its index."""
+        times = self.times
+        if times and t < times[-1]:
+            t = times[-1]
+        times.append(t)
+        return len(times) - 1
+
+    def point(self, at: int, budget: int, used: int, own: int) -> None:
+        self.point_t.append(self.times[at])
+        self.point_at.append(at)
         self.point_budget.append(budget)
         self.point_used.append(used)
         self.point_own.append(own)
@@ -117,16 +156,49 @@ class ViewModel:
         if used > member.peak:
             member.peak = used
 
-    def block(self, budget: int, size: int, tag: int, address: int, start: float,
+    def block(self, budget: int, size: int, tag: int, address: int, at: int,
               stack: int) -> int:
+        """A block allocated at event ``at`` (-1: before the record began): its index."""
         self.block_budget.append(budget)
         self.block_size.append(size)
         self.block_tag.append(tag)
         self.block_address.append(address)
-        self.block_start.append(start)
+        self.block_start.append(self.times[at] if at >= 0 else math.nan)
         self.block_end.append(math.nan)
+        self.block_from.append(at)
+        self.block_to.append(_UNKNOWN)
         self.block_stack.append(stack)
         return len(self.block_budget) - 1
+
+    def end_block(self, block: int, at: int) -> None:
+        """Block ``block`` was freed at event ``at``."""
+        self.block_end[block] = self.times[at]
+        self.block_to[block] = at
+
+    def root_of(self, budget: int) -> int:
+        while (parent := self.budgets[budget].parent) is not None:
+            budget = parent
+        return budget
+
+    def infer_regions(self, spans: dict[int, tuple[int, int]]) -> None:
+        """One region per root that has blocks: from its lowest block address, its limit
+        long (or to its highest block end, if further), over ``spans[root]`` (events)."""
+        low: dict[int, float] = {}
+        high: dict[int, float] = {}
+        roots = [self.root_of(b) for b in range(len(self.budgets))]
+        for budget, address, size in zip(self.block_budget, self.block_address,
+                                         self.block_size):
+            if address < 0:  # not known (a report's block freed before it was taken)
+                continue
+            root = roots[budget]
+            if address < low.get(root, math.inf):
+                low[root] = address
+            if address + size > high.get(root, -math.inf):
+                high[root] = address + size
+        for root, base in sorted(low.items()):
+            size = max(self.budgets[root].limit, int(high[root] - base))
+            first, last = spans.get(root, (_UNKNOWN, _UNKNOWN))
+            self.regions.append((root, int(base), size, first, last))
 
     @property
     def events(self) -> int:
@@ -147,19 +219,20 @@ class _TraceState:
         self.unreleased: list[int] = []  # children entered and not yet released
         self.live: dict[tuple[int, int], int] = {}  # (root index, address) -> block index
         self.roots: list[int] = []
+        self.spans: dict[int, tuple[int, int]] = {}  # root -> (entered, released) events
 
-    def charge(self, t: float, budget: int | None, delta: int) -> None:
+    def charge(self, at: int, budget: int | None, delta: int) -> None:
         """Add ``delta`` to ``budget``'s used, and what it changes to its ancestors'."""
         model = self.model
         while budget is not None and delta:
             member = model.budgets[budget]
             before = self.used[budget]
             self.used[budget] = before + delta
-            model.point(t, budget, self.used[budget], self.own[budget])
+            model.point(at, budget, self.used[budget], self.own[budget])
             delta = max(self.used[budget], member.reserve) - max(before, member.reserve)
             budget = member.parent
 
-    def release(self, t: float, budget: int) -> None:
+    def release(self, at: int, budget: int) -> None:
         """Release exited budgets with no block, from ``budget`` up."""
         model = self.model
         current: int | None = budget
@@ -169,18 +242,21 @@ class _TraceState:
                     or self.unreleased[current]):
                 return
             self.released[current] = True
-            if member.parent is not None:
+            if member.parent is None:
+                self.spans[current] = (self.spans[current][0], at)
+            else:
                 self.unreleased[member.parent] -= 1
             if member.parent is not None and member.reserve:
-                self.charge(t, member.parent, -max(self.used[current], member.reserve))
+                self.charge(at, member.parent, -max(self.used[current], member.reserve))
             current = member.parent
 
     def enter(self, event: Enter) -> None:
         model = self.model
+        at = model.tick(event.t)
         parent = self.index[event.parent] if event.parent is not None else None
-        self.index[event.budget] = len(model.budgets)
+        self.index[event.budget] = budget = len(model.budgets)
         model.budgets.append(ViewBudget(event.name, parent, event.limit, event.reserve,
-                                        event.t))
+                                        model.times[at]))
         self.used.append(0)
         self.own.append(0)
         self.blocks.append(0)
@@ -188,102 +264,160 @@ class _TraceState:
         self.unreleased.append(0)
         if parent is not None:
             self.unreleased[parent] += 1
-        self.roots.append(self.roots[parent] if parent is not None else len(self.roots))
-        model.point(event.t, len(model.budgets) - 1, 0, 0)
+            self.roots.append(self.roots[parent])
+        else:
+            self.roots.append(budget)
+            self.spans[budget] = (at, _UNKNOWN)
+        model.point(at, budget, 0, 0)
         if parent is not None and event.reserve:
-            self.charge(event.t, parent, event.reserve)
+            self.charge(at, parent, event.reserve)
 
     def alloc(self, event: Alloc) -> None:
         model, budget = self.model, self.index[event.budget]
         member = model.budgets[budget]
         if event.ptr is None:
             member.denied += 1
-            model.denials.append((event.t, budget, event.nbytes, event.reason or "",
+            model.denials.append((max(event.t, model.times[-1]) if model.times else event.t,
+                                  budget, event.nbytes, event.reason or "",
                                   model.tag_id(event.tag)))
             return
+        at = model.tick(event.t)
         member.allocations += 1
         stack = model.stack_id(getattr(event, "stack", None))
         self.live[(self.roots[budget], event.ptr)] = model.block(
-            budget, event.nbytes, model.tag_id(event.tag), event.ptr, event.t, stack)
+            budget, event.nbytes, model.tag_id(event.tag), event.ptr, at, stack)
         self.own[budget] += event.nbytes
         self.blocks[budget] += 1
-        self.charge(event.t, budget, event.nbytes)
+        self.charge(at, budget, event.nbytes)
 
     def free(self, event: Free | Resize) -> None:
         model, budget = self.model, self.index[event.budget]
+        at = model.tick(event.t)
         block = self.live.pop((self.roots[budget], event.ptr))
-        model.block_end[block] = event.t
+        model.end_block(block, at)
         nbytes = int(model.block_size[block])
         self.own[budget] -= nbytes
         self.blocks[budget] -= 1
         if type(event) is Free:
             model.budgets[budget].frees += 1
-        self.charge(event.t, budget, -nbytes)
+        self.charge(at, budget, -nbytes)
         if type(event) is Resize:  # the block's new life, same address and stack
             self.live[(self.roots[budget], event.ptr)] = model.block(
-                budget, event.nbytes, int(model.block_tag[block]), event.ptr, event.t,
+                budget, event.nbytes, int(model.block_tag[block]), event.ptr, at,
                 int(model.block_stack[block]))
             self.own[budget] += event.nbytes
             self.blocks[budget] += 1
-            self.charge(event.t, budget, event.nbytes)
+            self.charge(at, budget, event.nbytes)
         else:
-            self.release(event.t, budget)
+            self.release(at, budget)
 
     def exit(self, event: Exit) -> None:
+        at = self.model.tick(event.t)
         budget = self.index[event.budget]
-        self.model.budgets[budget].exited = event.t
-        self.release(event.t, budget)
+        self.model.budgets[budget].exited = self.model.times[at]
+        self.release(at, budget)
 
 
 def model_from_trace(path: str | os.PathLike[str], *, title: str | None = None,
                      max_bytes: int = MAX_TRACE_BYTES,
                      progress: Callable[[int, int], None] | None = None) -> ViewModel:
     """Read the trace file at ``path`` (validated as :class:`~gpubudget.tracefile.TraceReader`
-    does: a :class:`~gpubudget.errors.TraceError` in one line for a bad one) into a model."""
+    does: a :class:`~gpubudget.errors.TraceError` in one line for a bad one) into a model.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from gpubudget import gpu_budget
+    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+    >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
+    ...     block = pool.allocate(1000, tag="weights")
+    >>> model = model_from_trace(path)
+    >>> [b.name for b in model.budgets], list(model.block_size), model.tags
+    (['pool'], [1024.0], ['weights'])
+    """
     model = ViewModel(title or os.path.basename(os.fspath(path)), "trace")
     state = _TraceState(model)
     handlers: dict[type, Any] = {Enter: state.enter, Alloc: state.alloc, Free: state.free,
                                  Resize: state.free, Exit: state.exit}
-    end = 0.0
     with TraceReader(path, max_bytes=max_bytes, progress=progress) as reader:
         for event in reader:
             handlers[type(event)](event)
-            end = event.t
-    model.end = end
+    model.end = max(model.times[-1] if model.times else 0.0,
+                    max((d[0] for d in model.denials), default=0.0))
+    model.infer_regions(state.spans)
     return model
 
 
 def model_from_report(report: BudgetReport, *, title: str | None = None) -> ViewModel:
-    """The model of ``report`` and its descendants (see the module docstring)."""
+    """The model of ``report`` and its descendants (see the module docstring).
+
+    A report's timeline names no addresses: each ``alloc`` event becomes a block of its
+    budget, size and tag, each ``free`` ends the latest live one of the same three (a
+    resize's change in size is a block of its own). The blocks still live at the end take
+    the addresses and stacks of the report's live blocks of the same budget, size and tag;
+    a live block that none matches was allocated before the timeline's first event.
+    """
     model = ViewModel(title or report.name, "report")
     index: dict[int, int] = {}
     by_name: dict[str, int] = {}
     stack: list[tuple[BudgetReport, int | None]] = [(report, None)]
+    last = report.timeline[-1].time if report.timeline else 0.0
     while stack:  # parents before children, without recursion
         item, parent = stack.pop()
         stack.extend((child, len(model.budgets)) for child in reversed(item.children))
         index[id(item)] = len(model.budgets)
         by_name.setdefault(item.name, len(model.budgets))
         model.budgets.append(ViewBudget(item.name, parent, item.limit, item.reserve, 0.0,
-                                        None if item.state in ("new", "open") else
-                                        report.timeline[-1].time if report.timeline else 0.0,
+                                        None if item.state in ("new", "open") else last,
                                         0, item.allocations, item.frees, item.denied))
     own = [0] * len(model.budgets)
+    start = model.tick(report.timeline[0].time if report.timeline else 0.0)
+    live: dict[tuple[int, int, int], list[int]] = {}  # (budget, size, tag) -> blocks
     for event in report.timeline:
         budget = by_name.get(event.budget, 0)
+        tag = model.tag_id(event.tag)
         if event.kind == "deny":
-            model.denials.append((event.time, budget, event.size, "", model.tag_id(event.tag)))
+            model.denials.append((event.time, budget, event.size, "", tag))
             continue
-        own[budget] = max(0, own[budget] + (event.size if event.kind == "alloc" else -event.size))
-        model.point(event.time, budget, event.used, own[budget])
+        at = model.tick(event.time)
+        key = (budget, event.size, tag)
+        if event.kind == "alloc":
+            live.setdefault(key, []).append(model.block(budget, event.size, tag, -1, at, -1))
+            own[budget] += event.size
+        else:
+            found = live.get(key)
+            if found:
+                model.end_block(found.pop(), at)
+            else:  # allocated before the timeline's first event
+                model.end_block(model.block(budget, event.size, tag, -1, -1, -1), at)
+            own[budget] = max(0, own[budget] - event.size)
+        model.point(at, budget, event.used, own[budget])
         if budget != 0:
-            model.point(event.time, 0, event.total, own[0])
+            model.point(at, 0, event.total, own[0])
     for item in report.walk():
+        budget = index[id(item)]
         for block in item.live_blocks:
-            model.block(index[id(item)], block.size, model.tag_id(block.tag), block.address,
-                        math.nan, model.stack_id(block.stack))
+            tag = model.tag_id(block.tag)
+            found = live.get((budget, block.size, tag))
+            if found:
+                taken = found.pop()
+                model.block_address[taken] = block.address
+                model.block_stack[taken] = model.stack_id(block.stack)
+            else:
+                model.block(budget, block.size, tag, block.address, -1,
+                            model.stack_id(block.stack))
+    model.end = max(model.times[-1], max((d[0] for d in model.denials), default=0.0))
+    for left in live.values():  # live by the timeline, not in the report: a resize's
+        for orphan in left:       # parts; they end with it
+            model.end_block(orphan, len(model.times) - 1)
+    if len(model.point_t) == 0:
+        model.point(start, 0, report.used, sum(b.size for b in report.live_blocks))
     for item in report.walk():  # the report's peaks, which the timeline may not reach
         member = model.budgets[index[id(item)]]
         member.peak = max(member.peak, item.peak)
-    model.end = report.timeline[-1].time if report.timeline else 0.0
+    model.infer_regions({})
+    if report.mapped is not None:
+        model.notes.append(f"{report.name} is growable: {format_size(report.mapped)} of its "
+                           f"{format_size(report.limit)} of addresses mapped when the report "
+                           f"was taken (at most {format_size(report.mapped_peak or 0)})")
     return model

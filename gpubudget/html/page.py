@@ -2,8 +2,15 @@
 network at view time), written for a :class:`~gpubudget.html.model.ViewModel`.
 
 The data travels as one JSON object; its numeric columns as little-endian typed arrays,
-compressed with zlib and written in base64 (the page inflates them with the browser's
-``DecompressionStream``), so a million events take a few megabytes.
+each in the narrowest width that holds its values, compressed with zlib and written in
+base64 (the page inflates them with the browser's ``DecompressionStream``, which takes
+longer the more bytes come out), so a million events take a few megabytes. Times travel
+once, in the model's event order (as nanoseconds from one to the next where they are whole
+nanoseconds); points as the steps from one's event to the next's, their budget and
+``used`` (a budget's own bytes do not travel: its blocks say them); blocks name their events
+by index. A summary of the
+budgets is written as plain HTML (:mod:`~gpubudget.html.overview`), so the page shows it
+before, or without, its script.
 """
 
 from __future__ import annotations
@@ -15,20 +22,64 @@ import sys
 import zlib
 from array import array
 from importlib import resources
-from typing import Any
+from itertools import chain, repeat
+from operator import eq, mul, sub, truediv
+from typing import Any, Final
 
 from .model import ViewModel
+from .overview import overview_html
 
 __all__ = ["page_html", "write_page"]
 
-def _column(values: array[Any], kind: str) -> str:
-    """``values`` as a base64 zlib stream of little-endian ``kind`` items (``d`` float64,
-    ``i`` int32)."""
-    packed = values if values.typecode == kind else array(kind, values)
+_SCRIPTS: Final = ("viewer-data.js", "viewer-lanes.js", "viewer-address.js",
+                   "viewer-flame.js", "viewer-panels.js", "viewer-app.js")
+"""The page's script, in the order it is inlined (each file one part, see its header)."""
+
+
+_WIDTHS: Final = (("u8", "B", 0, 2**8), ("i8", "b", -(2**7), 2**7), ("u16", "H", 0, 2**16),
+                  ("i16", "h", -(2**15), 2**15), ("u32", "I", 0, 2**32),
+                  ("i32", "i", -(2**31), 2**31))
+"""The integer widths a column may travel in (its name for the page, ``array`` typecode,
+range), narrowest first."""
+
+
+def _packed(values: array[Any], code: str, name: str) -> dict[str, str]:
+    packed = values if values.typecode == code else array(code, values)
     if sys.byteorder != "little":  # pragma: no cover - every platform gpubudget runs on
-        packed = array(kind, packed)
+        packed = array(code, packed)
         packed.byteswap()
-    return base64.b64encode(zlib.compress(packed.tobytes(), 6)).decode("ascii")
+    return {"type": name, "data": base64.b64encode(zlib.compress(packed.tobytes(), 1))
+            .decode("ascii")}
+
+
+def _integers(values: array[Any]) -> dict[str, str]:
+    """Whole numbers (kept as ints or as floats) in the narrowest width that holds them
+    all: what the browser has to inflate is what it has to wait for."""
+    low, high = (min(values), max(values)) if len(values) else (0, 0)
+    for name, code, first, beyond in _WIDTHS:
+        if first <= low and high < beyond:
+            return _packed(values if values.typecode in "bBhHiIlLqQ" else
+                           array(code, map(int, values)), code, name)
+    return _packed(values, "d", "f64")
+
+
+def _times(values: array[float]) -> dict[str, Any]:
+    """The events' times: where every one is a whole number of nanoseconds (a trace's, a
+    snapshot's, as written: nine decimals at most), the nanoseconds from one to the next as
+    integers (a quarter of the bytes, and they compress), which the page adds up; else
+    little-endian float64."""
+    nanoseconds = array("q", map(round, map(mul, values, repeat(1e9))))
+    if all(map(eq, map(truediv, nanoseconds, repeat(1e9)), values)):
+        steps = array("q", map(sub, nanoseconds, chain((0,), nanoseconds)))
+        if not steps or max(steps) < 2**32:
+            return {"steps": "ns", **_integers(steps)}
+    return _packed(values, "d", "f64")
+
+
+def _steps(values: array[int]) -> dict[str, str]:
+    """Non-decreasing integers (each point's event) as the steps from one to the next: mostly
+    0 and 1, a byte each, which the page adds up."""
+    return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
 def _data(model: ViewModel) -> dict[str, Any]:
@@ -36,20 +87,22 @@ def _data(model: ViewModel) -> dict[str, Any]:
         "title": model.title,
         "source": model.source,
         "end": model.end,
+        "timeUnit": model.time_unit,
+        "notes": model.notes,
         "budgets": [[b.name, b.parent, b.limit, b.reserve, b.entered, b.exited, b.peak,
                      b.allocations, b.frees, b.denied] for b in model.budgets],
-        "points": {"n": len(model.point_t), "t": _column(model.point_t, "d"),
-                   "b": _column(model.point_budget, "i"),
-                   "used": _column(model.point_used, "d"),
-                   "own": _column(model.point_own, "d")},
-        "blocks": {"n": len(model.block_budget), "b": _column(model.block_budget, "i"),
-                   "size": _column(model.block_size, "d"),
-                   "tag": _column(model.block_tag, "i"),
-                   "addr": _column(model.block_address, "d"),
-                   "t0": _column(model.block_start, "d"),
-                   "t1": _column(model.block_end, "d"),
-                   "stack": _column(model.block_stack, "i")},
+        "times": {"n": len(model.times), "t": _times(model.times)},
+        "points": {"n": len(model.point_at), "at": _steps(model.point_at),
+                   "b": _integers(model.point_budget), "used": _integers(model.point_used)},
+        "blocks": {"n": len(model.block_budget), "b": _integers(model.block_budget),
+                   "size": _integers(model.block_size),
+                   "tag": _integers(model.block_tag),
+                   "addr": _integers(model.block_address),
+                   "from": _integers(model.block_from),
+                   "to": _integers(model.block_to),
+                   "stack": _integers(model.block_stack)},
         "denials": [list(d) for d in model.denials],
+        "regions": [list(r) for r in model.regions],
         "tags": model.tags,
         "frames": model.frames,
         "stacks": model.stacks,
@@ -66,13 +119,28 @@ def _html_text(text: str) -> str:
             .replace('"', "&quot;"))
 
 
-def page_html(model: ViewModel, *, title: str | None = None) -> str:
-    """The page for ``model``, as text."""
+def page_html(model: ViewModel, *, title: str | None = None,
+              compare: ViewModel | None = None) -> str:
+    """The page for ``model``, as text; with ``compare``, a second record (before a change)
+    that the page's compare panel sets against it.
+
+    Examples
+    --------
+    >>> from gpubudget import gpu_budget
+    >>> from gpubudget.html import model_from_report
+    >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    ...     block = pool.allocate(1000, tag="weights")
+    >>> page = page_html(model_from_report(pool.report()))
+    >>> page.startswith("<!DOCTYPE html>"), "weights" in page
+    (True, True)
+    """
     folder = resources.files(__package__)
     template = folder.joinpath("viewer.html").read_text(encoding="utf-8")
     style = folder.joinpath("viewer.css").read_text(encoding="utf-8")
-    script = folder.joinpath("viewer.js").read_text(encoding="utf-8")
-    data = _script_safe(json.dumps(_data(model), allow_nan=False, separators=(",", ":")))
+    script = "\n".join(folder.joinpath(name).read_text(encoding="utf-8")
+                       for name in _SCRIPTS)
+    payload = {"main": _data(model), "other": None if compare is None else _data(compare)}
+    data = _script_safe(json.dumps(payload, allow_nan=False, separators=(",", ":")))
     shown = _html_text(f"gpubudget: {title or model.title}")
     parts = template.split("/*STYLE*/")
     page = parts[0] + style + parts[1]
@@ -80,13 +148,14 @@ def page_html(model: ViewModel, *, title: str | None = None) -> str:
     page = head + script.replace("</", "<\\/") + tail
     head, tail = page.split("/*DATA*/")
     page = head + data + tail
+    page = page.replace("<!--OVERVIEW-->", overview_html(model, compare))
     return page.replace("<!--TITLE-->", shown)
 
 
 def write_page(model: ViewModel, path: str | os.PathLike[str], *,
-               title: str | None = None) -> None:
-    """Write the page for ``model`` into ``path`` (replaced whole; ``OSError`` if it cannot
-    be written)."""
-    text = page_html(model, title=title)
+               title: str | None = None, compare: ViewModel | None = None) -> None:
+    """Write the page for ``model`` (and ``compare``, see :func:`page_html`) into ``path``
+    (replaced whole; ``OSError`` if it cannot be written)."""
+    text = page_html(model, title=title, compare=compare)
     with open(path, "w", encoding="utf-8") as out:
         out.write(text)
