@@ -53,6 +53,7 @@ class Residency:
         raise BudgetError(f"{what} is for a growable root budget (entered with initial=) that "
                           f"has not released; budget {node.name!r} is {why}")
 
+    @protect
     def trim(self) -> int:
         """Give back the device memory of every granule that no block touches; the bytes.
 
@@ -76,6 +77,8 @@ class Residency:
         except BaseException:
             unlock(lock)
             raise
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return freed
 
     @protect
@@ -112,8 +115,8 @@ class Residency:
         except BaseException:
             unlock(lock)
             raise
-        if STATE.pending and interrupts.raise_here():
-            raise KeyboardInterrupt
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return moved
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import Backend
 from ..context import LABEL
+from .. import interrupts
 from ..interrupts import STATE
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
@@ -174,7 +175,10 @@ class Node:
             try:
                 hook()
             except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
-                tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
+                if interrupts.foreign(exc):  # a signal handler's: raised once __exit__ is done
+                    interrupts.hold(exc)
+                else:
+                    tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:
         """Lock held: release this budget, then each ancestor it was the last hold on, once

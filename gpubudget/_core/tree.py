@@ -35,6 +35,7 @@ import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Final, Literal
 
+from .. import interrupts
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
 from ..errors import InvariantError
@@ -238,8 +239,11 @@ class Tree:
             self.backend.copy(moved, address, min(old, nbytes))
         except Exception as exc:  # noqa: BLE001 - resize never raises; the old block stays
             self.free(owner, moved, None)
-            self.note_error(owner, f"resize copy failed, block kept: "
-                                   f"{type(exc).__name__}: {exc}")
+            if interrupts.foreign(exc):  # a signal handler's: raised once resize returns
+                interrupts.hold(exc)
+            else:
+                self.note_error(owner, f"resize copy failed, block kept: "
+                                       f"{type(exc).__name__}: {exc}")
             return None
         self.free(owner, address, None)
         return moved
@@ -326,8 +330,11 @@ class Tree:
             event = self.backend.record_event(stream)
             return None if event.query() else event
         except Exception as exc:  # noqa: BLE001 - free never raises
-            owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
-                                      f"{type(exc).__name__}: {exc}")
+            if interrupts.foreign(exc):  # a signal handler's: raised once free returns
+                interrupts.hold(exc)
+            else:
+                owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
+                                          f"{type(exc).__name__}: {exc}")
             return False
 
     def note_error(self, node: Node, message: str) -> None:
@@ -400,8 +407,11 @@ class Tree:
             try:
                 reservation.release()
             except Exception as exc:  # noqa: BLE001 - the accounting is done; say so
-                self.root.stats.errors.append(
-                    f"returning the reservation failed: {type(exc).__name__}: {exc}")
+                if interrupts.foreign(exc):
+                    interrupts.hold(exc)
+                else:
+                    self.root.stats.errors.append(
+                        f"returning the reservation failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""

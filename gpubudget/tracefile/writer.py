@@ -21,8 +21,10 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
+from .. import interrupts
 from ..callers import user_stacklevel
 from ..errors import TraceWriteError
 from .files import TraceBusy, file_id, open_for_writing, per_process, reopen, resolve
@@ -78,11 +80,12 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_pending", "_frames", "_next_frame", "_t0", "_flushed_at", "__weakref__")
+                 "_pending", "_writing", "_frames", "_next_frame", "_t0", "_flushed_at",
+                 "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         fd, earlier = open_for_writing(path, continued=continued)
         self._fd: int | None = fd
         info = os.fstat(fd)
@@ -92,6 +95,7 @@ class TraceWriter:
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
         self._pending: list[str] = []
+        self._writing: tuple[int, int, int] | None = None  # a flush under way: see _flush
         self._frames: dict[str, int] = {}  # frame text -> its id, once its line is written
         self._next_frame = 0  # ids are never reused, even after a failed flush
         self._t0 = time.perf_counter()
@@ -151,15 +155,28 @@ class TraceWriter:
             self._expected = False
             self._close_if_idle()
 
+    # The methods below write events while a budget operation runs. An exception raised
+    # into them from outside (a signal handler's, at any instruction) must not leave the
+    # lock held nor the buffer and the file disagreeing: each takes the lock as the tree
+    # does (acquired and released inside ``try``, released by ``except`` if still held, no
+    # ``with``, whose call of ``__exit__`` is outside every handler), and ``_flush`` notes
+    # what it is writing before it writes (see ``_settle``).
+
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
         """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
         if parent is None:
-            with self._lock:
+            lock = self._lock
+            try:
+                lock.acquire()
                 if self._closed is None and self._fd is None:  # held while the root is open
                     self._fd = self._reopened()
                 self._roots.add(budget)
                 self._expected = False
+                lock.release()
+            except BaseException:
+                _unlock(lock)
+                raise
         self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
                               "limit": limit, "align": align, "reserve": reserve,
                               "backend": None if backend is None else shortened(str(backend))})
@@ -175,26 +192,39 @@ class TraceWriter:
                                   "ptr": address, "bytes": nbytes, "reason": None}
         if stack is None:
             self._event("alloc", fields)
-            return
-        now = time.perf_counter()
-        record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
-        with self._lock:  # the frames' lines and the one naming them, in this order
-            if self._closed is not None:
-                raise ValueError(self._closed)
-            frames, pending = self._frames, self._pending
-            ids = []
-            for frame in stack[-MAX_FRAMES:]:
-                found = frames.get(frame)
-                if found is None:
-                    found = frames[frame] = self._next_frame
-                    self._next_frame += 1
-                    pending.append(json.dumps({"ev": "frame", "id": found,
-                                               "at": shortened(frame)}) + "\n")
-                ids.append(found)
-            record["stack"] = ids
-            pending.append(json.dumps(record) + "\n")
-            if len(pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
-                self._flush(now)
+        else:
+            now = time.perf_counter()
+            record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
+            lock = self._lock
+            try:  # the frames' lines and the one naming them, in this order
+                lock.acquire()
+                self._stack_lines(record, stack, now)
+                lock.release()
+            except BaseException:
+                _unlock(lock)
+                raise
+
+    def _stack_lines(self, record: dict[str, Any], stack: tuple[str, ...], now: float) -> None:
+        """Lock held: a line for each frame of ``stack`` not written yet, then ``record``
+        naming them. A frame's id is taken before its line and noted after it: an exception
+        in between costs an id, or writes a frame twice, never names a frame not written."""
+        if self._closed is not None:
+            raise TraceWriteError(self._closed)
+        frames, pending = self._frames, self._pending
+        ids = []
+        for frame in stack[-MAX_FRAMES:]:
+            found = frames.get(frame)
+            if found is None:
+                found = self._next_frame
+                self._next_frame = found + 1
+                pending.append(json.dumps({"ev": "frame", "id": found,
+                                           "at": shortened(frame)}) + "\n")
+                frames[frame] = found
+            ids.append(found)
+        record["stack"] = ids
+        pending.append(json.dumps(record) + "\n")
+        if len(pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+            self._flush(now)
 
     def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
              reason: str) -> None:
@@ -215,19 +245,35 @@ class TraceWriter:
     def exit(self, budget: int) -> None:
         """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed."""
         self._event("exit", {"b": budget})
-        with self._lock:
+        lock = self._lock
+        try:
+            lock.acquire()
             if budget in self._roots:
                 self._roots.discard(budget)
-                if not self._roots:
-                    try:
-                        self._flush(time.perf_counter())
-                    finally:
-                        self._close_if_idle()
+                self._flush_and_close_if_idle()
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
+
+    def _flush_and_close_if_idle(self) -> None:
+        """Lock held: flush, then close the file if no root writes to it, even if the flush
+        failed."""
+        try:
+            self._flush(time.perf_counter())
+        finally:
+            self._close_if_idle()
 
     def flush(self) -> None:
         """Hand the buffered lines to the operating system."""
-        with self._lock:
+        lock = self._lock
+        try:
+            lock.acquire()
             self._flush(time.perf_counter())
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
 
     def close(self) -> None:
         """Flush, then close the file (which releases its lock); nothing more is written."""
@@ -244,7 +290,7 @@ class TraceWriter:
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
-        self._lock = threading.Lock()  # the parent's may have been held at the fork
+        self._lock = threading.RLock()  # the parent's may have been held at the fork
         self._pending.clear()
         self._roots.clear()
         if self._closed is None:
@@ -262,35 +308,68 @@ class TraceWriter:
 
     def _line(self, record: dict[str, Any], now: float) -> None:
         line = json.dumps(record) + "\n"
-        with self._lock:
+        lock = self._lock
+        try:
+            lock.acquire()
             if self._closed is not None:
-                raise ValueError(self._closed)
+                raise TraceWriteError(self._closed)
             self._pending.append(line)
             if len(self._pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
                 self._flush(now)
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
 
     def _flush(self, now: float) -> None:
         """Lock held: write out the buffered lines (all of them, or an ``OSError`` or a
-        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed."""
+        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed.
+
+        What is being written is noted first (``_writing``) and the lines leave the buffer
+        only once written, so that a flush cut short anywhere (an exception raised into it
+        from outside, even between a write and its count) is finished by the next one,
+        which finds in the file's size how much of it was written: no line is lost, none is
+        written twice."""
         if self._closed is not None or not self._pending:
             return
-        data = "".join(self._pending).encode("utf-8", "surrogatepass")
-        self._pending.clear()
         fd = self._fd
         if fd is None:
             fd = self._fd = self._reopened()
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                self._size += written
-                view = view[written:]
-        except OSError:
-            self._frames.clear()  # their lines may be lost: write them again, new ids
+            self._settle(fd)
+            count = len(self._pending)
+            data = "".join(self._pending[:count]).encode("utf-8", "surrogatepass")
+            self._writing = (self._size, count, len(data))
+            _write_all(fd, data)
+            del self._pending[:count]
+            self._size += len(data)
+            self._writing = None
+        except OSError as exc:
+            if exc.errno is not None and not interrupts.foreign(exc):  # the file's failure
+                self._writing = None  # the trace stops: nothing left to finish
+                self._frames.clear()  # their lines may be lost: write them again, new ids
             raise
         finally:
             self._close_if_idle()
         self._flushed_at = now
+
+    def _settle(self, fd: int) -> None:
+        """Lock held, ``fd`` the file: finish a flush that was cut short, from what the file
+        holds (no other process writes it: it is locked)."""
+        writing = self._writing
+        if writing is None:
+            return
+        start, count, nbytes = writing
+        done = os.fstat(fd).st_size - start
+        if not 0 <= done <= nbytes:
+            raise TraceWriteError(f"trace file {self.path!r} changed while this process "
+                                  f"wrote it ({done} of {nbytes} bytes): not appended to")
+        if done < nbytes:
+            data = "".join(self._pending[:count]).encode("utf-8", "surrogatepass")
+            _write_all(fd, data[done:])
+        del self._pending[:count]
+        self._size = start + nbytes
+        self._writing = None
 
     def _reopened(self) -> int:
         """Lock held, the file closed: a descriptor to append to it again, or an error."""
@@ -302,10 +381,27 @@ class TraceWriter:
         return fd
 
     def _close_if_idle(self) -> None:
-        """Lock held: close the file if no root budget writes to it (or is about to)."""
-        if not self._roots and not self._expected and self._fd is not None:
+        """Lock held: close the file if no root budget writes to it (or is about to), and no
+        flush cut short waits to be finished (see ``_flush``)."""
+        if (not self._roots and not self._expected and self._fd is not None
+                and self._writing is None):
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (an ``OSError`` if it cannot)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _unlock(lock: threading.RLock) -> None:
+    """Release ``lock`` if this thread holds it (what an ``except`` does; see ``enter``)."""
+    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")
+    if is_owned():
+        lock.release()
 
 
 _every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
