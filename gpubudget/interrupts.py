@@ -97,6 +97,7 @@ _to_main: Final[list[BaseException]] = []  # passed on to the main thread, not y
 _carried: Final[dict[int, BaseException]] = {}  # id -> an exception gpubudget passes on
 _CARRIED_KEPT: Final = 64  # the most recent ones
 _CO_VARARGS: Final = 0x04
+_SIGNALS: Final = frozenset(signal.valid_signals())
 
 
 def protect(function: F) -> F:
@@ -198,8 +199,8 @@ def _interrupting(exc: BaseException, signals: bool = True) -> bool:
     the frame before it in the traceback; or it is a handler installed now), or, unless
     ``signals``, a trace function (``tracer(frame, event, arg)``, likewise)."""
     handlers = {getattr(getattr(h, "__func__", h), "__code__", None)
-                for h in map(signal.getsignal, signal.valid_signals()) if callable(h)}
-    numbers = set(signal.valid_signals())
+                for h in map(signal.getsignal, _SIGNALS) if callable(h)}
+    numbers = _SIGNALS
     below: TracebackType | None = exc.__traceback__
     while below is not None and below.tb_next is not None:
         frame = below.tb_next.tb_frame

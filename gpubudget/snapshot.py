@@ -13,6 +13,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
+from . import interrupts
 from ._core.ledger import available
 from .report import (
     FRAMES_SHOWN,
@@ -135,6 +136,8 @@ def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ..
             charged, in_use, *more = probe()
             library, outside = (int(more[0]), int(more[1])) if more else (0, 0)
         except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
+            if interrupts.foreign(exc):  # a signal handler's, say: the program's to see
+                raise
             with node.lock:
                 node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
             continue

@@ -9,7 +9,9 @@ from typing import cast
 
 from . import native
 
-__all__ = ["new_lock", "unlock"]
+__all__ = ["RLock", "new_lock", "owns", "unlock"]
+
+RLock = threading.RLock
 
 
 def new_lock() -> threading.RLock:
@@ -39,13 +41,21 @@ def unlock(lock: threading.RLock) -> None:
     nor after the body, as the call of ``__exit__`` after a ``with`` block is (CPython
     covers it with no handler), nor at a nested ``try:`` (CPython 3.11 leaves its first
     instruction outside every handler): the locked part has no ``return`` and calls helpers
-    for the rest. ``tests/test_tree.py`` raises at every instruction in turn. The lock is
+    for the rest. An operation that changes blocks calls ``Tree.fault`` there instead,
+    which also puts the tree right if the exception cut the operation short while it held
+    the lock (see :mod:`~gpubudget._core.recovery`). ``tests/test_tree.py`` raises at every
+    instruction in turn. The lock is
     re-entrant so that this can tell whether this thread still holds it, and so that a
     moving ``resize`` can allocate, copy and free while holding it (nothing else takes it
     twice).
     """
-    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")  # CPython's RLock: by me?
-    if is_owned():
+    if owns(lock):
         lock.release()
+
+
+def owns(lock: threading.RLock) -> bool:
+    """Whether this thread holds ``lock``."""
+    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")  # CPython's RLock: by me?
+    return is_owned()
 
 

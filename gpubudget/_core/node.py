@@ -26,7 +26,7 @@ from .ledger import Account, charge, encloses, passed_up, refusal
 from . import native
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
-from .tree import Tree, new_lock, unlock
+from .tree import Tree, new_lock
 from ..units import format_size, round_up
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class Node:
             self._open_under(parent, tree)
             lock.release()
         except BaseException:
-            unlock(lock)
+            tree.fault(lock)
             raise
 
     def _open_under(self, parent: Node, tree: Tree) -> None:
@@ -169,7 +169,7 @@ class Node:
                     tree.trim()
             lock.release()
         except BaseException:
-            unlock(lock)
+            tree.fault(lock)
             raise
         for hook in hooks:
             try:

@@ -238,15 +238,22 @@ class Recorder:
         :class:`~gpubudget.errors.TraceError`: the file replaced or closed) ends the trace
         with one warning. Any other exception (a Ctrl-C, a signal handler's ``TimeoutError``
         landing in the writer) is held for delivery once the operation is whole, and the
-        trace goes on. Nothing propagates: this runs inside allocator callbacks.
+        trace goes on: the event is written again if it was not queued (the writer counts
+        the events it queued, in one step with each). Nothing propagates: this runs inside
+        allocator callbacks.
         """
+        writer, queued = self.writer, -1
         try:
+            queued = writer.events if writer is not None else -1
             write(*args)
         except BaseException as exc:  # noqa: BLE001 - see the docstring
             if _writer_failed(exc):
                 self._trace_failed(exc)
             else:
                 interrupts.hold(exc)
+                if writer is not None and self.writer is writer and (
+                        queued < 0 or writer.events == queued):
+                    self._trace(write, *args)  # not queued: once more
 
     def _trace_failed(self, exc: BaseException) -> None:
         writer, self.writer = self.writer, None

@@ -45,7 +45,8 @@ from .recorder import Recorder
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
-from .locks import new_lock, unlock
+from .locks import RLock, new_lock, owns, unlock
+from .recovery import recover
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
@@ -85,7 +86,7 @@ class Tree:
         self.reservation: Reservation | Mapping | None = reservation
         # a growable root's memory: granules mapped as blocks need them (see memory.py)
         self.mapping: Final = reservation if isinstance(reservation, Mapping) else None
-        self.arena: Final = Arena(base, capacity, root.align)
+        self.arena = Arena(base, capacity, root.align)  # rebuilt by recover() if need be
         # the live-block registry: a dict, or the C core's with a dict's interface
         self.live: Final[MutableMapping[int, Live]] = (
             native.Registry() if native is not None else {})
@@ -135,9 +136,9 @@ class Tree:
                 granularity = align
         nbytes = (size + granularity - 1) & -granularity
         lock = self.lock
+        address = None
         try:  # taken and released inside ``try``: see ``unlock``
             lock.acquire()
-            address = None
             if node.refusal is not None:
                 self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
             else:
@@ -169,7 +170,7 @@ class Tree:
                                               stack)
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock, address)  # the block, if granted, was never handed out
             raise
         return address
 
@@ -208,7 +209,7 @@ class Tree:
                     done = True
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock)
             raise
         return done
 
@@ -224,9 +225,24 @@ class Tree:
             moved = self._move(address, outcome) if isinstance(outcome, tuple) else outcome
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock)
             raise
         return moved
+
+    def fault(self, lock: RLock, granted: int | None = None) -> None:
+        """In the ``except`` of an operation cut short by an exception (one raised into it
+        from outside, at any instruction): if it held the lock, or registered a block
+        (``granted``) that it will not hand out, put the tree right
+        (:func:`~gpubudget._core.recovery.recover`); release the lock if it holds it."""
+        held = owns(lock)
+        if not held and (granted is None or granted not in self.live):
+            return
+        try:
+            if not held:
+                lock.acquire()
+            recover(self, granted)
+        finally:
+            unlock(lock)
 
     def _move(self, address: int, move: _Move) -> int | None:
         """Lock held (taken again by ``allocate`` and ``free``): a new block, the bytes

@@ -22,7 +22,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from .. import interrupts
 from ..callers import user_stacklevel
@@ -80,7 +80,7 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_pending", "_writing", "_frames", "_next_frame", "_t0", "_flushed_at",
+                 "_queue", "_writing", "_frames", "_next_frame", "_t0", "_flushed_at",
                  "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
@@ -94,8 +94,9 @@ class TraceWriter:
         self._roots: set[int] = set()  # root budgets open (entered and not exited)
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
-        self._pending: list[str] = []
-        self._writing: tuple[int, int, int] | None = None  # a flush under way: see _flush
+        # (entries written out so far, entries waiting): one value, replaced whole (see _flush)
+        self._queue: tuple[int, list[str]] = (0, [])
+        self._writing: _Writing | None = None  # a flush under way: see _flush
         self._frames: dict[str, int] = {}  # frame text -> its id, once its line is written
         self._next_frame = 0  # ids are never reused, even after a failed flush
         self._t0 = time.perf_counter()
@@ -129,7 +130,7 @@ class TraceWriter:
         """Whether it holds no file open, has nothing buffered and no root open: a new
         writer for its path would do as well."""
         with self._lock:
-            return (self._fd is None and not self._pending and not self._roots
+            return (self._fd is None and not self._queue[1] and not self._roots
                     and not self._expected)
 
     def resume(self) -> bool:
@@ -141,7 +142,7 @@ class TraceWriter:
             if self._closed is not None:
                 return False
             if self._fd is None:
-                fd = reopen(self.path, self._file, self._size)
+                fd = self._reopen()
                 if fd is None:
                     return False
                 self._fd = fd
@@ -157,10 +158,17 @@ class TraceWriter:
 
     # The methods below write events while a budget operation runs. An exception raised
     # into them from outside (a signal handler's, at any instruction) must not leave the
-    # lock held nor the buffer and the file disagreeing: each takes the lock as the tree
-    # does (acquired and released inside ``try``, released by ``except`` if still held, no
-    # ``with``, whose call of ``__exit__`` is outside every handler), and ``_flush`` notes
-    # what it is writing before it writes (see ``_settle``).
+    # lock held, nor an event written twice or half: each takes the lock as the tree does
+    # (acquired and released inside ``try``, released by ``except`` if still held; no
+    # ``with``, whose call of ``__exit__`` is outside every handler); an event's lines are
+    # queued by one ``append``, so that :attr:`events` tells whether it was (the recorder
+    # writes it again if not); and ``_flush`` notes what it writes before it writes.
+
+    @property
+    def events(self) -> int:
+        """Entries queued so far (an event with the new frames of its stack is one)."""
+        written, waiting = self._queue
+        return written + len(waiting)
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
@@ -205,25 +213,26 @@ class TraceWriter:
                 raise
 
     def _stack_lines(self, record: dict[str, Any], stack: tuple[str, ...], now: float) -> None:
-        """Lock held: a line for each frame of ``stack`` not written yet, then ``record``
-        naming them. A frame's id is taken before its line and noted after it: an exception
-        in between costs an id, or writes a frame twice, never names a frame not written."""
+        """Lock held: ``record`` with a line for each frame of ``stack`` not written yet
+        before it, queued as one entry. The new frames' ids are taken first and noted last:
+        an exception in between costs ids, or writes a frame again under another id, and
+        never names a frame that is not written."""
         if self._closed is not None:
             raise TraceWriteError(self._closed)
-        frames, pending = self._frames, self._pending
-        ids = []
-        for frame in stack[-MAX_FRAMES:]:
-            found = frames.get(frame)
-            if found is None:
-                found = self._next_frame
-                self._next_frame = found + 1
-                pending.append(json.dumps({"ev": "frame", "id": found,
-                                           "at": shortened(frame)}) + "\n")
-                frames[frame] = found
-            ids.append(found)
-        record["stack"] = ids
-        pending.append(json.dumps(record) + "\n")
-        if len(pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+        frames = self._frames
+        shown = stack[-MAX_FRAMES:]
+        new = list(dict.fromkeys(frame for frame in shown if frame not in frames))
+        first = self._next_frame
+        self._next_frame = first + len(new)
+        ids = dict(zip(new, range(first, first + len(new))))
+        lines = [json.dumps({"ev": "frame", "id": ids[frame], "at": shortened(frame)}) + "\n"
+                 for frame in new]
+        record["stack"] = [frames[frame] if frame in frames else ids[frame] for frame in shown]
+        lines.append(json.dumps(record) + "\n")
+        waiting = self._queue[1]
+        waiting.append("".join(lines))
+        frames.update(ids)
+        if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
             self._flush(now)
 
     def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
@@ -243,13 +252,16 @@ class TraceWriter:
                                "bytes": nbytes})
 
     def exit(self, budget: int) -> None:
-        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed."""
-        self._event("exit", {"b": budget})
+        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed.
+        (The root is forgotten before its event is queued: written again after an exception,
+        the event finds it gone, and :meth:`flush` closes the file.)"""
         lock = self._lock
         try:
             lock.acquire()
-            if budget in self._roots:
-                self._roots.discard(budget)
+            root = budget in self._roots
+            self._roots.discard(budget)
+            self._event("exit", {"b": budget})
+            if root:
                 self._flush_and_close_if_idle()
             lock.release()
         except BaseException:
@@ -291,7 +303,8 @@ class TraceWriter:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
         self._lock = threading.RLock()  # the parent's may have been held at the fork
-        self._pending.clear()
+        self._queue = (0, [])
+        self._writing = None
         self._roots.clear()
         if self._closed is None:
             self._closed = why
@@ -313,8 +326,9 @@ class TraceWriter:
             lock.acquire()
             if self._closed is not None:
                 raise TraceWriteError(self._closed)
-            self._pending.append(line)
-            if len(self._pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+            waiting = self._queue[1]
+            waiting.append(line)
+            if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
                 self._flush(now)
             lock.release()
         except BaseException:
@@ -322,27 +336,27 @@ class TraceWriter:
             raise
 
     def _flush(self, now: float) -> None:
-        """Lock held: write out the buffered lines (all of them, or an ``OSError`` or a
+        """Lock held: write out the queued lines (all of them, or an ``OSError`` or a
         :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed.
 
-        What is being written is noted first (``_writing``) and the lines leave the buffer
-        only once written, so that a flush cut short anywhere (an exception raised into it
-        from outside, even between a write and its count) is finished by the next one,
-        which finds in the file's size how much of it was written: no line is lost, none is
-        written twice."""
-        if self._closed is not None or not self._pending:
+        What is being written is noted first (``_writing``) and leaves the queue only once
+        written, in one step with the count of entries written: a flush cut short anywhere
+        (an exception raised into it from outside, even between a write and its count) is
+        finished by the next one, which finds in the file's size how much was written. No
+        line is lost, none is written twice."""
+        if self._closed is not None or not self._queue[1]:
             return
         fd = self._fd
         if fd is None:
             fd = self._fd = self._reopened()
         try:
             self._settle(fd)
-            count = len(self._pending)
-            data = "".join(self._pending[:count]).encode("utf-8", "surrogatepass")
-            self._writing = (self._size, count, len(data))
+            written, waiting = self._queue
+            data = "".join(waiting).encode("utf-8", "surrogatepass")
+            writing = self._writing = _Writing(waiting, len(waiting), self._size, len(data))
             _write_all(fd, data)
-            del self._pending[:count]
-            self._size += len(data)
+            self._queue = (written + writing.entries, waiting[writing.entries:])  # one step
+            self._size = writing.start + writing.nbytes
             self._writing = None
         except OSError as exc:
             if exc.errno is not None and not interrupts.foreign(exc):  # the file's failure
@@ -354,31 +368,46 @@ class TraceWriter:
         self._flushed_at = now
 
     def _settle(self, fd: int) -> None:
-        """Lock held, ``fd`` the file: finish a flush that was cut short, from what the file
-        holds (no other process writes it: it is locked)."""
+        """Lock held, ``fd`` the file: finish the flush under way, if any, from what the file
+        holds (no other process writes it: it is locked); its entries leave the queue."""
         writing = self._writing
         if writing is None:
             return
-        start, count, nbytes = writing
-        done = os.fstat(fd).st_size - start
-        if not 0 <= done <= nbytes:
-            raise TraceWriteError(f"trace file {self.path!r} changed while this process "
-                                  f"wrote it ({done} of {nbytes} bytes): not appended to")
-        if done < nbytes:
-            data = "".join(self._pending[:count]).encode("utf-8", "surrogatepass")
-            _write_all(fd, data[done:])
-        del self._pending[:count]
-        self._size = start + nbytes
+        written, waiting = self._queue
+        if waiting is writing.waiting:  # not yet out of the queue
+            done = os.fstat(fd).st_size - writing.start
+            if not 0 <= done <= writing.nbytes:
+                raise TraceWriteError(f"trace file {self.path!r} changed while this process "
+                                      f"wrote it ({done} of {writing.nbytes} bytes): not "
+                                      f"appended to")
+            if done < writing.nbytes:
+                data = "".join(waiting[:writing.entries]).encode("utf-8", "surrogatepass")
+                _write_all(fd, data[done:])
+            self._queue = (written + writing.entries, waiting[writing.entries:])
+        self._size = writing.start + writing.nbytes
         self._writing = None
 
     def _reopened(self) -> int:
         """Lock held, the file closed: a descriptor to append to it again, or an error."""
-        fd = reopen(self.path, self._file, self._size)
+        fd = self._reopen()
         if fd is None:
             self._closed = (f"trace file {self.path!r} was removed or replaced since this "
                             f"process wrote it")
             raise TraceWriteError(self._closed)
         return fd
+
+    def _reopen(self) -> int | None:
+        """Lock held, the file closed: :func:`~gpubudget.tracefile.files.reopen`. Where it
+        is locked and this process holds a descriptor of it that no writer holds, that one
+        was opened and lost (an exception raised into the writer, or into ``reopen``,
+        between the open and its use) and holds the lock: it is closed, and the file opened
+        again."""
+        try:
+            return reopen(self.path, self._file, self._size)
+        except TraceBusy:
+            if not _close_lost(self._file):
+                raise
+        return reopen(self.path, self._file, self._size)
 
     def _close_if_idle(self) -> None:
         """Lock held: close the file if no root budget writes to it (or is about to), and no
@@ -387,6 +416,35 @@ class TraceWriter:
                 and self._writing is None):
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+class _Writing(NamedTuple):
+    """A flush under way: the queue's list, how many of its entries, where in the file they
+    start, and their bytes."""
+
+    waiting: list[str]
+    entries: int
+    start: int
+    nbytes: int
+
+
+def _close_lost(file: tuple[int, int]) -> bool:
+    """Close this process's descriptors of ``file`` that no writer holds (lost: see
+    ``_reopen``); whether there were any. Where ``/proc/self/fd`` cannot say, none."""
+    held = {each._fd for each in list(_every)}
+    closed = False
+    try:
+        descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            if fd not in held and file_id(os.fstat(fd)) == file:
+                os.close(fd)
+                closed = True
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return closed
 
 
 def _write_all(fd: int, data: bytes) -> None:
