@@ -19,6 +19,7 @@ from .errors import BudgetError
 from .interrupts import STATE, protect
 from ._core.memory import Mapping
 from ._core.node import Node
+from ._core.locks import let_in
 from ._core.tree import Tree, unlock
 
 __all__ = ["Residency"]
@@ -56,6 +57,8 @@ class Residency:
     @protect
     def trim(self) -> int:
         """Give back the device memory of every granule that no block touches; the bytes.
+        A thread may call it in a loop: each call lets threads waiting to allocate or free
+        in the budget go first.
 
         Examples
         --------
@@ -77,6 +80,7 @@ class Residency:
         except BaseException:
             unlock(lock)
             raise
+        let_in(tree.turns)  # called in a loop, trim() must not keep allocations out
         if STATE.pending and (due := interrupts.due()) is not None:
             raise due
         return freed

@@ -328,19 +328,22 @@ _CALLBACK = """
                 return None
             return alarm
 
-        sys.settrace(alarm)
-        block = cpp.allocate(4096)
-        sys.settrace(None)
-        print("callback answered", block is not None, flush=True)
-        if then == "ends":
-            print("the program ends", flush=True)
-            sys.exit(0)
-        try:
-            for _ in range(500):
+        answered = "?"  # raised again before the answer was seen
+        try:  # raised again once control is back in Python: at once, or in the sleep
+            sys.settrace(alarm)
+            block = cpp.allocate(4096)
+            sys.settrace(None)
+            answered = str(block is not None)
+            if then == "ends":
+                print("the program ends", flush=True)
+                sys.exit(0)
+            for _ in range(6000):  # a minute at most: it ends at the delivery
                 time.sleep(0.01)
             print("no timeout")
         except TimeoutError as exc:
+            sys.settrace(None)
             print("timeout raised again in python:", exc)
+        print("callback answered", answered)
         pool.check()
         print("used", pool.used)
 """
@@ -360,9 +363,9 @@ def test_a_signal_handlers_exception_in_a_callback_is_raised_again_in_python(
                                                GPUBUDGET_TRACE=str(tmp_path / "t.jsonl")))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == f"callback answered {answered}"
-    assert lines[1] == "timeout raised again in python: the program's timeout", lines
-    assert lines[-1] == f"used {used}"
+    assert lines[0] == "timeout raised again in python: the program's timeout", lines
+    assert lines[1] in (f"callback answered {answered}", "callback answered ?"), lines
+    assert lines[-1] == f"used {used}"  # answered as denied, or the allocation completed
     assert "SIGINT handler ran" not in lines  # a program's own handler is left alone
 
 
@@ -374,10 +377,11 @@ def test_a_signal_handlers_exception_in_a_callback_is_not_lost_when_the_program_
             [sys.executable, "-c", textwrap.dedent(_CALLBACK), "current_budget", "ends"],
             capture_output=True, text=True, timeout=60,
             env=subprocess_env(GPUBUDGET_BACKEND="host"))
-        assert result.stdout.startswith("callback answered False")
-        # raised again in Python code (at the exit), or printed at exit: never silent
-        assert result.returncode == 1, (result.returncode, result.stderr)
-        assert "TimeoutError: the program's timeout" in result.stderr
+        # raised again in Python code before the program ended (then caught), or printed
+        # at exit with status 1: never silent
+        caught = result.stdout.startswith("timeout raised again in python")
+        assert caught or result.returncode == 1, (result.returncode, result.stderr)
+        assert caught or "TimeoutError: the program's timeout" in result.stderr
 
 
 # -- the core itself: every instruction under the tree's lock ---------------------------------

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from typing import cast
+from typing import Final, cast
 
 from . import native
 
-__all__ = ["RLock", "new_lock", "owns", "unlock"]
+__all__ = ["RLock", "Turns", "let_in", "new_lock", "owns", "take", "unlock", "wait"]
 
 RLock = threading.RLock
 
@@ -51,6 +52,52 @@ def unlock(lock: threading.RLock) -> None:
     """
     if owns(lock):
         lock.release()
+
+
+class Turns:
+    """Who waits for a tree's lock: threads blocked in :func:`take` now (``waiting``), and
+    how many took it after waiting (``served``). The lock is not fair: a thread that
+    releases it and asks again at once gets it before the thread it woke, and one that does
+    so in a loop (``trim()`` called over and over) can keep the others out as long as it
+    runs. :func:`let_in` is that thread's way to give them their turn."""
+
+    __slots__ = ("waiting", "served")
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.served = 0
+
+
+def take(lock: threading.RLock, turns: Turns) -> None:
+    """Take ``lock`` (an operation's first step, inside its ``try``), counted in ``turns``
+    when it has to wait."""
+    if not lock.acquire(False):
+        wait(lock, turns)
+
+
+def wait(lock: threading.RLock, turns: Turns) -> None:
+    """Take ``lock``, held by another thread, counted in ``turns`` while waiting."""
+    turns.waiting += 1
+    try:
+        lock.acquire()
+        turns.served += 1
+    finally:
+        turns.waiting -= 1
+
+
+def let_in(turns: Turns) -> None:
+    """Just after releasing a tree's lock, before taking it again: if threads wait for it,
+    wait until one of them has taken it (at most :data:`_LET_IN_SECONDS`: the counts are
+    only a hint where an exception cut a wait short)."""
+    if turns.waiting <= 0:
+        return
+    served = turns.served
+    deadline = time.monotonic() + _LET_IN_SECONDS
+    while turns.waiting > 0 and turns.served == served and time.monotonic() < deadline:
+        time.sleep(0)  # lets the woken thread run and take the lock
+
+
+_LET_IN_SECONDS: Final = 1.0
 
 
 def owns(lock: threading.RLock) -> bool:

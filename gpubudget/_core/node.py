@@ -26,6 +26,7 @@ from .ledger import Account, charge, encloses, passed_up, refusal
 from . import native
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
+from .locks import take
 from .tree import Tree, new_lock
 from ..units import format_size, round_up
 
@@ -104,7 +105,7 @@ class Node:
                                      f"which is {parent.state}")
         lock = tree.lock
         try:  # see ``tree.unlock``
-            lock.acquire()
+            take(lock, tree.turns)
             self._open_under(parent, tree)
             lock.release()
         except BaseException:
@@ -158,7 +159,7 @@ class Node:
             tree.note_free_at_exit()
         lock = tree.lock
         try:  # see ``tree.unlock``
-            lock.acquire()
+            take(lock, tree.turns)
             hooks: list[Callable[[], None]] = []
             if self.state == "open":
                 self.state = "exited"

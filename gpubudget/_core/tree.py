@@ -45,7 +45,7 @@ from .recorder import Recorder
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
-from .locks import RLock, new_lock, owns, unlock
+from .locks import RLock, Turns, new_lock, owns, unlock, wait
 from .recovery import recover
 
 if TYPE_CHECKING:
@@ -71,9 +71,9 @@ it are live keeps its memory (a block is never freed under its user by the colle
 class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
-    __slots__ = ("root", "lock", "backend", "device", "reservation", "mapping", "arena", "live",
-                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit", "fast",
-                 "closed")
+    __slots__ = ("root", "lock", "turns", "backend", "device", "reservation", "mapping", "arena",
+                 "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
+                 "fast", "closed")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
                  initial: int | None = None) -> None:
@@ -81,6 +81,7 @@ class Tree:
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
         self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
+        self.turns: Final = Turns()  # who waits for it (see ``locks.let_in``)
         self.backend: Final = backend
         self.device: Final = device_of(backend)
         self.reservation: Reservation | Mapping | None = reservation
@@ -138,7 +139,8 @@ class Tree:
         lock = self.lock
         address = None
         try:  # taken and released inside ``try``: see ``unlock``
-            lock.acquire()
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             if node.refusal is not None:
                 self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
             else:
@@ -181,7 +183,8 @@ class Tree:
         stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
         lock = self.lock
         try:  # see ``unlock``
-            lock.acquire()
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             done = False
             record = self.live.get(address)
             if (stream is None and on_stream is not None) or self.closed is not None:
@@ -220,7 +223,8 @@ class Tree:
         address = where if type(where) is int else as_int(where) or 0
         lock = self.lock
         try:  # see ``unlock``; held through a move, so that no thread sees it half done
-            lock.acquire()
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             outcome = self._resize_in_place(node, address, new_size, alignment)
             moved = self._move(address, outcome) if isinstance(outcome, tuple) else outcome
             lock.release()
