@@ -16,6 +16,7 @@ raised again once control is back in Python.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -130,6 +131,8 @@ def _raise_at(index: int, zone: set[CodeType], kind: str, operation: Callable[[]
 
     previous = sys.gettrace()
     raised: BaseException | None = None
+    collecting = gc.isenabled()
+    gc.disable()  # no collection (its callbacks, finalizers) starts inside: see _unraisable
     sys.settrace(calls)
     try:
         operation()
@@ -137,15 +140,19 @@ def _raise_at(index: int, zone: set[CodeType], kind: str, operation: Callable[[]
         raised = exc
     finally:
         sys.settrace(previous)
+        if collecting:
+            gc.enable()
     return seen > index, raised
 
 
 def _unraisable(frame: FrameType) -> bool:
     """Whether ``frame`` runs where Python itself drops what is raised ("Exception ignored
-    in"): a weak reference's callback or a finalizer, run when an object dies."""
+    in"), whatever the program does: a weak reference's callback or a finalizer, run when an
+    object dies, or a callback of the collector's."""
     code = frame.f_code
-    return code.co_name == "__del__" or os.path.basename(code.co_filename) in (
-        "_weakrefset.py", "weakref.py")
+    return (code.co_name == "__del__"
+            or os.path.basename(code.co_filename) in ("_weakrefset.py", "weakref.py")
+            or any(code is getattr(hook, "__code__", None) for hook in gc.callbacks))
 
 
 def _lock_free(lock: Any) -> bool:
