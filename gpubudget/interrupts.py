@@ -325,9 +325,11 @@ def _python_below() -> bool:
 
 
 def _deliver_when_out(exc: BaseException, target: int | None) -> None:
-    if not _wait_until_out(target):
-        return
     main = threading.main_thread().ident
+    if not _wait_until_out(target):
+        if target != main and not STATE.exiting:  # a thread that ended first: said, as
+            _print(exc, f"in thread {target}, which ended before it could be raised there")
+        return  # the main thread's: delivered at exit
     if target == main:
         with _delivery:
             if STATE.exiting or not any(exc is waiting for waiting in _to_main):
@@ -338,6 +340,17 @@ def _deliver_when_out(exc: BaseException, target: int | None) -> None:
             _to_main.remove(exc)
     if target is not None:
         _set_async(target, exc)
+
+
+def _print(exc: BaseException, where: str) -> None:
+    """Say ``exc`` on stderr as Python says an exception nobody caught."""
+    try:
+        sys.stderr.write(f"gpubudget: an exception that landed in its code was to be raised "
+                         f"{where}:\n")
+        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no stderr
+        pass
 
 
 def _set_async(target: int, exc: BaseException) -> None:
@@ -399,7 +412,7 @@ def _deliver_at_exit() -> None:
             pass
     try:
         for exc in left:
-            traceback.print_exception(exc, file=sys.stderr)
+            _print(exc, "in the main thread, which ended before it could be raised there")
         if due_now:
             sys.stderr.write("KeyboardInterrupt\n")
         sys.stderr.flush()
