@@ -15,7 +15,8 @@ refusal check, the placement, and one commit (charge the ledger, register the bl
 the event). Side effects that can fail come before the commit (a stream event: if it fails,
 nothing changes and the caller is told) or after it, isolated (the trace writer). So an
 operation either happens whole or not at all. An exception at any instruction never leaves the
-lock held (see :func:`unlock`).
+lock held (see :func:`unlock`), and an operation it cuts short leaves the tree as its registry
+says: whole or not at all (:meth:`Tree.fault`, :mod:`~gpubudget._core.recovery`).
 
 Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
