@@ -9,8 +9,10 @@ Callbacks, which a framework calls from C or C++ and which must never raise:
 
 - :func:`callback` marks one (a Ctrl-C that lands inside is deferred);
 - :func:`callback_failed` records what went wrong inside one, on its budget's report (a
-  Ctrl-C is passed on to be raised once control is back in Python), and never raises;
-- :func:`pass_on_interrupt` ends one: a Ctrl-C deferred inside is delivered where it is safe.
+  Ctrl-C, or a signal handler's exception, is passed on to be raised once control is back
+  in Python), and never raises;
+- :func:`pass_on_interrupt` ends one: a Ctrl-C deferred inside, or an exception held for
+  its thread, is delivered where it is safe.
 
 Public methods of adapters (a ``with`` block's ``__enter__``/``__exit__``):
 
@@ -58,27 +60,29 @@ protect: Final = interrupts.protect
 
 def callback_failed(budget: Budget, where: str, exc: BaseException, *,
                     other_threads: bool = False) -> None:
-    """Inside a callback that caught ``exc``: keep it for ``budget``'s report (a Ctrl-C as
-    a denial with reason ``interrupted``, anything else as an error naming ``where``). A
-    Ctrl-C is raised again once control is back in Python: in this thread at the next
-    public call, or (``other_threads``: a framework's own threads may call) in the main
-    thread. Never raises."""
+    """Inside a callback that caught ``exc``: an exception that came from outside (a Ctrl-C,
+    a signal handler's, see :func:`gpubudget.interrupts.foreign`) counts as a denial with
+    reason ``interrupted`` and is raised again once control is back in Python: at the end of
+    the callback (:func:`pass_on_interrupt`), or at once when ``other_threads`` (a
+    framework's own threads may call, and the callback may end without passing it on).
+    Anything else is kept for ``budget``'s report, as an error naming ``where``. Never
+    raises."""
     try:
-        if isinstance(exc, KeyboardInterrupt):
-            if other_threads:
-                interrupts.take()
-                interrupts.redeliver()
-            else:
-                interrupts.defer()
+        if interrupts.foreign(exc):
+            interrupts.defer(exc)  # before anything else: nothing may lose it
             budget.record_denial(0, "interrupted")
+            if other_threads:
+                interrupts.pass_on()
         else:
             budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
-    except BaseException:  # noqa: BLE001 - nothing may leave a callback
-        pass
+    except BaseException as late:  # noqa: BLE001 - nothing may leave a callback
+        if interrupts.foreign(late):
+            interrupts.defer(late)
 
 
 def pass_on_interrupt() -> None:
-    """At the end of a callback: a Ctrl-C deferred inside it is delivered where it is safe."""
+    """At the end of a callback: a Ctrl-C deferred inside it, or an exception held for its
+    thread, is delivered where it is safe."""
     if interrupts.STATE.pending:
         interrupts.pass_on()
 

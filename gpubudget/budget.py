@@ -174,10 +174,11 @@ class Budget(BudgetView, AdapterHooks, Residency):
         else:
             self._open_child(parent)
         self._token = context.ACTIVE.set(chain + (self,))
-        if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
+        if STATE.pending and (due := interrupts.due()) is not None:  # all or nothing: undo
             context.ACTIVE.reset(self._token)
             node.close()
-            raise KeyboardInterrupt
+            interrupts.undone()
+            raise due
         return self
 
     def _open_root(self) -> None:
@@ -246,8 +247,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "
                        f"inside it is still active; {ADVICE}", exc_type)
-        if STATE.pending and interrupts.raise_here():
-            raise KeyboardInterrupt
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
@@ -323,10 +324,11 @@ class Budget(BudgetView, AdapterHooks, Residency):
                 tag = _current_label()
             stack = user_stack() if node.track_stacks else None
             address = tree.allocate(node, size, alignment, tag, stream, stack, why)
-            if STATE.pending and interrupts.raise_here():  # all or nothing: undo, then raise
+            if STATE.pending and (due := interrupts.due()) is not None:  # all or nothing: undo
                 if address is not None:
                     tree.free(node, address, None)
-                raise KeyboardInterrupt
+                    interrupts.undone()
+                raise due
         if address is None and why:
             raise self._denied(size, why[0])
         return address
@@ -383,8 +385,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
                 node.stats.invalid_frees += 1
             return False
         done = tree.free(node, address, stream)
-        if STATE.pending and interrupts.raise_here():
-            raise KeyboardInterrupt
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return done
 
     @protect
@@ -414,8 +416,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
             self._refuse_unentered(new_size)
             return None
         moved = tree.resize(node, address, new_size, alignment)
-        if STATE.pending and interrupts.raise_here():
-            raise KeyboardInterrupt
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return moved
 
     def reset_peak(self) -> None:

@@ -1,28 +1,43 @@
-"""Ctrl-C that cannot split an operation: ``KeyboardInterrupt`` deferred inside gpubudget.
+"""What may not split an operation: Ctrl-C, and every exception raised into gpubudget from
+outside, held while an operation runs and delivered where it is safe.
 
-Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread. Landing in
-the middle of an allocation it could leave the arena, the live-block registry and ``used``
-disagreeing. So, as Trio does, gpubudget marks the functions through which every operation
-enters (:func:`protect`) and installs a SIGINT handler that, when the main thread is inside
-one of them, only notes the interrupt. The operation then finishes, and the interrupt is
-delivered where it is safe:
+Python raises ``KeyboardInterrupt`` between any two bytecodes of the main thread; so does a
+signal handler of the program (a ``SIGALRM`` timeout raising ``TimeoutError``), and, in any
+thread, ``PyThreadState_SetAsyncExc`` or a trace function. Landing in the middle of an
+allocation such an exception could leave the arena, the live-block registry and ``used``
+disagreeing, or, caught by code that must not raise, be lost. So, as Trio does, gpubudget
+marks the functions through which every operation enters (:func:`protect`), and:
 
-- a public method (``allocate``, ``free``, ``resize``, entering or leaving a ``with``) raises
-  ``KeyboardInterrupt`` on its way out. ``allocate`` and ``__enter__`` first undo what they
-  did, so the call is all-or-nothing; ``free``, ``resize`` and ``__exit__`` complete first.
+- installs a SIGINT handler that, when the main thread is inside one of them, only notes the
+  interrupt;
+- where its own code catches everything (the trace writer, the clock of the timeline, a
+  backend's event or copy, an adapter's exit hook, a callback's never-raise wrapper), it
+  keeps any exception that came from outside (:func:`foreign`) rather than swallow it:
+  :func:`hold` keeps it for the thread it landed in.
+
+The operation then finishes, and what was noted or held is delivered where it is safe:
+
+- a public method (``allocate``, ``free``, ``resize``, entering or leaving a ``with``, a
+  growable root's ``trim``, ``offload``, ``restore``) raises it on its way out
+  (:func:`due`). ``allocate`` and ``__enter__`` first undo what they did, so the call is
+  all-or-nothing; ``free``, ``resize`` and ``__exit__`` complete first.
 - an allocator callback (TensorRT, CuPy, PyTorch) cannot raise into its C++ caller: it
-  answers as if the request were denied (``None``; frees still complete) and the interrupt
-  is raised again in the main thread once control is back in Python (:func:`redeliver`).
-  If the program ends before that (within a millisecond or so), the interrupt is delivered
-  at interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
-  slots freed): "KeyboardInterrupt" on stderr and the process ends by SIGINT, as Python ends
-  on an interrupt nobody caught (a shell sees exit status 130).
+  answers as if the request were denied (``None``; frees still complete) and the exception
+  is raised again once control is back in Python (:func:`pass_on`): a Ctrl-C, or an
+  exception of a signal handler (they run in the main thread), in the main thread; another
+  in the thread it landed in (the main thread when that is not a Python thread). If the
+  program ends before that (within a millisecond or so), it is delivered at interpreter
+  exit, once gpubudget's own exit handlers have run (traces flushed, ledger slots freed): a
+  Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt" on stderr, the
+  process ended by SIGINT: a shell sees exit status 130), any other exception with its
+  traceback on stderr and exit status 1.
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
 stops gracefully, ``asyncio.run`` while it runs) keeps it, and gpubudget then relies on
 that handler not raising in the middle of a call. Outside gpubudget's code the installed
-handler behaves exactly like Python's default.
+handler behaves exactly like Python's default. A program's other handlers run where Python
+runs them: their exceptions are the ones :func:`hold` keeps.
 """
 
 from __future__ import annotations
@@ -34,30 +49,38 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import Final, TypeVar
 
 __all__ = [
     "STATE",
     "callback",
     "defer",
+    "due",
+    "foreign",
+    "hold",
     "install",
     "pass_on",
     "protect",
     "raise_here",
     "redeliver",
     "take",
+    "undone",
 ]
 
 F = TypeVar("F", bound=Callable[..., object])
 
 
 class _State:
-    __slots__ = ("pending", "installed", "redelivering", "exiting")
+    __slots__ = ("pending", "interrupted", "installed", "redelivering", "exiting")
 
     def __init__(self) -> None:
-        self.pending = False  # an interrupt arrived inside protected code, not yet delivered
+        # something is due: a Ctrl-C, or an exception held for some thread (what the checks
+        # on every operation's way out read; the C core reads it too)
+        self.pending = False
+        self.interrupted = False  # a Ctrl-C arrived inside protected code, not yet delivered
         self.installed = False
         self.redelivering = 0  # interrupts passed on to the main thread, not yet sent to it
         self.exiting = False  # the interpreter exits: what is passed on is delivered then
@@ -69,6 +92,12 @@ _CALLBACKS: Final[set[CodeType]] = set()
 _POLL_SECONDS: Final = 0.001
 _POLLS: Final = 10_000  # give up waiting after about 10 s: deliver anyway
 _delivery: Final = threading.Lock()  # the helper thread's sending, or the exit's, not both
+_held: Final[dict[int, BaseException]] = {}  # thread ident -> exception held for it
+_to_main: Final[list[BaseException]] = []  # passed on to the main thread, not yet raised
+_carried: Final[dict[int, BaseException]] = {}  # id -> an exception gpubudget passes on
+_CARRIED_KEPT: Final = 64  # the most recent ones
+_CO_VARARGS: Final = 0x04
+_SIGNALS: Final = frozenset(signal.valid_signals())
 
 
 def protect(function: F) -> F:
@@ -83,7 +112,7 @@ def protect(function: F) -> F:
 
 def callback(function: F) -> F:
     """Mark ``function`` as an allocator callback (and protect it): a public method called
-    inside it leaves a pending interrupt to it rather than raise into C++ code."""
+    inside it leaves what is due to it rather than raise into C++ code."""
     code = getattr(function, "__code__", None)
     if isinstance(code, CodeType):
         _CALLBACKS.add(code)
@@ -100,8 +129,14 @@ def _within(frame: FrameType | None, codes: set[CodeType]) -> bool:
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     if _within(frame, _PROTECTED):
-        STATE.pending = True
+        if _to_main:  # passed on to the main thread, which is back in gpubudget: held there
+            defer(_to_main.pop(0))
+        else:
+            STATE.interrupted = True
+            STATE.pending = True
         return
+    if _to_main:
+        raise _to_main.pop(0)
     signal.default_int_handler(signum, frame)
 
 
@@ -117,30 +152,122 @@ def install() -> None:
         pass
 
 
-def defer() -> None:
-    """Note an interrupt that was caught where it could not be raised."""
+# -- noting, holding, taking ---------------------------------------------------------------
+
+
+def _refresh() -> None:
+    """``pending`` again from what is due (cleared first, so that a Ctrl-C or an exception
+    noted meanwhile, which sets it after its own mark, is never missed)."""
+    STATE.pending = False
+    if STATE.interrupted or _held:
+        STATE.pending = True
+
+
+def defer(exc: BaseException | None = None) -> None:
+    """Note an exception caught where it could not be raised: a Ctrl-C (``None`` or a
+    ``KeyboardInterrupt``), or ``exc``, held for this thread (the first one held, when two
+    land in one operation)."""
+    if exc is None or isinstance(exc, KeyboardInterrupt):
+        STATE.interrupted = True
+    else:
+        _held.setdefault(threading.get_ident(), exc)
     STATE.pending = True
 
 
+def hold(exc: BaseException) -> None:
+    """For code that must not raise, which caught ``exc`` from outside: inside an operation
+    (a protected function runs in this thread) keep it for delivery once the operation is
+    whole (:func:`defer`); elsewhere raise it at once."""
+    if not _within(sys._getframe(1), _PROTECTED):
+        raise exc
+    defer(exc)
+
+
+def foreign(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised into gpubudget's code from outside rather than by what that
+    code called: a Ctrl-C; an exception that is no ``Exception`` (``SystemExit``, one given
+    to ``PyThreadState_SetAsyncExc``); one a signal handler or a trace function raised; one
+    that gpubudget holds or passes on."""
+    if not isinstance(exc, Exception) or id(exc) in _carried:
+        return True
+    return any(exc is held for held in _held.values()) or _interrupting(exc, signals=False)
+
+
+def _interrupting(exc: BaseException, signals: bool = True) -> bool:
+    """Whether a function that interrupted Python code raised ``exc``: a signal handler
+    (Python calls it as ``handler(signum, frame)`` with the frame it interrupted, which is
+    the frame before it in the traceback; or it is a handler installed now), or, unless
+    ``signals``, a trace function (``tracer(frame, event, arg)``, likewise)."""
+    handlers = {getattr(getattr(h, "__func__", h), "__code__", None)
+                for h in map(signal.getsignal, _SIGNALS) if callable(h)}
+    numbers = _SIGNALS
+    below: TracebackType | None = exc.__traceback__
+    while below is not None and below.tb_next is not None:
+        frame = below.tb_next.tb_frame
+        code = frame.f_code
+        if code in handlers:
+            return True
+        count = code.co_argcount + bool(code.co_flags & _CO_VARARGS)
+        given = [frame.f_locals.get(name) for name in code.co_varnames[:count]]
+        given += [item for value in given if isinstance(value, tuple) for item in value]
+        if any(value is below.tb_frame for value in given) and (not signals or any(
+                type(value) is int and value in numbers for value in given)):
+            return True
+        below = below.tb_next
+    return False
+
+
+def take() -> bool:
+    """Whether a Ctrl-C is pending, clearing it."""
+    interrupted, STATE.interrupted = STATE.interrupted, False
+    _refresh()
+    return interrupted
+
+
 def raise_here() -> bool:
-    """For a public method on its way out with an interrupt pending: ``True`` (and the
-    interrupt taken) when it should raise ``KeyboardInterrupt`` now, ``False`` when it runs
-    inside an allocator callback, which delivers it instead."""
+    """For a public method on its way out: ``True`` (and the interrupt taken) when it should
+    raise ``KeyboardInterrupt`` now, ``False`` when no Ctrl-C is pending or it runs inside
+    an allocator callback, which delivers it instead. (:func:`due` answers for every
+    exception held, not only a Ctrl-C.)"""
     if _within(sys._getframe(1), _CALLBACKS):
         return False
     return take()
 
 
-def take() -> bool:
-    """Whether an interrupt is pending, clearing it."""
-    pending, STATE.pending = STATE.pending, False
-    return pending
+def due() -> BaseException | None:
+    """For a public method on its way out: the exception to raise now, taken (an exception
+    held for this thread first, else a pending Ctrl-C as ``KeyboardInterrupt``); ``None``
+    when nothing is due, or inside an allocator callback, which passes it on instead."""
+    if _within(sys._getframe(1), _CALLBACKS):
+        return None
+    exc = _held.pop(threading.get_ident(), None)
+    if exc is None and take():
+        return KeyboardInterrupt()
+    _refresh()
+    if exc is not None:
+        _carried.pop(id(exc), None)
+    return exc
+
+
+def undone() -> None:
+    """After undoing an operation whose exception is about to be raised (:func:`due`): an
+    exception that the undoing held for this thread belongs to the same operation, and the
+    program gets the first one: the later one is dropped."""
+    if _held.pop(threading.get_ident(), None) is not None:
+        _refresh()
+
+
+# -- passing on, from a callback -------------------------------------------------------------
 
 
 def pass_on() -> None:
-    """For a callback on its way out: an interrupt deferred while it ran goes on to the main
-    thread (see :func:`redeliver`)."""
-    if STATE.pending and take():
+    """For a callback on its way out: what was deferred or held while it ran goes on to be
+    raised once control is back in Python (see :func:`redeliver`)."""
+    exc = _held.pop(threading.get_ident(), None)
+    if exc is not None:
+        _refresh()
+        _pass_exception(exc)
+    if STATE.interrupted and take():
         redeliver()
 
 
@@ -155,22 +282,106 @@ def redeliver() -> None:
     """
     with _delivery:
         STATE.redelivering += 1  # delivered at exit if the helper thread cannot
+    _helper(_interrupt_main_when_out)
+
+
+def _helper(target: Callable[[], None]) -> None:
     try:
-        threading.Thread(target=_interrupt_main_when_out, name="gpubudget-interrupt",
-                         daemon=True).start()
+        threading.Thread(target=target, name="gpubudget-interrupt", daemon=True).start()
     except RuntimeError:  # interpreter shutting down: the exit handler delivers it
         pass
 
 
+def _pass_exception(exc: BaseException) -> None:
+    """Raise ``exc`` again once out of gpubudget's code: in this thread if Python code called
+    into the callback here and no signal handler raised it, else in the main thread; there
+    through the SIGINT handler when it is installed (which wakes a sleeping main thread),
+    else as ``PyThreadState_SetAsyncExc`` does (at the thread's next Python instruction)."""
+    main = threading.main_thread().ident
+    target = (threading.get_ident() if _python_below() and not _interrupting(exc)
+              else main)
+    _carried[id(exc)] = exc
+    for old in list(_carried)[:-_CARRIED_KEPT]:
+        del _carried[old]
+    if target == main:
+        with _delivery:
+            _to_main.append(exc)  # delivered at exit if the helper thread cannot
+    _helper(lambda: _deliver_when_out(exc, target))
+
+
+def _python_below() -> bool:
+    """Whether this thread's stack holds Python code below gpubudget's protected functions:
+    a callback called by C++ code that Python called (else by a thread of a framework's
+    own, which runs no Python code of the program)."""
+    frame: FrameType | None = sys._getframe()
+    inside = False
+    while frame is not None:
+        if frame.f_code in _PROTECTED:
+            inside = True
+        elif inside:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver_when_out(exc: BaseException, target: int | None) -> None:
+    main = threading.main_thread().ident
+    if not _wait_until_out(target):
+        if target != main and not STATE.exiting:  # a thread that ended first: said, as
+            _print(exc, f"in thread {target}, which ended before it could be raised there")
+        return  # the main thread's: delivered at exit
+    if target == main:
+        with _delivery:
+            if STATE.exiting or not any(exc is waiting for waiting in _to_main):
+                return  # delivered meanwhile (the SIGINT handler took it), or at exit
+            if STATE.installed and signal.getsignal(signal.SIGINT) is _handler and main:
+                signal.pthread_kill(main, signal.SIGINT)  # the handler raises it there
+                return
+            _to_main.remove(exc)
+    if target is not None:
+        _set_async(target, exc)
+
+
+def _print(exc: BaseException, where: str) -> None:
+    """Say ``exc`` on stderr as Python says an exception nobody caught."""
+    try:
+        sys.stderr.write(f"gpubudget: an exception that landed in its code was to be raised "
+                         f"{where}:\n")
+        traceback.print_exception(exc, file=sys.stderr)
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no stderr
+        pass
+
+
+def _set_async(target: int, exc: BaseException) -> None:
+    """Have thread ``target`` raise ``exc`` itself at its next Python instruction."""
+    import ctypes  # only here: rarely needed
+
+    # The interpreter makes the exception by calling the class it is given: this one
+    # answers the exception itself, which is then raised as it is (its type, its message).
+    carrier = type(type(exc).__name__, (BaseException,), {"__new__": lambda cls, *a: exc})
+    set_async = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async.argtypes = [ctypes.c_ulong, ctypes.py_object]
+    set_async(target, carrier)
+
+
+def _wait_until_out(target: int | None) -> bool:
+    """Wait until thread ``target``'s Python stack holds no protected function; ``False`` if
+    it ended, or the interpreter exits, first."""
+    for _ in range(_POLLS):
+        frame = sys._current_frames().get(target) if target is not None else None
+        if frame is None or STATE.exiting:
+            return False
+        if not _within(frame, _PROTECTED):
+            return True
+        time.sleep(_POLL_SECONDS)
+    return True
+
+
 def _interrupt_main_when_out() -> None:
     main = threading.main_thread().ident
-    for _ in range(_POLLS):
-        frame = sys._current_frames().get(main) if main is not None else None
-        if frame is None or STATE.exiting:
-            return  # the main thread's program has ended: delivered at exit
-        if not _within(frame, _PROTECTED):
-            break
-        time.sleep(_POLL_SECONDS)
+    if not _wait_until_out(main):
+        return  # the main thread's program has ended: delivered at exit
     with _delivery:
         if STATE.exiting or not STATE.redelivering:
             return
@@ -184,12 +395,15 @@ def _interrupt_main_when_out() -> None:
 def _deliver_at_exit() -> None:
     """Interpreter exit: an interrupt passed on to the main thread and not yet sent (the
     program ended first) ends the process by SIGINT, as an uncaught ``KeyboardInterrupt``
-    does. Registered when this module is imported, before gpubudget's other exit handlers,
-    so it runs after them (``atexit`` runs the last registered first)."""
+    does; another exception passed on to it, or still held for it, is printed as Python
+    prints an uncaught one, and the process ends with status 1. Registered when this module
+    is imported, before gpubudget's other exit handlers, so it runs after them (``atexit``
+    runs the last registered first)."""
     with _delivery:
         STATE.exiting = True
-        due = STATE.redelivering
-    if not due or os.getpid() != _PID:
+        due_now = STATE.redelivering
+        left = [*_to_main, *filter(None, [_held.get(threading.get_ident())])]
+    if (not due_now and not left) or os.getpid() != _PID:
         return
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -197,10 +411,15 @@ def _deliver_at_exit() -> None:
         except (AttributeError, OSError, ValueError):
             pass
     try:
-        sys.stderr.write("KeyboardInterrupt\n")
+        for exc in left:
+            _print(exc, "in the main thread, which ended before it could be raised there")
+        if due_now:
+            sys.stderr.write("KeyboardInterrupt\n")
         sys.stderr.flush()
     except (AttributeError, OSError, ValueError):
         pass
+    if not due_now:
+        os._exit(1)
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -215,7 +434,11 @@ def _forked() -> None:
     _PID = os.getpid()
     STATE.redelivering = 0
     STATE.exiting = False
+    STATE.interrupted = False
     STATE.pending = False
+    _held.clear()
+    _to_main.clear()
+    _carried.clear()
     getattr(_delivery, "_at_fork_reinit")()
 
 

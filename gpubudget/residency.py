@@ -19,6 +19,7 @@ from .errors import BudgetError
 from .interrupts import STATE, protect
 from ._core.memory import Mapping
 from ._core.node import Node
+from ._core.locks import let_in
 from ._core.tree import Tree, unlock
 
 __all__ = ["Residency"]
@@ -53,8 +54,11 @@ class Residency:
         raise BudgetError(f"{what} is for a growable root budget (entered with initial=) that "
                           f"has not released; budget {node.name!r} is {why}")
 
+    @protect
     def trim(self) -> int:
         """Give back the device memory of every granule that no block touches; the bytes.
+        A thread may call it in a loop: each call lets threads waiting to allocate or free
+        in the budget go first.
 
         Examples
         --------
@@ -76,6 +80,9 @@ class Residency:
         except BaseException:
             unlock(lock)
             raise
+        let_in(tree.turns)  # called in a loop, trim() must not keep allocations out
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return freed
 
     @protect
@@ -112,8 +119,8 @@ class Residency:
         except BaseException:
             unlock(lock)
             raise
-        if STATE.pending and interrupts.raise_here():
-            raise KeyboardInterrupt
+        if STATE.pending and (due := interrupts.due()) is not None:
+            raise due
         return moved
 
 

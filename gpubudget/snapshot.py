@@ -21,6 +21,7 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
+from . import interrupts
 from ._core.ledger import available
 from .report import (
     FRAMES_SHOWN,
@@ -146,6 +147,8 @@ def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ..
             library, outside, waiting_in_use, waiting_cached = (
                 [int(value) for value in more] + [0, 0, 0, 0])[:4]
         except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
+            if interrupts.foreign(exc):  # a signal handler's, say: the program's to see
+                raise
             with node.lock:
                 node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
             continue

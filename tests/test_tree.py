@@ -387,12 +387,19 @@ def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None
 
         def inject(operation: Any) -> None:
             nonlocal fired
-            lock = current_budget()._node.tree.lock  # type: ignore[union-attr]
+            budget = current_budget()
+            assert budget is not None
+            lock = budget._node.tree.lock  # type: ignore[union-attr]
             fired = _raise_at(index, codes, operation)
             free = _free_elsewhere(lock)
             if not free:
                 lock.release()  # so that the test fails instead of hanging at the exit
             assert free, f"{name}: the lock is held after a fault at instruction {index}"
+            try:  # and the operation happened whole or not at all
+                consistent(budget.root)
+            except (AssertionError, InvariantError) as broken:
+                raise AssertionError(f"{name}: a fault at instruction {index} left the tree "
+                                     f"inconsistent: {broken}") from None
 
         scenario(inject)
         if not fired:

@@ -1855,7 +1855,36 @@ static int configured = 0;
 static PyObject *state_object, *label_var, *perf_counter, *slow_allocate, *slow_free;
 static PyObject *s_alignment, *s_tag, *s_stream, *s_raise_on_denial, *s_exited;
 
+/* The classes whose __slots__ the fast path reads (given to install), and the class of
+ * PendingFrees._fifo. */
+static PyTypeObject *node_class, *tree_class, *recorder_class, *pending_class, *deque_class;
+
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* What a slot holds is whatever Python code put there (None, an int, an object of another
+ * class, nothing): the fast path reads a slot of an object only once the object is known to
+ * be exactly the class the offset was looked up in, and uses what it read as one of its
+ * types only after the same check. NULL for anything else, and the caller leaves the call
+ * to the Python methods, which raise a clear error or behave as Python does.
+ *
+ * typed_slot: the slot at `offset` of `object` when `object` is exactly `cls`, else NULL
+ * (also for a NULL `object`, and for an empty slot). */
+static inline PyObject *typed_slot(PyObject *object, PyTypeObject *cls, Py_ssize_t offset) {
+    return object != NULL && Py_TYPE(object) == cls ? SLOT(object, offset) : NULL;
+}
+
+/* `object` when it is exactly `cls`, else NULL. */
+static inline PyObject *exactly(PyObject *object, PyTypeObject *cls) {
+    return object != NULL && Py_TYPE(object) == cls ? object : NULL;
+}
+
+/* A budget's counters, when `object` is a Stats whose tags are a dict: what the fast path
+ * reads and changes of them (the other members it never touches). */
+static inline StatsObject *stats_of(PyObject *object) {
+    if (object == NULL || !PyObject_TypeCheck(object, &StatsType)) return NULL;
+    StatsObject *stats = (StatsObject *)object;
+    return stats->tags != NULL && PyDict_CheckExact(stats->tags) ? stats : NULL;
+}
 
 static inline int state_pending(void) {
     PyObject *pending = SLOT(state_object, at.state_pending);
@@ -1903,9 +1932,9 @@ static PyObject *slow(PyObject *function, PyObject *self, PyObject *const *args,
 /* The time of the operation by the tree's clock; -1: leave the call to Python (see
  * read_clock). Nothing runs Python code here. */
 static inline int stamp(PyObject *node, double *time) {
-    PyObject *tree = node ? SLOT(node, at.node_tree) : NULL;
-    PyObject *recorder = tree && tree != Py_None ? SLOT(tree, at.tree_recorder) : NULL;
-    PyObject *clock = recorder ? SLOT(recorder, at.recorder_clock) : NULL;
+    PyObject *tree = typed_slot(node, node_class, at.node_tree);
+    PyObject *recorder = typed_slot(tree, tree_class, at.tree_recorder);
+    PyObject *clock = typed_slot(recorder, recorder_class, at.recorder_clock);
     return clock == NULL ? -1 : read_clock(clock, time);
 }
 
@@ -1920,11 +1949,11 @@ typedef struct {
 } Parts;
 
 static int tree_parts(PyObject *node, Parts *p) {
-    PyObject *tree = SLOT(node, at.node_tree);
-    if (tree == NULL || tree == Py_None || SLOT(tree, at.tree_fast) != Py_True) return 0;
+    PyObject *tree = exactly(typed_slot(node, node_class, at.node_tree), tree_class);
+    if (tree == NULL || SLOT(tree, at.tree_fast) != Py_True) return 0;
     PyObject *arena = SLOT(tree, at.tree_arena), *live = SLOT(tree, at.tree_live),
-             *lock = SLOT(tree, at.tree_lock), *recorder = SLOT(tree, at.tree_recorder),
-             *root = SLOT(tree, at.tree_root);
+             *lock = SLOT(tree, at.tree_lock), *recorder = exactly(SLOT(tree, at.tree_recorder), recorder_class),
+             *root = exactly(SLOT(tree, at.tree_root), node_class);
     if (arena == NULL || !PyObject_TypeCheck(arena, &ArenaType) || live == NULL ||
         Py_TYPE(live) != &RegistryType || lock == NULL || Py_TYPE(lock) != &LockType ||
         recorder == NULL || root == NULL)
@@ -1978,27 +2007,29 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
     PyObject *fresh = NULL; /* a new tag's [live, peak], made before the state is read */
     PyObject *where = NULL;
 retry:;
-    PyObject *node = SLOT(self, at.budget_node);
+    PyObject *node = exactly(SLOT(self, at.budget_node), node_class);
     double time;
     Parts p;
-    if (stamp(node, &time) < 0 || state_pending()) goto slow_labelled;
+    if (node == NULL || stamp(node, &time) < 0 || state_pending()) goto slow_labelled;
     if (SLOT(node, at.node_track_stacks) != Py_False ||
         SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
         goto slow_labelled;
-    PyObject *mapping = SLOT(p.tree, at.tree_mapping), *pending = SLOT(p.tree, at.tree_pending);
-    PyObject *fifo = pending ? SLOT(pending, at.pending_fifo) : NULL;
+    PyObject *mapping = SLOT(p.tree, at.tree_mapping);
+    PyObject *fifo = exactly(typed_slot(SLOT(p.tree, at.tree_pending), pending_class, at.pending_fifo),
+                             deque_class);
     if (mapping != Py_None || fifo == NULL || PyObject_Length(fifo) != 0) goto slow_labelled;
-    PyObject *account = SLOT(node, at.node_account), *stats = SLOT(node, at.node_stats);
+    PyObject *account = SLOT(node, at.node_account);
+    StatsObject *st = stats_of(SLOT(node, at.node_stats));
     i64 granularity, id;
-    if (account == NULL || Py_TYPE(account) != &AccountType || stats == NULL ||
-        !PyObject_TypeCheck(stats, &StatsType) || !i64_slot(node, at.node_granularity, &granularity) ||
-        !i64_slot(node, at.node_id, &id) || granularity <= 0)
+    if (account == NULL || Py_TYPE(account) != &AccountType || st == NULL ||
+        !i64_slot(node, at.node_granularity, &granularity) || !i64_slot(node, at.node_id, &id) ||
+        granularity <= 0)
         goto slow_labelled;
     if (align > granularity) granularity = align;
     if (nsize > INT64_MAX - granularity) goto slow_labelled;
     i64 nbytes = (nsize + granularity - 1) & -granularity;
     if (label != NULL && fresh == NULL) {
-        PyObject *known = PyDict_GetItemWithError(((StatsObject *)stats)->tags, label);
+        PyObject *known = PyDict_GetItemWithError(st->tags, label);
         if (known == NULL) {
             if (PyErr_Occurred()) goto failed;
             /* Making a list may start the collector, whose finalizers may change anything
@@ -2010,7 +2041,6 @@ retry:;
     if (!lock_try(p.lock)) goto slow_labelled;
     /* the lock held: refuse, place, then commit; a denial is left to Python (it records it) */
     AccountObject *acct = (AccountObject *)account;
-    StatsObject *st = (StatsObject *)stats;
     i64 address;
     if (ledger_refusal(acct, nbytes) != NULL || arena_reserve(p.arena) < 0 ||
         log_reserve(p.events) < 0 || reg_reserve(p.live, 1) < 0 ||
@@ -2064,9 +2094,9 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int ok;
     if (!PyLong_CheckExact(where)) goto slow;
     i64 address = as_i64(where, &ok);
-    PyObject *node = SLOT(self, at.budget_node);
+    PyObject *node = exactly(SLOT(self, at.budget_node), node_class);
     double time;
-    if (!ok || stamp(node, &time) < 0 || state_pending()) goto slow;
+    if (!ok || node == NULL || stamp(node, &time) < 0 || state_pending()) goto slow;
     Parts p;
     if (!tree_parts(node, &p)) goto slow;
     if (stream != NULL && stream != Py_None &&
@@ -2076,19 +2106,20 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (entry == NULL) goto slow; /* not a live block: Python counts the invalid free */
     PyObject *owner = entry->owner, *tag = entry->tag ? entry->tag : Py_None;
     i64 nbytes = entry->nbytes;
+    if (exactly(owner, node_class) == NULL) goto slow; /* the registry holds what Python put */
     PyObject *owner_account = SLOT(owner, at.node_account), *node_account = SLOT(node, at.node_account);
-    PyObject *owner_stats = SLOT(owner, at.node_stats), *state = SLOT(owner, at.node_state);
+    PyObject *state = SLOT(owner, at.node_state);
+    StatsObject *st = stats_of(SLOT(owner, at.node_stats));
     i64 id, pins, unreleased;
     if (owner_account == NULL || Py_TYPE(owner_account) != &AccountType || node_account == NULL ||
-        owner_stats == NULL || !PyObject_TypeCheck(owner_stats, &StatsType) || state == NULL ||
-        !PyUnicode_Check(state) || !i64_slot(owner, at.node_id, &id))
+        st == NULL || state == NULL || !PyUnicode_Check(state) || !i64_slot(owner, at.node_id, &id))
         goto slow;
     /* A budget whose scope has ended is released by the free of its last block when nothing
      * else holds it (Python's release_if_unused): that free is Python's. An ended budget
      * still held (pinned by a TensorRT runtime, or with children) frees here. */
     if (PyUnicode_Compare(state, s_exited) == 0 &&
         (!i64_slot(owner, at.node_pins, &pins) || !i64_slot(owner, at.node_unreleased, &unreleased) ||
-         (((StatsObject *)owner_stats)->blocks <= 1 && !pins && !unreleased)))
+         (st->blocks <= 1 && !pins && !unreleased)))
         goto slow;
     if (owner != node) { /* a descendant's block: node's account is up its chain */
         AccountObject *link = ((AccountObject *)owner_account)->parent;
@@ -2102,7 +2133,6 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
         lock_leave(p.lock);
         goto slow;
     }
-    StatsObject *st = (StatsObject *)owner_stats;
     PyObject *tag_entry = NULL, *live_after = NULL; /* the tag's [live, peak], live bytes after */
     if (tag != Py_None) {
         tag_entry = PyDict_GetItemWithError(st->tags, tag);
@@ -2223,20 +2253,38 @@ static PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
         slot_offset(pending, "_fifo", &o.pending_fifo) < 0 ||
         slot_offset((PyObject *)Py_TYPE(state), "pending", &o.state_pending) < 0)
         return NULL;
+    PyObject *collections = PyImport_ImportModule("collections");
+    PyObject *deque = collections ? PyObject_GetAttrString(collections, "deque") : NULL;
+    Py_XDECREF(collections);
+    if (deque == NULL) return NULL;
+    if (!PyType_Check(deque)) {
+        Py_DECREF(deque);
+        PyErr_SetString(PyExc_TypeError, "collections.deque is not a class");
+        return NULL;
+    }
     PyObject *allocate = PyObject_GetAttrString(budget, "allocate");
     PyObject *free = allocate ? PyObject_GetAttrString(budget, "free") : NULL;
     if (free == NULL || !PyFunction_Check(allocate) || !PyFunction_Check(free)) {
         if (free != NULL) PyErr_SetString(PyExc_TypeError, "Budget.allocate and free must be Python functions");
         Py_XDECREF(allocate);
         Py_XDECREF(free);
+        Py_DECREF(deque);
         return NULL;
     }
     if (put_method(budget, &fast_allocate_def, allocate) < 0 || put_method(budget, &fast_free_def, free) < 0) {
         Py_DECREF(allocate);
         Py_DECREF(free);
+        Py_DECREF(deque);
         return NULL;
     }
     at = o;
+    PyObject *classes[] = {node, tree, recorder, pending};
+    PyTypeObject **kept[] = {&node_class, &tree_class, &recorder_class, &pending_class};
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(classes[i]);
+        *kept[i] = (PyTypeObject *)classes[i];
+    }
+    deque_class = (PyTypeObject *)deque; /* the reference kept */
     slow_allocate = allocate;
     slow_free = free;
     Py_INCREF(state);

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Final
 
+from .. import interrupts
 from ..backends import Backend, Reservation
 from ..backends.virtual import Staging, VirtualRange
 from ..errors import BudgetError, InvariantError
@@ -99,6 +100,9 @@ class Mapping:
                     done.append(index)
         except Exception as exc:  # noqa: BLE001 - the device cannot back it: undo, say so
             self._unmap(done)
+            if interrupts.foreign(exc):  # a signal handler's: raised once the call returns
+                interrupts.hold(exc)
+                return "interrupted"
             self._note(f"growth of {format_size(nbytes)} refused: {type(exc).__name__}: {exc}")
             return "device_full"
         return None
@@ -226,17 +230,24 @@ class Mapping:
         """Unmap ``indices`` (mapped granules); how many were. One that fails stays mapped
         (and counted), its error kept for the report."""
         unmapped = 0
+        landed: Exception | None = None  # a signal handler's, raised once this is done
         for index in indices:
             try:
                 self.memory.unmap(index)
             except Exception as exc:  # noqa: BLE001 - a broken driver: keep going, say so
-                self._note(f"unmapping granule {index} failed: {type(exc).__name__}: {exc}")
+                if interrupts.foreign(exc):
+                    landed = landed or exc
+                else:
+                    self._note(f"unmapping granule {index} failed: {type(exc).__name__}: "
+                               f"{exc}")
                 continue
             self.mapped[index] = 0
             unmapped += 1
         self.count -= unmapped
         if self.published is not None:
             self.published[0] = self.count * self.granule
+        if landed is not None:
+            interrupts.hold(landed)
         return unmapped
 
     def _note(self, message: str) -> None:
@@ -276,6 +287,8 @@ def reserve(backend: Backend, capacity: int, align: int, name: str,
     except BudgetError:
         raise
     except Exception as exc:  # MemoryError, or whatever a backend of the user's raises
+        if interrupts.foreign(exc):  # a signal handler's: the entry fails with it
+            raise
         info = free_memory(backend)
         where = (f"{format_size(info[0])} free of {format_size(info[1])} total" if info
                  else "free memory unknown")
@@ -308,5 +321,7 @@ def free_memory(backend: Backend) -> tuple[int, int] | None:
     """The backend's ``(free, total)`` bytes, or ``None`` if it cannot say."""
     try:
         return backend.mem_info()
-    except Exception:  # noqa: BLE001 - only a statistic
+    except Exception as exc:  # noqa: BLE001 - only a statistic
+        if interrupts.foreign(exc):
+            interrupts.hold(exc)
         return None

@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import Backend
 from ..context import LABEL
+from .. import interrupts
 from ..interrupts import STATE
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
 from . import native
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
-from .tree import Tree, new_lock, unlock
+from .locks import take
+from .tree import Tree, new_lock
 from ..units import format_size, round_up
 
 if TYPE_CHECKING:
@@ -103,11 +105,11 @@ class Node:
                                      f"which is {parent.state}")
         lock = tree.lock
         try:  # see ``tree.unlock``
-            lock.acquire()
+            take(lock, tree.turns)
             self._open_under(parent, tree)
             lock.release()
         except BaseException:
-            unlock(lock)
+            tree.fault(lock)
             raise
 
     def _open_under(self, parent: Node, tree: Tree) -> None:
@@ -157,7 +159,7 @@ class Node:
             tree.note_free_at_exit()
         lock = tree.lock
         try:  # see ``tree.unlock``
-            lock.acquire()
+            take(lock, tree.turns)
             hooks: list[Callable[[], None]] = []
             if self.state == "open":
                 self.state = "exited"
@@ -168,13 +170,16 @@ class Node:
                     tree.trim()
             lock.release()
         except BaseException:
-            unlock(lock)
+            tree.fault(lock)
             raise
         for hook in hooks:
             try:
                 hook()
             except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
-                tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
+                if interrupts.foreign(exc):  # a signal handler's: raised once __exit__ is done
+                    interrupts.hold(exc)
+                else:
+                    tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:
         """Lock held: release this budget, then each ancestor it was the last hold on, once

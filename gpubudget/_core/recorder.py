@@ -6,7 +6,9 @@ tree's event log and trace writer; its methods are the only place where an event
 counted, logged and traced, so the three always agree. Every method is called with the
 tree's lock held, after the operation it records has been committed, and never raises: a
 trace writer that fails (a full disk) is dropped with one ``RuntimeWarning``, and the
-report's ``trace_error`` says why the trace stops there.
+report's ``trace_error`` says why the trace stops there; any other exception raised in the
+clock or the writer (a signal handler's ``TimeoutError``, a Ctrl-C) is held and raised once
+the operation is whole (see :mod:`gpubudget.interrupts`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from .. import interrupts
 from ..callers import user_stacklevel
+from ..errors import TraceError
 from . import native
 
 if TYPE_CHECKING:
@@ -149,14 +152,15 @@ class Recorder:
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
-        never raises. A clock that fails gives ``nan`` for this event; a Ctrl-C that lands in
-        it is kept for delivery once the operation returns."""
+        ``nan`` if the clock raises. A clock of the backend's that fails (its own code raised)
+        only leaves this event without a time; any other exception (a Ctrl-C, a signal
+        handler's landing here) is held, to be raised once the operation is whole (see
+        :func:`~gpubudget.interrupts.hold`)."""
         try:
             return float(self.clock())
-        except KeyboardInterrupt:
-            interrupts.defer()
-        except Exception:  # noqa: BLE001 - the accounting is committed: keep it whole
-            pass
+        except BaseException as exc:  # noqa: BLE001 - the accounting is committed: kept whole
+            if not _clock_failed(exc):
+                interrupts.hold(exc)
         return float("nan")
 
     @property
@@ -230,16 +234,26 @@ class Recorder:
     def _trace(self, write: Callable[..., None], *args: object) -> None:
         """Call one writer method; the accounting is already committed and stays right.
 
-        A ``KeyboardInterrupt`` that lands in the writer is kept for delivery once the
-        operation returns; any other exception (``OSError`` for a full disk) ends the trace
-        with one warning. Nothing propagates: this runs inside allocator callbacks.
+        The writer's own failure (an ``OSError`` of its file: a full disk; a
+        :class:`~gpubudget.errors.TraceError`: the file replaced or closed) ends the trace
+        with one warning. Any other exception (a Ctrl-C, a signal handler's ``TimeoutError``
+        landing in the writer) is held for delivery once the operation is whole, and the
+        trace goes on: the event is written again if it was not queued (the writer counts
+        the events it queued, in one step with each). Nothing propagates: this runs inside
+        allocator callbacks.
         """
+        writer, queued = self.writer, -1
         try:
+            queued = writer.events if writer is not None else -1
             write(*args)
-        except KeyboardInterrupt:
-            interrupts.defer()
         except BaseException as exc:  # noqa: BLE001 - see the docstring
-            self._trace_failed(exc)
+            if _writer_failed(exc):
+                self._trace_failed(exc)
+            else:
+                interrupts.hold(exc)
+                if writer is not None and self.writer is writer and (
+                        queued < 0 or writer.events == queued):
+                    self._trace(write, *args)  # not queued: once more
 
     def _trace_failed(self, exc: BaseException) -> None:
         writer, self.writer = self.writer, None
@@ -248,5 +262,21 @@ class Recorder:
         try:
             warnings.warn(f"gpubudget: {self.trace_error}; budgets go on without it",
                           RuntimeWarning, stacklevel=user_stacklevel())
-        except Exception:  # noqa: BLE001 - warnings turned into errors must not escape
-            pass
+        except Exception as late:  # noqa: BLE001 - warnings turned into errors must not escape
+            if interrupts.foreign(late):
+                interrupts.hold(late)
+
+
+def _clock_failed(exc: BaseException) -> bool:
+    """Whether the clock's own code raised ``exc`` (an ``Exception`` raised below the frame
+    that called it, not from outside); not ``time.perf_counter``, which cannot fail."""
+    below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    return below is not None and not interrupts.foreign(exc)
+
+
+def _writer_failed(exc: BaseException) -> bool:
+    """Whether the trace writer raised ``exc`` because its file cannot be written: its own
+    error, or an operating system's (which has an error number), not one from outside."""
+    if isinstance(exc, TraceError):
+        return True
+    return isinstance(exc, OSError) and exc.errno is not None and not interrupts.foreign(exc)

@@ -15,7 +15,8 @@ refusal check, the placement, and one commit (charge the ledger, register the bl
 the event). Side effects that can fail come before the commit (a stream event: if it fails,
 nothing changes and the caller is told) or after it, isolated (the trace writer). So an
 operation either happens whole or not at all. An exception at any instruction never leaves the
-lock held (see :func:`unlock`).
+lock held (see :func:`unlock`), and an operation it cuts short leaves the tree as its registry
+says: whole or not at all (:meth:`Tree.fault`, :mod:`~gpubudget._core.recovery`).
 
 Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
@@ -35,6 +36,7 @@ import time
 from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Final, Literal
 
+from .. import interrupts
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
 from ..errors import InvariantError
@@ -44,7 +46,8 @@ from .recorder import Recorder
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
-from .locks import new_lock, unlock
+from .locks import RLock, Turns, new_lock, owns, unlock, wait
+from .recovery import recover
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
@@ -69,9 +72,9 @@ it are live keeps its memory (a block is never freed under its user by the colle
 class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
-    __slots__ = ("root", "lock", "backend", "device", "reservation", "mapping", "arena", "live",
-                 "pending", "ordered", "recorder", "free_at_entry", "free_at_exit", "fast",
-                 "closed")
+    __slots__ = ("root", "lock", "turns", "backend", "device", "reservation", "mapping", "arena",
+                 "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
+                 "fast", "closed")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
                  initial: int | None = None) -> None:
@@ -79,12 +82,13 @@ class Tree:
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
         self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
+        self.turns: Final = Turns()  # who waits for it (see ``locks.let_in``)
         self.backend: Final = backend
         self.device: Final = device_of(backend)
         self.reservation: Reservation | Mapping | None = reservation
         # a growable root's memory: granules mapped as blocks need them (see memory.py)
         self.mapping: Final = reservation if isinstance(reservation, Mapping) else None
-        self.arena: Final = Arena(base, capacity, root.align)
+        self.arena = Arena(base, capacity, root.align)  # rebuilt by recover() if need be
         # the live-block registry: a dict, or the C core's with a dict's interface
         self.live: Final[MutableMapping[int, Live]] = (
             native.Registry() if native is not None else {})
@@ -134,9 +138,10 @@ class Tree:
                 granularity = align
         nbytes = (size + granularity - 1) & -granularity
         lock = self.lock
+        address = None
         try:  # taken and released inside ``try``: see ``unlock``
-            lock.acquire()
-            address = None
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             if node.refusal is not None:
                 self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
             else:
@@ -168,7 +173,7 @@ class Tree:
                                               stack)
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock, address)  # the block, if granted, was never handed out
             raise
         return address
 
@@ -179,7 +184,8 @@ class Tree:
         stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
         lock = self.lock
         try:  # see ``unlock``
-            lock.acquire()
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             done = False
             record = self.live.get(address)
             if (stream is None and on_stream is not None) or self.closed is not None:
@@ -207,7 +213,7 @@ class Tree:
                     done = True
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock)
             raise
         return done
 
@@ -218,14 +224,30 @@ class Tree:
         address = where if type(where) is int else as_int(where) or 0
         lock = self.lock
         try:  # see ``unlock``; held through a move, so that no thread sees it half done
-            lock.acquire()
+            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
+                wait(lock, self.turns)
             outcome = self._resize_in_place(node, address, new_size, alignment)
             moved = self._move(address, outcome) if isinstance(outcome, tuple) else outcome
             lock.release()
         except BaseException:
-            unlock(lock)
+            self.fault(lock)
             raise
         return moved
+
+    def fault(self, lock: RLock, granted: int | None = None) -> None:
+        """In the ``except`` of an operation cut short by an exception (one raised into it
+        from outside, at any instruction): if it held the lock, or registered a block
+        (``granted``) that it will not hand out, put the tree right
+        (:func:`~gpubudget._core.recovery.recover`); release the lock if it holds it."""
+        held = owns(lock)
+        if not held and (granted is None or granted not in self.live):
+            return
+        try:
+            if not held:
+                lock.acquire()
+            recover(self, granted)
+        finally:
+            unlock(lock)
 
     def _move(self, address: int, move: _Move) -> int | None:
         """Lock held (taken again by ``allocate`` and ``free``): a new block, the bytes
@@ -238,8 +260,11 @@ class Tree:
             self.backend.copy(moved, address, min(old, nbytes))
         except Exception as exc:  # noqa: BLE001 - resize never raises; the old block stays
             self.free(owner, moved, None)
-            self.note_error(owner, f"resize copy failed, block kept: "
-                                   f"{type(exc).__name__}: {exc}")
+            if interrupts.foreign(exc):  # a signal handler's: raised once resize returns
+                interrupts.hold(exc)
+            else:
+                self.note_error(owner, f"resize copy failed, block kept: "
+                                       f"{type(exc).__name__}: {exc}")
             return None
         self.free(owner, address, None)
         return moved
@@ -326,8 +351,11 @@ class Tree:
             event = self.backend.record_event(stream)
             return None if event.query() else event
         except Exception as exc:  # noqa: BLE001 - free never raises
-            owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
-                                      f"{type(exc).__name__}: {exc}")
+            if interrupts.foreign(exc):  # a signal handler's: raised once free returns
+                interrupts.hold(exc)
+            else:
+                owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
+                                          f"{type(exc).__name__}: {exc}")
             return False
 
     def note_error(self, node: Node, message: str) -> None:
@@ -400,8 +428,11 @@ class Tree:
             try:
                 reservation.release()
             except Exception as exc:  # noqa: BLE001 - the accounting is done; say so
-                self.root.stats.errors.append(
-                    f"returning the reservation failed: {type(exc).__name__}: {exc}")
+                if interrupts.foreign(exc):
+                    interrupts.hold(exc)
+                else:
+                    self.root.stats.errors.append(
+                        f"returning the reservation failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""

@@ -34,6 +34,7 @@ import os
 import stat
 from typing import Final
 
+from .. import interrupts
 from ..errors import TraceWriteError
 from .format import FORMAT, printable
 
@@ -109,6 +110,7 @@ def reopen(path: str, written: FileId, size: int) -> int | None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
                      | os.O_NONBLOCK)
     except OSError as exc:
+        _raise_if_foreign(exc)
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
             return None  # removed, or a link put in its place: not the file written
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
@@ -125,6 +127,7 @@ def reopen(path: str, written: FileId, size: int) -> int | None:
         _blocking(fd)
     except OSError as exc:
         os.close(fd)
+        _raise_if_foreign(exc)
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
     except BaseException:
         os.close(fd)
@@ -141,6 +144,7 @@ def _open(path: str, flags: int, shown: str) -> int:
     try:  # non-blocking: a FIFO must not hang the open
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     except OSError as exc:
+        _raise_if_foreign(exc)
         if exc.errno == errno.ELOOP and os.path.islink(path):
             raise TraceWriteError(f"trace file {shown} is a symbolic link: not followed (name "
                                   f"the file itself)") from None
@@ -174,6 +178,7 @@ def _claim(fd: int, shown: str, continued: bool) -> dict[str, object] | None:
         _blocking(fd)
         return None
     except OSError as exc:
+        _raise_if_foreign(exc)
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
 
 
@@ -239,7 +244,8 @@ def _started(pid: int) -> float | None:
         return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except FileNotFoundError:
         return None if os.path.isdir("/proc") else _exists(pid)
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError, StopIteration) as exc:
+        _raise_if_foreign(exc)
         return _exists(pid)
 
 
@@ -248,8 +254,8 @@ def _exists(pid: int) -> float | None:
         os.kill(pid, 0)
     except ProcessLookupError:
         return None
-    except OSError:  # another user's
-        pass
+    except OSError as exc:  # another user's
+        _raise_if_foreign(exc)
     return -float("inf")
 
 
@@ -258,7 +264,8 @@ def _header(fd: int) -> dict[str, object]:
     try:
         first = os.pread(fd, _HEADER_BYTES, 0).partition(b"\n")[0]
         found = json.loads(first)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        _raise_if_foreign(exc)
         return {}
     return found if isinstance(found, dict) else {}
 
@@ -274,3 +281,12 @@ def _kind(mode: int) -> str:
 
 def _reason(exc: OSError) -> str:
     return printable(exc.strerror or str(exc))
+
+
+def _raise_if_foreign(exc: BaseException) -> None:
+    """Raise ``exc`` again, as it is, if it is no failure of the file: one raised into this
+    code from outside (a signal handler's ``TimeoutError`` is an ``OSError`` too: see
+    :func:`~gpubudget.interrupts.foreign`), or an ``OSError`` that no system call raised
+    (it has no error number)."""
+    if interrupts.foreign(exc) or (isinstance(exc, OSError) and exc.errno is None):
+        raise exc

@@ -21,8 +21,10 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
+from .. import interrupts
 from ..callers import user_stacklevel
 from ..errors import TraceWriteError
 from .files import TraceBusy, file_id, open_for_writing, per_process, reopen, resolve
@@ -78,11 +80,12 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_pending", "_frames", "_next_frame", "_t0", "_flushed_at", "__weakref__")
+                 "_queue", "_writing", "_frames", "_next_frame", "_t0", "_flushed_at",
+                 "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         fd, earlier = open_for_writing(path, continued=continued)
         self._fd: int | None = fd
         info = os.fstat(fd)
@@ -91,7 +94,9 @@ class TraceWriter:
         self._roots: set[int] = set()  # root budgets open (entered and not exited)
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
-        self._pending: list[str] = []
+        # (entries written out so far, entries waiting): one value, replaced whole (see _flush)
+        self._queue: tuple[int, list[str]] = (0, [])
+        self._writing: _Writing | None = None  # a flush under way: see _flush
         self._frames: dict[str, int] = {}  # frame text -> its id, once its line is written
         self._next_frame = 0  # ids are never reused, even after a failed flush
         self._t0 = time.perf_counter()
@@ -125,7 +130,7 @@ class TraceWriter:
         """Whether it holds no file open, has nothing buffered and no root open: a new
         writer for its path would do as well."""
         with self._lock:
-            return (self._fd is None and not self._pending and not self._roots
+            return (self._fd is None and not self._queue[1] and not self._roots
                     and not self._expected)
 
     def resume(self) -> bool:
@@ -137,7 +142,7 @@ class TraceWriter:
             if self._closed is not None:
                 return False
             if self._fd is None:
-                fd = reopen(self.path, self._file, self._size)
+                fd = self._reopen()
                 if fd is None:
                     return False
                 self._fd = fd
@@ -151,15 +156,35 @@ class TraceWriter:
             self._expected = False
             self._close_if_idle()
 
+    # The methods below write events while a budget operation runs. An exception raised
+    # into them from outside (a signal handler's, at any instruction) must not leave the
+    # lock held, nor an event written twice or half: each takes the lock as the tree does
+    # (acquired and released inside ``try``, released by ``except`` if still held; no
+    # ``with``, whose call of ``__exit__`` is outside every handler); an event's lines are
+    # queued by one ``append``, so that :attr:`events` tells whether it was (the recorder
+    # writes it again if not); and ``_flush`` notes what it writes before it writes.
+
+    @property
+    def events(self) -> int:
+        """Entries queued so far (an event with the new frames of its stack is one)."""
+        written, waiting = self._queue
+        return written + len(waiting)
+
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None) -> None:
         """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
         if parent is None:
-            with self._lock:
+            lock = self._lock
+            try:
+                lock.acquire()
                 if self._closed is None and self._fd is None:  # held while the root is open
                     self._fd = self._reopened()
                 self._roots.add(budget)
                 self._expected = False
+                lock.release()
+            except BaseException:
+                _unlock(lock)
+                raise
         self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
                               "limit": limit, "align": align, "reserve": reserve,
                               "backend": None if backend is None else shortened(str(backend))})
@@ -175,26 +200,40 @@ class TraceWriter:
                                   "ptr": address, "bytes": nbytes, "reason": None}
         if stack is None:
             self._event("alloc", fields)
-            return
-        now = time.perf_counter()
-        record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
-        with self._lock:  # the frames' lines and the one naming them, in this order
-            if self._closed is not None:
-                raise ValueError(self._closed)
-            frames, pending = self._frames, self._pending
-            ids = []
-            for frame in stack[-MAX_FRAMES:]:
-                found = frames.get(frame)
-                if found is None:
-                    found = frames[frame] = self._next_frame
-                    self._next_frame += 1
-                    pending.append(json.dumps({"ev": "frame", "id": found,
-                                               "at": shortened(frame)}) + "\n")
-                ids.append(found)
-            record["stack"] = ids
-            pending.append(json.dumps(record) + "\n")
-            if len(pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
-                self._flush(now)
+        else:
+            now = time.perf_counter()
+            record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
+            lock = self._lock
+            try:  # the frames' lines and the one naming them, in this order
+                lock.acquire()
+                self._stack_lines(record, stack, now)
+                lock.release()
+            except BaseException:
+                _unlock(lock)
+                raise
+
+    def _stack_lines(self, record: dict[str, Any], stack: tuple[str, ...], now: float) -> None:
+        """Lock held: ``record`` with a line for each frame of ``stack`` not written yet
+        before it, queued as one entry. The new frames' ids are taken first and noted last:
+        an exception in between costs ids, or writes a frame again under another id, and
+        never names a frame that is not written."""
+        if self._closed is not None:
+            raise TraceWriteError(self._closed)
+        frames = self._frames
+        shown = stack[-MAX_FRAMES:]
+        new = list(dict.fromkeys(frame for frame in shown if frame not in frames))
+        first = self._next_frame
+        self._next_frame = first + len(new)
+        ids = dict(zip(new, range(first, first + len(new))))
+        lines = [json.dumps({"ev": "frame", "id": ids[frame], "at": shortened(frame)}) + "\n"
+                 for frame in new]
+        record["stack"] = [frames[frame] if frame in frames else ids[frame] for frame in shown]
+        lines.append(json.dumps(record) + "\n")
+        waiting = self._queue[1]
+        waiting.append("".join(lines))
+        frames.update(ids)
+        if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+            self._flush(now)
 
     def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
              reason: str) -> None:
@@ -213,21 +252,40 @@ class TraceWriter:
                                "bytes": nbytes})
 
     def exit(self, budget: int) -> None:
-        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed."""
-        self._event("exit", {"b": budget})
-        with self._lock:
-            if budget in self._roots:
-                self._roots.discard(budget)
-                if not self._roots:
-                    try:
-                        self._flush(time.perf_counter())
-                    finally:
-                        self._close_if_idle()
+        """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed.
+        (The root is forgotten before its event is queued: written again after an exception,
+        the event finds it gone, and :meth:`flush` closes the file.)"""
+        lock = self._lock
+        try:
+            lock.acquire()
+            root = budget in self._roots
+            self._roots.discard(budget)
+            self._event("exit", {"b": budget})
+            if root:
+                self._flush_and_close_if_idle()
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
+
+    def _flush_and_close_if_idle(self) -> None:
+        """Lock held: flush, then close the file if no root writes to it, even if the flush
+        failed."""
+        try:
+            self._flush(time.perf_counter())
+        finally:
+            self._close_if_idle()
 
     def flush(self) -> None:
         """Hand the buffered lines to the operating system."""
-        with self._lock:
+        lock = self._lock
+        try:
+            lock.acquire()
             self._flush(time.perf_counter())
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
 
     def close(self) -> None:
         """Flush, then close the file (which releases its lock); nothing more is written."""
@@ -244,8 +302,9 @@ class TraceWriter:
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
-        self._lock = threading.Lock()  # the parent's may have been held at the fork
-        self._pending.clear()
+        self._lock = threading.RLock()  # the parent's may have been held at the fork
+        self._queue = (0, [])
+        self._writing = None
         self._roots.clear()
         if self._closed is None:
             self._closed = why
@@ -262,50 +321,145 @@ class TraceWriter:
 
     def _line(self, record: dict[str, Any], now: float) -> None:
         line = json.dumps(record) + "\n"
-        with self._lock:
+        lock = self._lock
+        try:
+            lock.acquire()
             if self._closed is not None:
-                raise ValueError(self._closed)
-            self._pending.append(line)
-            if len(self._pending) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
+                raise TraceWriteError(self._closed)
+            waiting = self._queue[1]
+            waiting.append(line)
+            if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
                 self._flush(now)
+            lock.release()
+        except BaseException:
+            _unlock(lock)
+            raise
 
     def _flush(self, now: float) -> None:
-        """Lock held: write out the buffered lines (all of them, or an ``OSError`` or a
-        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed."""
-        if self._closed is not None or not self._pending:
+        """Lock held: write out the queued lines (all of them, or an ``OSError`` or a
+        :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed.
+
+        What is being written is noted first (``_writing``) and leaves the queue only once
+        written, in one step with the count of entries written: a flush cut short anywhere
+        (an exception raised into it from outside, even between a write and its count) is
+        finished by the next one, which finds in the file's size how much was written. No
+        line is lost, none is written twice."""
+        if self._closed is not None or not self._queue[1]:
             return
-        data = "".join(self._pending).encode("utf-8", "surrogatepass")
-        self._pending.clear()
         fd = self._fd
         if fd is None:
             fd = self._fd = self._reopened()
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                self._size += written
-                view = view[written:]
-        except OSError:
-            self._frames.clear()  # their lines may be lost: write them again, new ids
+            self._settle(fd)
+            written, waiting = self._queue
+            data = "".join(waiting).encode("utf-8", "surrogatepass")
+            writing = self._writing = _Writing(waiting, len(waiting), self._size, len(data))
+            _write_all(fd, data)
+            self._queue = (written + writing.entries, waiting[writing.entries:])  # one step
+            self._size = writing.start + writing.nbytes
+            self._writing = None
+        except OSError as exc:
+            if exc.errno is not None and not interrupts.foreign(exc):  # the file's failure
+                self._writing = None  # the trace stops: nothing left to finish
+                self._frames.clear()  # their lines may be lost: write them again, new ids
             raise
         finally:
             self._close_if_idle()
         self._flushed_at = now
 
+    def _settle(self, fd: int) -> None:
+        """Lock held, ``fd`` the file: finish the flush under way, if any, from what the file
+        holds (no other process writes it: it is locked); its entries leave the queue."""
+        writing = self._writing
+        if writing is None:
+            return
+        written, waiting = self._queue
+        if waiting is writing.waiting:  # not yet out of the queue
+            done = os.fstat(fd).st_size - writing.start
+            if not 0 <= done <= writing.nbytes:
+                raise TraceWriteError(f"trace file {self.path!r} changed while this process "
+                                      f"wrote it ({done} of {writing.nbytes} bytes): not "
+                                      f"appended to")
+            if done < writing.nbytes:
+                data = "".join(waiting[:writing.entries]).encode("utf-8", "surrogatepass")
+                _write_all(fd, data[done:])
+            self._queue = (written + writing.entries, waiting[writing.entries:])
+        self._size = writing.start + writing.nbytes
+        self._writing = None
+
     def _reopened(self) -> int:
         """Lock held, the file closed: a descriptor to append to it again, or an error."""
-        fd = reopen(self.path, self._file, self._size)
+        fd = self._reopen()
         if fd is None:
             self._closed = (f"trace file {self.path!r} was removed or replaced since this "
                             f"process wrote it")
             raise TraceWriteError(self._closed)
         return fd
 
+    def _reopen(self) -> int | None:
+        """Lock held, the file closed: :func:`~gpubudget.tracefile.files.reopen`. Where it
+        is locked and this process holds a descriptor of it that no writer holds, that one
+        was opened and lost (an exception raised into the writer, or into ``reopen``,
+        between the open and its use) and holds the lock: it is closed, and the file opened
+        again."""
+        try:
+            return reopen(self.path, self._file, self._size)
+        except TraceBusy:
+            if not _close_lost(self._file):
+                raise
+        return reopen(self.path, self._file, self._size)
+
     def _close_if_idle(self) -> None:
-        """Lock held: close the file if no root budget writes to it (or is about to)."""
-        if not self._roots and not self._expected and self._fd is not None:
+        """Lock held: close the file if no root budget writes to it (or is about to), and no
+        flush cut short waits to be finished (see ``_flush``)."""
+        if (not self._roots and not self._expected and self._fd is not None
+                and self._writing is None):
             fd, self._fd = self._fd, None
             os.close(fd)
+
+
+class _Writing(NamedTuple):
+    """A flush under way: the queue's list, how many of its entries, where in the file they
+    start, and their bytes."""
+
+    waiting: list[str]
+    entries: int
+    start: int
+    nbytes: int
+
+
+def _close_lost(file: tuple[int, int]) -> bool:
+    """Close this process's descriptors of ``file`` that no writer holds (lost: see
+    ``_reopen``); whether there were any. Where ``/proc/self/fd`` cannot say, none."""
+    held = {each._fd for each in list(_every)}
+    closed = False
+    try:
+        descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return False
+    for fd in descriptors:
+        try:
+            if fd not in held and file_id(os.fstat(fd)) == file:
+                os.close(fd)
+                closed = True
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            continue
+    return closed
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (an ``OSError`` if it cannot)."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _unlock(lock: threading.RLock) -> None:
+    """Release ``lock`` if this thread holds it (what an ``except`` does; see ``enter``)."""
+    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")
+    if is_owned():
+        lock.release()
 
 
 _every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
