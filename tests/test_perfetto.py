@@ -143,7 +143,7 @@ def test_a_peak_inside_an_interval_survives_a_coarser_resolution() -> None:
     model = ViewModel("t", "trace")
     model.budgets.append(ViewBudget("pool", None, MiB, 0, 0.0))
     for t, used in ((0.000_001, 100), (0.000_002, 900), (0.000_003, 200), (0.000_150, 300)):
-        model.point(t, 0, used, used)
+        model.point(model.tick(t), 0, used, used)
     model.end = 0.000_150
     fine = [e["args"] for e in perfetto_events(model) if e["ph"] == "C"]
     assert [args["pool"] for args in fine] == [100, 900, 200, 300]
