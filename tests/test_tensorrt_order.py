@@ -11,6 +11,7 @@ Three bindings, each driven through its C++ virtual methods as TensorRT drives i
 
 from __future__ import annotations
 
+import gc
 import types
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ BINDINGS = ("rtx", "stream_third", "drops_stream")
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("standin")
-    return {variant: build(variant, directory) for variant in ("stream_third", "drops_stream")}
+    return {variant: build(variant, directory)
+            for variant in ("stream_third", "drops_stream", "drops_free_stream", "trt8")}
 
 
 def module_for(binding: str, standins: dict[str, Any]) -> Any:
@@ -209,3 +211,31 @@ def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
     assert "Traceback" not in err and "ZeroDivisionError" not in err
     assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment",
                                                           "invalid_size"}
+
+
+def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """TensorRT 8.5/8.6's IOutputAllocator has no IVersionedInterface before its methods: its
+    fifth virtual method (slot 4), where TensorRT 10 has its first allocator method, is the
+    deleting destructor. Calling it would free the probe under pybind11's feet (a double free
+    later). The probe must recognise the layout and call nothing."""
+    old = standins["trt8"]
+    found = output_order(old.IOutputAllocator)
+    assert old.deletions() == 0  # no destructor was called
+    assert not found.stream and not found.shape and "IVersionedInterface" in found.found
+    order = gbt.argument_order(old)
+    assert not order.known and "IVersionedInterface" in order.found
+    assert old.deletions() == 0
+    from tests.trt_fakes import FakeEngine
+
+    with gpu_budget("64KiB", backend="host") as budget:  # still usable: the safe reading
+        context = FakeEngine(trt).create_execution_context()
+        made = gbt.output_allocator(context, trt_module=old)
+        first = made.reallocate_output("y", 0, 1000, 256)
+        assert first is not None and made.reallocate_output("y", first, 5000, 256) != first
+        assert budget.size_of(first) == 1024  # kept until the context ends
+        del context
+        gc.collect()
+        assert budget.used == 0
+    assert old.deletions() == 0
+    assert capfd.readouterr() == ("", "")
