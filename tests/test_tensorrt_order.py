@@ -239,3 +239,26 @@ def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
         assert budget.used == 0
     assert old.deletions() == 0
     assert capfd.readouterr() == ("", "")
+
+
+def test_a_free_whose_stream_does_not_arrive_trusts_no_stream(standins: dict[str, Any]) -> None:
+    """``deallocate_async`` checked as ``allocate_async`` is: a binding that loses the stream
+    of a free (here: always 0) must not get same-stream reuse, or a block freed while stream
+    A still uses it is handed at once to whatever allocates on "stream 0"."""
+    module = standins["drops_free_stream"]
+    order = gbt.argument_order(module)
+    assert (order.frees, order.known) == (False, False)
+    assert "deallocate_async" in order.found and "safe reading" in order.found
+    backend = StreamBackend()
+    with gpu_budget("64KiB", backend=backend) as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        block = cpp.allocate_async(4 * KiB, 0, 0, 0x5A0)
+        assert block is not None
+        fill(block, 4 * KiB, 0xA5)  # stream A's kernels may still read it
+        assert cpp.deallocate_async(block, 0x5A0)  # arrives as a free on stream 0
+        other = cpp.allocate(4 * KiB, 0, 0)  # the synchronous allocate: stream 0
+        assert other is not None and other != block
+        assert holds(block, 4 * KiB, 0xA5)
+        assert cpp.deallocate(other)
+        backend.finish()
+        consistent(pool)
