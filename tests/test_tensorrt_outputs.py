@@ -18,7 +18,7 @@ from gpubudget import tensorrt as gbt
 from gpubudget.tensorrt.outputs import output_allocator_class
 from tests.helpers import StreamBackend, consistent, fill, holds
 from tests.trampoline import OutputTrampoline
-from tests.trt_fakes import KiB, FakeEngine
+from tests.trt_fakes import KiB, FakeContext, FakeEngine
 from tests.trt_standin import build
 
 trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
@@ -159,3 +159,33 @@ def test_arguments_of_output_allocator() -> None:
             gbt.output_allocator(context, ["z"], trt_module=trt)
     with pytest.raises(ValueError, match="no IOutputAllocator"):
         output_allocator_class(types.ModuleType("no_outputs"))
+
+
+def test_a_refused_name_leaves_the_context_as_it_was() -> None:
+    """All or nothing: when one of the names is not an output, no output of the context gets
+    the new allocator, and nothing stays pinned or charged."""
+    with gpu_budget("64KiB", name="m", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        before = context.get_output_allocator("y")
+        with pytest.raises(ValueError, match="'z'"):
+            gbt.output_allocator(context, ["y", "z"], trt_module=trt)
+        assert context.get_output_allocator("y") is before  # "y" was not changed either
+    assert budget.state == "released"  # nothing pinned it: the context still lives
+    del context
+
+    class Refusing(FakeContext):  # TensorRT refuses the second call, an output all the same
+        calls = 0
+
+        def set_output_allocator(self, name: str, output_allocator: Any) -> bool:
+            self.calls += 1
+            if output_allocator is not None and self.calls == 2:
+                return False
+            return super().set_output_allocator(name, output_allocator)
+
+    with gpu_budget("64KiB", name="m", backend="host") as budget:
+        refusing = Refusing(FakeEngine(trt))
+        with pytest.raises(ValueError, match="TensorRT refused"):
+            gbt.output_allocator(refusing, ["y", "y"], trt_module=trt)
+        assert refusing.get_output_allocator("y") is None  # given back its previous one
+    assert budget.state == "released"
+

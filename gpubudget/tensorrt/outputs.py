@@ -187,12 +187,17 @@ def output_allocator(context: Any, names: list[str] | tuple[str, ...] | None = N
     """
     target = require_budget(budget, "output_allocator()")
     module = load_module(trt_module) if trt_module is not None else module_of(context)
+    outputs = _outputs(context)
     if names is None:
-        engine = context.engine
-        names = [n for n in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
-                 if "OUTPUT" in str(engine.get_tensor_mode(n))]
+        if outputs is None:
+            raise ValueError(f"the outputs of {context!r} cannot be read from its engine: "
+                             "pass names=")
+        names = outputs
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"names must be a list of output names, got {names!r}")
+    elif outputs is not None and any(n not in outputs for n in names):
+        raise ValueError(f"{[n for n in names if n not in outputs]} are not outputs of the "
+                         f"context's engine (its outputs: {outputs})")
     made = output_allocator_class(module)(target)
     target.pin()
 
@@ -200,15 +205,53 @@ def output_allocator(context: Any, names: list[str] | tuple[str, ...] | None = N
         alloc.close()
         target.unpin()
 
-    # before TensorRT holds a pointer to it: it now lives as long as the context
-    weakref.finalize(context, finished).atexit = False
-    for name in names:
-        if not context.set_output_allocator(name, made):
-            raise ValueError(f"TensorRT refused an output allocator for {name!r}: "
-                             "is it an output of this context's engine?")
+    # before TensorRT holds a pointer to it: it now lives as long as the context, and is
+    # made inert at interpreter exit
+    done = weakref.finalize(context, finished)
+    done.atexit = False
     with _lock:
         _open.add(made)
+    before: dict[str, Any] = {}
+    try:
+        for name in names:
+            if name not in before:  # a name given twice: its allocator before this call
+                before[name] = _output_allocator_of(context, name)
+            if not context.set_output_allocator(name, made):
+                raise ValueError(f"TensorRT refused an output allocator for {name!r}: "
+                                 "is it an output of this context's engine?")
+    except BaseException:
+        _undo(context, before, done)  # all or nothing
+        raise
     return made
+
+
+def _outputs(context: Any) -> list[str] | None:
+    """The output names of ``context``'s engine, ``None`` if they cannot be read."""
+    try:
+        engine = context.engine
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        return [n for n in names if "OUTPUT" in str(engine.get_tensor_mode(n))]
+    except Exception:  # noqa: BLE001 - then TensorRT decides, name by name
+        return None
+
+
+def _output_allocator_of(context: Any, name: str) -> Any:
+    getter = getattr(context, "get_output_allocator", None)
+    try:
+        return getter(name) if getter is not None else None
+    except Exception:  # noqa: BLE001 - unknown: unset it on failure
+        return None
+
+
+def _undo(context: Any, before: dict[str, Any], done: weakref.finalize[Any, Any]) -> None:
+    """Give each output its allocator from ``before`` again; then nothing holds the new one,
+    which is closed and its budget unpinned now (else at the context's end, as planned)."""
+    try:
+        for name, previous in before.items():
+            context.set_output_allocator(name, previous)
+    except Exception:  # noqa: BLE001 - TensorRT may still hold it: it lives with the context
+        return
+    done()
 
 
 @atexit.register
