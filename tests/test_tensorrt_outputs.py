@@ -189,3 +189,36 @@ def test_a_refused_name_leaves_the_context_as_it_was() -> None:
         assert refusing.get_output_allocator("y") is None  # given back its previous one
     assert budget.state == "released"
 
+
+def test_a_replaced_buffer_whose_stream_free_fails_is_kept_not_lost() -> None:
+    """When the old buffer cannot be freed in stream order (no event can be recorded on the
+    stream), it stays charged until the context ends, and is freed then."""
+    backend = StreamBackend()
+    with gpu_budget("64KiB", name="m", backend=backend) as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        first = cpp.reallocate_output_async("y", 0, 1000, 256, 0x5A0)
+        backend.fail_record = True  # the stream cannot take an event
+        second = cpp.reallocate_output_async("y", first or 0, 4000, 256, 0x5A0)
+        backend.fail_record = False
+        assert first is not None and second not in (None, first)
+        assert budget.size_of(first) == 1024  # kept: stream 0x5A0 may still read it
+        del context, made, cpp
+        gc.collect()
+        backend.finish()
+        assert budget.used == 0  # every buffer came back with the context
+        consistent(budget)
+
+
+def test_a_kept_buffer_has_the_alignment_asked_for() -> None:
+    with gpu_budget("64KiB", backend="host") as budget:
+        assert budget.allocate(256, 256) is not None  # the next block is 256-aligned only
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        first = cpp.reallocate_output_async("y", 0, 4000, 256, 0)
+        assert first is not None and first % 4096
+        again = cpp.reallocate_output_async("y", first, 1000, 4096, 0)
+        assert again is not None and again % 4096 == 0
+        del context, made, cpp
+        gc.collect()
+        consistent(budget)

@@ -4,9 +4,10 @@ When an output's size is known only during inference (``NonZero``, non-maximum s
 TensorRT asks an ``IOutputAllocator`` for its buffer from inside ``execute_async_v3``:
 ``reallocate_output_async(name, memory, size, alignment, stream)``, then tells the shape with
 ``notify_shape(name, shape)``. :func:`output_allocator` gives a context one that takes those
-buffers from a budget: a buffer large enough is kept; a larger one is taken from the budget
-and the old one freed in stream order (at once for that stream, for others once the stream's
-work is done). A refusal is answered ``None`` (a null pointer): TensorRT then fails the
+buffers from a budget: a buffer large enough (and aligned as asked) is kept; a larger one is
+taken from the budget and the old one freed in stream order (at once for that stream, for
+others once the stream's work is done; kept until the context ends if the stream cannot take
+an event). A refusal is answered ``None`` (a null pointer): TensorRT then fails the
 inference — ``execute_async_v3`` returns ``False``, TensorRT logs an error, and NVIDIA's
 binding prints ``Return value of reallocateOutputAsync() could not be interpreted as an int``
 — and the denial is in the budget's report. Every buffer is freed when the context is
@@ -87,22 +88,23 @@ class OutputMethods:
                 if self.closed:
                     return None
                 current = self.buffers.get(name)
-                if current is not None and size <= self.budget.size_of(current[0]):
-                    self.buffers[name] = (current[0], size)
-                    return current[0]
                 align: Any = alignment  # a bad one is the budget's to refuse
                 if isinstance(alignment, int) and not alignment & (alignment - 1):
                     align = max(alignment, MIN_ALIGNMENT)  # 0 or a power of two
+                if (current is not None and isinstance(align, int) and align > 0
+                        and current[0] % align == 0
+                        and size <= self.budget.size_of(current[0])):
+                    self.buffers[name] = (current[0], size)
+                    return current[0]
                 address = self.budget.allocate(max(size, 1), align, tag=f"output:{name}",
                                                stream=stream)
                 if address is None:
                     return None  # the old buffer stays ours, and TensorRT's
                 self.buffers[name] = (address, size)
-                if current is not None:
-                    if stream is None:
-                        self.retired.append(current[0])
-                    else:
-                        self.budget.free(current[0], stream=stream)
+                if current is not None and (
+                        stream is None or not self.budget.free(current[0], stream=stream)):
+                    # no trusted stream, or it could not take an event: kept until close
+                    self.retired.append(current[0])
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             callback_failed(self.budget, where, exc, other_threads=True)
             return None
