@@ -112,3 +112,38 @@ def test_engines_without_weight_loading() -> None:
         with pytest.raises(TypeError, match="TensorRT-RTX"):
             gbt.load_weights(Plain(), b"")
     assert weights_size(Plain()) is None
+
+
+def test_a_failure_inside_the_search_restores_the_setting() -> None:
+    """All or nothing: TensorRT failing (or a Ctrl-C) half way through the bisection leaves
+    the engine's setting as it was."""
+
+    class Failing(FakeEngine):
+        reads = 0
+
+        @property
+        def device_memory_size_v2(self) -> int:
+            self.reads += 1
+            if self.reads == 4:
+                raise RuntimeError("TensorRT could not size the context")
+            return int(FakeEngine.device_memory_size_v2.fget(self))  # type: ignore[attr-defined]
+
+    model = Failing(trt, per_batch=4 * KiB, max_batch=16, streamable=512 * KiB)
+    with gpu_budget("600KiB", backend="host") as budget:
+        budget.allocate(100 * KiB)
+        with pytest.raises(RuntimeError, match="could not size"):
+            gbt.stream_weights(model)
+    assert model.reads >= 4 and model.weight_streaming_budget_v2 == 512 * KiB
+
+
+def test_the_setting_found_does_not_depend_on_the_previous_one() -> None:
+    """The search's upper end is the context memory with every weight resident (the least),
+    not whatever the engine was last set to."""
+    with gpu_budget("600KiB", backend="host") as budget:
+        budget.allocate(100 * KiB)
+        fresh = gbt.stream_weights(streaming())
+        model = streaming()
+        model.weight_streaming_budget_v2 = 0  # an earlier, tighter setting
+        again = gbt.stream_weights(model)
+        assert again.resident == fresh.resident
+

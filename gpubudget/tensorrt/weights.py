@@ -69,7 +69,8 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
     the contexts fit with every streamable weight streamed.
 
     The room is the budget's ``available`` now: streamable weights the engine may already hold
-    in the budget are not counted back, so the setting errs towards streaming more.
+    in the budget are not counted back, so the setting errs towards streaming more. All or
+    nothing: on any error the engine's setting is left as it was.
 
     >>> plan = gbt.stream_weights(engine, contexts=2)   # doctest: +SKIP
     """
@@ -83,7 +84,16 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
                          "BuilderFlag.WEIGHT_STREAMING (and a strongly typed network)")
     room = target.available - kept
     original = engine.weight_streaming_budget_v2
+    try:
+        return _settle(engine, target, streamable, contexts, room)
+    except BaseException:
+        engine.weight_streaming_budget_v2 = original  # all or nothing
+        raise
 
+
+def _settle(engine: Any, target: Budget, streamable: int, contexts: int,
+            room: int) -> WeightStreaming:
+    """Set the most resident weights that fit ``room`` beside ``contexts`` contexts."""
     granule = max(target.align, 256)  # a context's region is charged rounded up to it
 
     def fits(resident: int) -> int | None:
@@ -93,25 +103,28 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
         charged = -(-per_context // granule) * granule
         return per_context if resident + contexts * charged <= room else None
 
-    # the most that could fit, then (the contexts' scratch grows as fewer weights stay)
-    # the largest that does, by bisection, to within 1/1024 of the streamable weights
-    high = max(min(streamable, room - contexts * int(engine.device_memory_size_v2)), 0)
-    if fits(high) is None:
-        if fits(0) is None:
-            per_context = int(engine.device_memory_size_v2)
-            engine.weight_streaming_budget_v2 = original  # all or nothing
-            raise BudgetError(
-                f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
-                f"{contexts} context(s); even with every streamable weight streamed the "
-                f"contexts need {format_size(contexts * per_context)}")
-        low, tolerance = 0, max(streamable >> 10, 1)
-        while high - low > tolerance:
-            middle = (low + high) // 2
-            if fits(middle) is None:
-                high = middle
-            else:
-                low = middle
-        high = low
+    # the most that could fit: every weight resident makes the contexts' memory the least
+    # (their scratch grows as fewer weights stay), whatever the engine was set to before;
+    # then the largest that does fit, by bisection, to within 1/1024 of the streamable weights
+    if fits(streamable) is not None:
+        high = streamable
+    else:
+        least = int(engine.device_memory_size_v2)
+        high = max(min(streamable, room - contexts * least), 0)
+        if fits(high) is None:
+            if fits(0) is None:
+                raise BudgetError(
+                    f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
+                    f"{contexts} context(s); even with every streamable weight streamed the "
+                    f"contexts need {format_size(contexts * int(engine.device_memory_size_v2))}")
+            low, tolerance = 0, max(streamable >> 10, 1)
+            while high - low > tolerance:
+                middle = (low + high) // 2
+                if fits(middle) is None:
+                    high = middle
+                else:
+                    low = middle
+            high = low
     settled = fits(high)
     assert settled is not None
     return WeightStreaming(streamable, high, settled,
