@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpubudget import BudgetError, gpu_budget
+from gpubudget.backends.host import HostBackend
 from gpubudget import tensorrt as gbt
 from gpubudget.tensorrt.weights import weights_size
 from tests.helpers import consistent
@@ -147,3 +148,35 @@ def test_the_setting_found_does_not_depend_on_the_previous_one() -> None:
         again = gbt.stream_weights(model)
         assert again.resident == fresh.resident
 
+
+def test_a_sleeping_budget_has_no_room_and_load_is_refused_before_tensorrt() -> None:
+    with gpu_budget("1MiB", name="gpu", initial=0, backend="host") as budget:
+        runtime = gbt.Runtime(trt.Logger(trt.Logger.ERROR), trt_module=trt)
+        cpp = Trampoline(gbt.allocator_of(runtime))
+        model = FakeEngine(trt, weights=160 * KiB, allocator=cpp, streamable=64 * KiB)
+        assert gbt.unload_weights(model) == 160 * KiB
+        budget.offload()  # asleep: every allocation is refused until restore()
+        with pytest.raises(BudgetError, match="'gpu' is asleep"):
+            gbt.load_weights(model, b"plan")
+        with pytest.raises(BudgetError, match="'gpu' is asleep"):
+            gbt.stream_weights(model)
+        assert budget.report().denials == ()  # TensorRT was not asked
+        budget.restore()
+        assert gbt.load_weights(model, b"plan") == 160 * KiB
+        del runtime, cpp
+
+
+def test_a_growable_root_counts_only_what_the_device_can_back() -> None:
+    """A growable root maps memory as blocks need it: its room is what its limit allows and
+    the device can still give (its free memory, and what the root mapped and does not use)."""
+
+    class SmallDevice(HostBackend):
+        def mem_info(self) -> tuple[int, int] | None:
+            return 200 * KiB, 1 << 30
+
+    model = streaming()
+    with gpu_budget("4MiB", initial=0, backend=SmallDevice()) as budget:
+        plan = gbt.stream_weights(model)
+        assert plan.room == 200 * KiB and plan.resident < plan.streamable
+        assert plan.resident + -(-plan.context_memory // 256) * 256 <= 200 * KiB
+        assert budget.mapped == 0
