@@ -15,6 +15,7 @@ allocated; full TensorRT allocates the weights and frees them again.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -25,6 +26,8 @@ from .weights import weights_size
 
 __all__ = ["EngineNeeds", "PlanError", "engine_needs", "plan_needs"]
 
+HEAD: Final = 1 << 16
+"""The bytes of a plan file read to check its header (TensorRT's are 64 bytes)."""
 NEEDS_GPU: Final = ("weights", "context_memory", "streamable_weights")
 """The numbers only a deserialized engine gives (deserializing needs a GPU)."""
 _BAD_PLAN: Final = ("VERSION_MISMATCH", "MALFORMED_ENGINE")
@@ -157,14 +160,14 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
 
     >>> print(gbt.plan_needs("model.plan", room=4 << 30).text())   # doctest: +SKIP
     """
-    data = _read(plan)
+    size, head = _read(plan, whole=False)
     try:
         module = load_module(trt_module)
     except ImportError:
         module = None
-    if not data:
+    if not size:
         raise PlanError("the plan is empty")
-    known = EngineNeeds(len(data), None, None, None, None, _contexts(contexts),
+    known = EngineNeeds(size, None, None, None, None, _contexts(contexts),
                         _room(budget, room), getattr(module, "__name__", None),
                         "no TensorRT module can be imported here" if module is None else
                         "not deserialized: the numbers that need a GPU were not asked for")
@@ -172,11 +175,12 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
         return known
     logger = _quiet_logger(module)
     runtime = module.Runtime(logger)
-    _check_header(module, runtime, data)
+    _check_header(module, runtime, head, size)
     if not deserialize:
         return known
     if hasattr(runtime, "defer_weights_loading"):
         runtime.defer_weights_loading = True  # TensorRT-RTX: no weights on the device
+    _, data = _read(plan, whole=True)  # all of it only now: the header is a plan's
     engine = runtime.deserialize_cuda_engine(data)
     if engine is None:
         errors = [m for severity, m in logger.messages if int(severity) <= 1]
@@ -190,29 +194,42 @@ def _replace(needs: EngineNeeds, **changes: Any) -> EngineNeeds:
     return EngineNeeds(**{**asdict(needs), "context_memory": needs.context_memory, **changes})
 
 
-def _read(plan: object) -> bytes:
+def _read(plan: object, *, whole: bool) -> tuple[int, bytes]:
+    """The plan's size in bytes and its bytes: all of them when ``whole``, else (for a file)
+    only its first :data:`HEAD` bytes, enough for the header: a plan of many gigabytes is
+    sized without being read."""
     if isinstance(plan, (bytes, bytearray, memoryview)):
-        return bytes(plan)
-    if isinstance(plan, (str, os.PathLike)):
-        if os.path.isdir(plan):
+        data = bytes(plan)
+        return len(data), data
+    if not isinstance(plan, (str, os.PathLike)):
+        raise TypeError(f"plan must be bytes or a path, got {type(plan).__name__}")
+    # opened without waiting (a pipe with no writer), then looked at: what is checked is
+    # what is read
+    fd = os.open(plan, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
             raise PlanError("a directory, not a plan file")
-        if os.path.exists(plan) and not os.path.isfile(plan):
+        if not stat.S_ISREG(info.st_mode):
             raise PlanError("not a regular file")  # a pipe or a device: never wait on it
-        with open(plan, "rb") as file:
-            return file.read()
-    raise TypeError(f"plan must be bytes or a path, got {type(plan).__name__}")
+        with open(fd, "rb", closefd=False) as file:
+            return info.st_size, file.read() if whole else file.read(HEAD)
+    finally:
+        os.close(fd)
 
 
-def _check_header(module: Any, runtime: Any, data: bytes) -> None:
+def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> None:
+    """Raise :class:`PlanError` unless ``head``, the first bytes of a plan of ``size`` bytes,
+    is a header that ``module`` accepts (where it can tell)."""
     header = getattr(runtime, "engine_header_size", None)
-    if isinstance(header, int) and len(data) < header:
-        raise PlanError(f"the plan is {len(data)} bytes, shorter than a {module.__name__} "
+    if isinstance(header, int) and size < header:
+        raise PlanError(f"the plan is {size} bytes, shorter than a {module.__name__} "
                         f"plan's header ({header} bytes)")
     check = getattr(runtime, "get_engine_validity", None)
     diagnostics = getattr(module, "EngineInvalidityDiagnostics", None)
     if check is None or diagnostics is None:
         return
-    _, found = check(data)
+    _, found = check(head)
     bad = [name for name in _BAD_PLAN
            if int(found) & int(getattr(diagnostics, name, 0))]
     if bad:
