@@ -194,3 +194,21 @@ def test_a_huge_plan_is_sized_without_reading_it_whole(plan_file: Path, tmp_path
     assert done.returncode == 2 and "malformed" in done.stderr, done.stderr
     assert len(done.stderr.splitlines()) == 1
 
+
+@pytest.mark.parametrize("name", ["no_such_tensorrt", "os"])
+def test_a_trt_module_that_cannot_be_used_is_one_line_and_exit_2(
+        name: str, plan_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capfd, str(plan_file), "--trt-module", name, "--no-gpu")
+    assert status == 2 and out == "", out
+    assert len(err.splitlines()) == 1 and name in err and "internal error" not in err, err
+
+
+def test_the_binding_extension_itself_is_a_trt_module(
+        plan_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    extension = trt.Runtime.__module__  # tensorrt_rtx_bindings.tensorrt_rtx: no __version__
+    status, out, err = run(capfd, str(plan_file), "--trt-module", extension, "--no-gpu")
+    assert (status, err) == (0, "") and "needs a GPU" in out
+    status, out, err = run(capfd, str(plan_file) + "-missing", "--trt-module", extension)
+    assert status == 2 and "internal error" not in err
+    with pytest.raises(gbt.PlanError, match=r"not a plan of this .*\(version unknown\)"):
+        gbt.plan_needs(b"\x01" * 4096, trt_module=extension)

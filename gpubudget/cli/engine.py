@@ -65,6 +65,8 @@ def engine_command(args: argparse.Namespace) -> int:
                            trt_module=args.trt_module, deserialize=not args.no_gpu)
     except PlanError as exc:
         raise Failure(f"{args.plan}: {exc}") from None
+    except ImportError as exc:  # only a module named with --trt-module is required
+        raise Failure(f"--trt-module {args.trt_module}: cannot be imported ({exc})") from None
     if args.json:
         print(json.dumps({"plan": args.plan, **needs.as_dict()}, indent=2))
     else:

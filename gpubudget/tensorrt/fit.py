@@ -164,6 +164,8 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
     try:
         module = load_module(trt_module)
     except ImportError:
+        if trt_module is not None:  # named, so wanted: not silently none
+            raise
         module = None
     if not size:
         raise PlanError("the plan is empty")
@@ -233,7 +235,9 @@ def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> None:
     bad = [name for name in _BAD_PLAN
            if int(found) & int(getattr(diagnostics, name, 0))]
     if bad:
-        raise PlanError(f"not a plan of this {module.__name__} ({module.__version__}): "
+        version = getattr(module, "__version__", None)
+        raise PlanError(f"not a plan of this {module.__name__} "
+                        f"({version if isinstance(version, str) else 'version unknown'}): "
                         f"{' and '.join(n.lower().replace('_', ' ') for n in bad)}")
 
 
