@@ -180,3 +180,4 @@ def test_a_growable_root_counts_only_what_the_device_can_back() -> None:
         assert plan.room == 200 * KiB and plan.resident < plan.streamable
         assert plan.resident + -(-plan.context_memory // 256) * 256 <= 200 * KiB
         assert budget.mapped == 0
+        assert gbt.engine_needs(model, budget=budget).room == 200 * KiB  # the same room

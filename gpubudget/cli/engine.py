@@ -1,7 +1,8 @@
 """``gpubudget engine PLAN``: will a TensorRT engine fit, before loading it.
 
 Without a GPU it prints the plan's size (an upper bound of the weights the engine puts on the
-device) after TensorRT has checked the plan's header, and says which numbers need a GPU: the
+device, unless the plan was built weight-stripped) after TensorRT has checked the plan's header
+(the file is read whole only to deserialize it), and says which numbers need a GPU: the
 exact weights, the execution-context memory of each optimization profile and the streamable
 weights, which only a deserialized engine gives. Where TensorRT can deserialize the plan (a GPU
 it supports), it does — TensorRT-RTX without loading the weights — and prints them all.

@@ -1,7 +1,9 @@
 """Will it fit? What a TensorRT engine needs, against a budget's room, before loading it.
 
 From a serialized engine (a plan) alone, without a GPU: its size — an upper bound of the
-weights it will put on the device (the plan holds them, plus kernels and tables) — and, where
+weights it will put on the device (the plan holds them, plus kernels and tables), except for a
+weight-stripped plan (``BuilderFlag.STRIP_PLAN``), whose weights come later by a refit — and,
+where
 the TensorRT module can read plan headers (``Runtime.get_engine_validity``), whether it is a
 plan of that TensorRT at all. Everything else needs the engine deserialized, which needs a GPU:
 the exact weights (``get_engine_stat(TOTAL_WEIGHTS_SIZE)``), each optimization profile's
@@ -22,7 +24,7 @@ from typing import Any, Final
 from ..budget import Budget
 from ..units import format_size
 from .module import load_module
-from .weights import weights_size
+from .weights import room_of, weights_size
 
 __all__ = ["EngineNeeds", "PlanError", "engine_needs", "plan_needs"]
 
@@ -68,12 +70,15 @@ class EngineNeeds:
 
     @property
     def weights_bound(self) -> int | None:
-        """The exact weights, else the plan's size (an upper bound)."""
+        """The exact weights, else the plan's size (an upper bound, unless the plan was
+        built weight-stripped: its weights are not in it)."""
         return self.weights if self.weights is not None else self.plan_bytes
 
     @property
     def upper(self) -> int | None:
-        """An upper bound of what weights and ``contexts`` contexts need, if known."""
+        """An upper bound of what weights and ``contexts`` contexts need, if known (the
+        CUDA context, kernels and TensorRT's own small tables are outside every budget and
+        not counted)."""
         if self.weights_bound is None or self.context_memory_max is None:
             return None
         return self.weights_bound + self.contexts * self.context_memory_max
@@ -110,7 +115,7 @@ class EngineNeeds:
         rows = []
         if self.plan_bytes is not None:
             rows.append(("plan", f"{format_size(self.plan_bytes)} (weights on the device: "
-                                 f"at most this)"))
+                                 f"at most this, unless the plan is weight-stripped)"))
         rows.append(("weights", size(self.weights)))
         if self.context_memory is not None:
             for index, nbytes in enumerate(self.context_memory):
@@ -266,4 +271,4 @@ def _room(budget: Budget | None, room: int | None) -> int | None:
         if isinstance(room, bool) or not isinstance(room, int) or room < 0:
             raise ValueError(f"room must be a number of bytes >= 0, got {room!r}")
         return room
-    return budget.available if budget is not None else None
+    return room_of(budget, "the room") if budget is not None else None
