@@ -23,6 +23,7 @@ once control is back in Python (see :mod:`gpubudget.adapter`).
 
 from __future__ import annotations
 
+import os
 import threading
 from types import ModuleType
 from typing import Any, TypeVar
@@ -36,6 +37,8 @@ __all__ = ["AllocatorMethods", "allocator_class", "argument_order"]
 
 A = TypeVar("A")
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _classes: dict[str, type] = {}
 
 

@@ -21,6 +21,7 @@ during inference is kept, charged, until the context ends. Nothing raises out of
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -35,6 +36,8 @@ from .order import OutputOrder, output_order
 __all__ = ["OutputMethods", "output_allocator", "output_allocator_class"]
 
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _classes: dict[str, type] = {}
 _open: weakref.WeakSet[OutputMethods] = weakref.WeakSet()
 MIN_ALIGNMENT = 256
