@@ -222,3 +222,28 @@ def test_a_kept_buffer_has_the_alignment_asked_for() -> None:
         del context, made, cpp
         gc.collect()
         consistent(budget)
+
+
+def test_a_shape_that_is_not_one_is_an_error_not_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    """``notify_shape`` through NVIDIA's trampoline with a garbage ``Dims``: a rank above 8
+    (the trampoline then reads past the struct: NVIDIA's, not ours) or a negative extent is
+    recorded as an error, and the last good shape stays."""
+    import ctypes
+
+    from tests.trampoline import _Dims
+
+    class Wide(ctypes.Structure):  # room for what the trampoline reads past eight extents
+        _fields_ = [("nbDims", ctypes.c_int32), ("d", ctypes.c_int64 * 16)]
+
+    with gpu_budget("64KiB", name="g", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        cpp.notify_shape("y", (3, 4))
+        for rank, first in ((9, 1), (2, -1)):
+            dims = Wide(rank, (ctypes.c_int64 * 16)(first, *[1] * 15))
+            cpp._shape(cpp.cpp, b"y", ctypes.cast(ctypes.pointer(dims), ctypes.POINTER(_Dims)))
+        assert made.shape("y") == (3, 4)
+        errors = [e for e in budget.report().callback_errors if e.startswith("notify_shape")]
+        assert len(errors) == 2 and all("not an output's shape" in e for e in errors)
+        del context, made, cpp
+    assert "Traceback" not in capfd.readouterr().err

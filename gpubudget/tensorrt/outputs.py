@@ -41,6 +41,7 @@ os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _classes: dict[str, type] = {}
 _open: weakref.WeakSet[OutputMethods] = weakref.WeakSet()
 MIN_ALIGNMENT = 256
+MAX_DIMS = 8  # TensorRT's Dims hold at most eight extents
 
 
 class OutputMethods:
@@ -74,9 +75,13 @@ class OutputMethods:
         """TensorRT callback: the shape of output ``tensor_name`` for this inference."""
         try:
             dims = tuple(int(d) for d in shape)
+            if not isinstance(tensor_name, str) or len(dims) > MAX_DIMS or any(
+                    d < 0 for d in dims):
+                raise ValueError(f"not an output's shape: {tensor_name!r} {dims[:MAX_DIMS + 1]}"
+                                 f"{'...' if len(dims) > MAX_DIMS + 1 else ''}")
             with self.lock:
                 if not self.closed:
-                    self.shapes[str(tensor_name)] = dims
+                    self.shapes[tensor_name] = dims
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             callback_failed(self.budget, "notify_shape", exc, other_threads=True)
             return
