@@ -241,14 +241,16 @@ def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
     assert capfd.readouterr() == ("", "")
 
 
-def test_a_free_whose_stream_does_not_arrive_trusts_no_stream(standins: dict[str, Any]) -> None:
+def test_a_free_whose_stream_does_not_arrive_is_ordered_on_its_allocations_stream(
+        standins: dict[str, Any]) -> None:
     """``deallocate_async`` checked as ``allocate_async`` is: a binding that loses the stream
-    of a free (here: always 0) must not get same-stream reuse, or a block freed while stream
-    A still uses it is handed at once to whatever allocates on "stream 0"."""
+    of a free (here: always 0) must not have the block reused at once "on stream 0", nor
+    once stream 0 is idle, while stream A, which the block was allocated for, still uses it.
+    The block is freed on the stream it was allocated for."""
     module = standins["drops_free_stream"]
     order = gbt.argument_order(module)
-    assert (order.frees, order.known) == (False, False)
-    assert "deallocate_async" in order.found and "safe reading" in order.found
+    assert (order.frees, order.stream_index) == (False, 3)
+    assert "deallocate_async does not pass" in order.found
     backend = StreamBackend()
     with gpu_budget("64KiB", backend=backend) as pool:
         cpp = Trampoline(gbt.allocator(trt_module=module))
@@ -258,7 +260,17 @@ def test_a_free_whose_stream_does_not_arrive_trusts_no_stream(standins: dict[str
         assert cpp.deallocate_async(block, 0x5A0)  # arrives as a free on stream 0
         other = cpp.allocate(4 * KiB, 0, 0)  # the synchronous allocate: stream 0
         assert other is not None and other != block
+        backend.finish(0)  # stream 0 is idle: A is not
+        later = cpp.allocate_async(4 * KiB, 0, 0, 0x5B0)
+        assert later is not None and later != block
         assert holds(block, 4 * KiB, 0xA5)
-        assert cpp.deallocate(other)
+        again = cpp.allocate_async(4 * KiB, 0, 0, 0x5A0)
+        assert again == block  # on A itself: at once, A's work runs in order
+        grown = cpp.reallocate(again, 0, 8 * KiB)  # a moved block keeps its stream
+        assert grown is not None
+        for address in (other, later):
+            assert cpp.deallocate(address)
+        assert cpp.deallocate_async(grown, 0x5A0)
+        assert cpp.allocate_async(8 * KiB, 0, 0, 0x5B0) != grown  # A still busy
         backend.finish()
         consistent(pool)

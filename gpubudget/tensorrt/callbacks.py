@@ -12,7 +12,9 @@ Arguments. NVIDIA's bindings disagree on where ``allocate_async`` gets its strea
 flags)``). Each allocator class asks its binding once, when it is made
 (:mod:`~gpubudget.tensorrt.order`), and reads the stream where the binding puts it; where the
 order cannot be established, no allocation carries a stream (a block freed on a stream then
-waits for that stream's work before anyone reuses it) and ``reallocate`` refuses.
+waits for that stream's work before anyone reuses it) and ``reallocate`` refuses. Where
+allocations carry their stream but ``deallocate_async`` was not seen to pass its own, each
+block is freed on the stream it was allocated for (remembered per block), whatever arrives.
 
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
@@ -53,6 +55,7 @@ class AllocatorMethods:
     deserializing: int  # deserialize_cuda_engine calls in progress (phase "deserialize")
     lock: threading.Lock
     closed: bool  # at interpreter exit: answer everything, touch nothing
+    streams: dict[int, int | None]  # block -> its allocation's stream, where frees lose theirs
 
     argument_order: AllocatorOrder  # how this class's binding passes its arguments
 
@@ -85,6 +88,9 @@ class AllocatorMethods:
                 return None
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
+            if address is not None and self.argument_order.remember:
+                with self.lock:
+                    self.streams[address] = stream
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             return self._failed(where, exc, None)
         pass_on_interrupt()
@@ -101,7 +107,13 @@ class AllocatorMethods:
         try:
             if self.closed:
                 return True
+            if self.argument_order.remember:  # the stream that arrived is not trusted
+                with self.lock:
+                    stream = self.streams.get(memory)
             done = self.root.free(memory, stream=stream)
+            if done and self.argument_order.remember:
+                with self.lock:
+                    self.streams.pop(memory, None)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,
                                 False)
@@ -117,6 +129,9 @@ class AllocatorMethods:
                 return None  # an order not established: TensorRT keeps its block
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
+            if moved is not None and moved != address and self.argument_order.remember:
+                with self.lock:
+                    self.streams[moved] = self.streams.pop(address, None)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("reallocate", exc, None)
         pass_on_interrupt()
@@ -151,6 +166,7 @@ def allocator_class(module: ModuleType) -> type:
                 self.deserializing = 0
                 self.lock = threading.Lock()
                 self.closed = False
+                self.streams = {}
 
             cls = _classes[module.__name__] = type(
                 "BudgetAllocator", (AllocatorMethods, base),
