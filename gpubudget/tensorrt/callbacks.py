@@ -58,6 +58,7 @@ class AllocatorMethods:
     streams: dict[int, int | None]  # block -> its allocation's stream, where frees lose theirs
 
     argument_order: AllocatorOrder  # how this class's binding passes its arguments
+    remember: bool  # argument_order.remember, read on every call
 
     @callback
     def allocate(self, size: int, alignment: int, flags: int) -> int | None:
@@ -88,7 +89,7 @@ class AllocatorMethods:
                 return None
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
-            if address is not None and self.argument_order.remember:
+            if address is not None and self.remember:
                 with self.lock:
                     self.streams[address] = stream
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
@@ -107,11 +108,11 @@ class AllocatorMethods:
         try:
             if self.closed:
                 return True
-            if self.argument_order.remember:  # the stream that arrived is not trusted
+            if self.remember:  # the stream that arrived is not trusted
                 with self.lock:
                     stream = self.streams.get(memory)
             done = self.root.free(memory, stream=stream)
-            if done and self.argument_order.remember:
+            if done and self.remember:
                 with self.lock:
                     self.streams.pop(memory, None)
         except BaseException as exc:  # noqa: BLE001
@@ -129,7 +130,7 @@ class AllocatorMethods:
                 return None  # an order not established: TensorRT keeps its block
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
-            if moved is not None and moved != address and self.argument_order.remember:
+            if moved is not None and moved != address and self.remember:
                 with self.lock:
                     self.streams[moved] = self.streams.pop(address, None)
         except BaseException as exc:  # noqa: BLE001
@@ -170,7 +171,8 @@ def allocator_class(module: ModuleType) -> type:
 
             cls = _classes[module.__name__] = type(
                 "BudgetAllocator", (AllocatorMethods, base),
-                {"__init__": __init__, "__module__": __name__, "argument_order": order})
+                {"__init__": __init__, "__module__": __name__, "argument_order": order,
+                 "remember": order.remember})
         return cls
 
 
