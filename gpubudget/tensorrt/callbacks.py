@@ -35,7 +35,7 @@ from ..budget import Budget
 from ..scope import current_budget, current_label
 from .order import AllocatorOrder, allocator_order
 
-__all__ = ["AllocatorMethods", "allocator_class", "argument_order"]
+__all__ = ["AllocatorMethods", "RememberingMethods", "allocator_class", "argument_order"]
 
 A = TypeVar("A")
 _lock = threading.Lock()
@@ -55,10 +55,8 @@ class AllocatorMethods:
     deserializing: int  # deserialize_cuda_engine calls in progress (phase "deserialize")
     lock: threading.Lock
     closed: bool  # at interpreter exit: answer everything, touch nothing
-    streams: dict[int, int | None]  # block -> its allocation's stream, where frees lose theirs
 
     argument_order: AllocatorOrder  # how this class's binding passes its arguments
-    remember: bool  # argument_order.remember, read on every call
 
     @callback
     def allocate(self, size: int, alignment: int, flags: int) -> int | None:
@@ -89,9 +87,6 @@ class AllocatorMethods:
                 return None
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
-            if address is not None and self.remember:
-                with self.lock:
-                    self.streams[address] = stream
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             return self._failed(where, exc, None)
         pass_on_interrupt()
@@ -108,13 +103,7 @@ class AllocatorMethods:
         try:
             if self.closed:
                 return True
-            if self.remember:  # the stream that arrived is not trusted
-                with self.lock:
-                    stream = self.streams.get(memory)
             done = self.root.free(memory, stream=stream)
-            if done and self.remember:
-                with self.lock:
-                    self.streams.pop(memory, None)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,
                                 False)
@@ -130,9 +119,6 @@ class AllocatorMethods:
                 return None  # an order not established: TensorRT keeps its block
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
-            if moved is not None and moved != address and self.remember:
-                with self.lock:
-                    self.streams[moved] = self.streams.pop(address, None)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("reallocate", exc, None)
         pass_on_interrupt()
@@ -146,6 +132,57 @@ class AllocatorMethods:
 
     def __repr__(self) -> str:
         return f"<gpubudget allocator for {self.budget!r}>"
+
+
+class RememberingMethods(AllocatorMethods):
+    """The callbacks for a binding whose ``deallocate_async`` loses its stream while
+    ``allocate_async`` passes it (:attr:`AllocatorOrder.remember`): each block is freed on
+    the stream it was allocated for, remembered here (the common bindings pay nothing)."""
+
+    streams: dict[int, int | None]  # block -> the stream it was allocated for
+
+    def _allocate(self, size: int, alignment: int, stream: int | None,
+                  where: str) -> int | None:
+        address = AllocatorMethods._allocate(self, size, alignment, stream, where)
+        if address is not None:
+            try:
+                with self.lock:
+                    self.streams[address] = stream
+            except BaseException as exc:  # noqa: BLE001 - all or nothing: give it back
+                self.root.free(address)
+                return self._failed(where, exc, None)
+        return address
+
+    @callback
+    def deallocate_async(self, memory: int, stream: int | None) -> bool:
+        """TensorRT callback: free a block once the work queued on the stream it was
+        allocated for is done (the stream that arrives is not trusted)."""
+        try:
+            with self.lock:
+                stream = self.streams.get(memory)
+        except BaseException as exc:  # noqa: BLE001
+            return self._failed("deallocate_async", exc, False)
+        done = AllocatorMethods.deallocate_async(self, memory, stream)
+        if done:
+            try:
+                with self.lock:
+                    self.streams.pop(memory, None)
+            except BaseException as exc:  # noqa: BLE001 - freed; only the note stays
+                callback_failed(self.budget, "deallocate_async", exc, other_threads=True)
+        return done
+
+    @callback
+    def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
+        """TensorRT callback: as :meth:`AllocatorMethods.reallocate`; a moved block keeps
+        its stream."""
+        moved = AllocatorMethods.reallocate(self, address, alignment, new_size)
+        if moved is not None and moved != address:
+            try:
+                with self.lock:
+                    self.streams[moved] = self.streams.pop(address, None)
+            except BaseException as exc:  # noqa: BLE001 - moved; only the note is lost
+                callback_failed(self.budget, "reallocate", exc, other_threads=True)
+        return moved
 
 
 def allocator_class(module: ModuleType) -> type:
@@ -167,12 +204,13 @@ def allocator_class(module: ModuleType) -> type:
                 self.deserializing = 0
                 self.lock = threading.Lock()
                 self.closed = False
-                self.streams = {}
+                if order.remember:
+                    self.streams = {}
 
+            methods = RememberingMethods if order.remember else AllocatorMethods
             cls = _classes[module.__name__] = type(
-                "BudgetAllocator", (AllocatorMethods, base),
-                {"__init__": __init__, "__module__": __name__, "argument_order": order,
-                 "remember": order.remember})
+                "BudgetAllocator", (methods, base),
+                {"__init__": __init__, "__module__": __name__, "argument_order": order})
         return cls
 
 
