@@ -218,3 +218,61 @@ def test_interpreter_exit_with_live_contexts_and_outputs_is_silent(tmp_path: Any
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             env=subprocess_env(GPUBUDGET_BACKEND="host"), timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+
+
+def test_contexts_destroyed_in_other_threads_while_one_is_fitted() -> None:
+    """A context's end (its weak-reference callback, on whatever thread drops it) while
+    another thread fits a context of the same region: the region follows every context,
+    nothing is freed twice or lost."""
+    import sys
+    import threading
+
+    model = engine(per_batch=KiB, max_batch=16)
+    with gpu_budget("1MiB", backend="host") as budget:
+        memory = gbt.ContextMemory(model, trt_module=trt)
+        keep = memory.create_context()
+        start = threading.Barrier(2, timeout=60)
+        failures: list[BaseException] = []
+
+        def fitter() -> None:
+            try:
+                start.wait()
+                for i in range(200):
+                    keep.set_input_shape("x", (1 + i % 16, 16))
+                    memory.fit(keep)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        def churner() -> None:
+            try:
+                start.wait()
+                for i in range(200):
+                    box = [memory.create_context()]
+                    box[0].set_input_shape("x", (1 + (i * 7) % 16, 16))
+                    memory.fit(box[0])
+                    dropper = threading.Thread(target=box.clear)  # its end, elsewhere
+                    dropper.start()
+                    dropper.join(60)
+                    assert not dropper.is_alive()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=fitter), threading.Thread(target=churner)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+                assert not thread.is_alive()
+        finally:
+            sys.setswitchinterval(interval)
+        assert failures == []
+        gc.collect()
+        assert memory.contexts == [keep] and keep.memory == (memory.address, memory.size)
+        assert keep.execute_async_v3(0, budget=budget, trt=trt)
+        consistent(budget)
+        del keep
+        gc.collect()
+        assert budget.used == 0 and budget.report().invalid_frees == 0

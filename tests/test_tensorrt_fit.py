@@ -161,3 +161,54 @@ def test_bad_arguments_exit_2(args: list[str], plan_file: Path,
                               capfd: pytest.CaptureFixture[str]) -> None:
     status, out, err = run(capfd, *([str(plan_file)] if args else []), *args)
     assert status == 2 and len(err.splitlines()) == 1
+
+
+def test_a_huge_plan_is_sized_without_reading_it_whole(plan_file: Path, tmp_path: Path) -> None:
+    """The plan's size and header need neither the whole file in memory nor a GPU: an 8 GiB
+    plan (sparse here) is sized by a process that may map at most 2 GiB."""
+    import subprocess
+    import sys
+
+    from tests.helpers import subprocess_env
+
+    huge = tmp_path / "huge.plan"
+    with open(huge, "wb") as file:
+        file.write(plan_file.read_bytes()[:4096])  # a real plan's header
+        file.truncate(8 << 30)
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+              "from gpubudget.cli import main\n"
+              f"sys.exit(main(['engine', {str(huge)!r}, '--no-gpu', '--trt-module', "
+              f"{trt.__name__!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert "8.00 GiB" in done.stdout
+    garbage = tmp_path / "garbage.plan"  # a bad header is refused before the rest is read
+    with open(garbage, "wb") as file:
+        file.write(b"\x01" * 4096)
+        file.truncate(8 << 30)
+    done = subprocess.run([sys.executable, "-c", script.replace(str(huge), str(garbage))
+                           .replace(", '--no-gpu'", "")], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert done.returncode == 2 and "malformed" in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["no_such_tensorrt", "os"])
+def test_a_trt_module_that_cannot_be_used_is_one_line_and_exit_2(
+        name: str, plan_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capfd, str(plan_file), "--trt-module", name, "--no-gpu")
+    assert status == 2 and out == "", out
+    assert len(err.splitlines()) == 1 and name in err and "internal error" not in err, err
+
+
+def test_the_binding_extension_itself_is_a_trt_module(
+        plan_file: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    extension = trt.Runtime.__module__  # tensorrt_rtx_bindings.tensorrt_rtx: no __version__
+    status, out, err = run(capfd, str(plan_file), "--trt-module", extension, "--no-gpu")
+    assert (status, err) == (0, "") and "needs a GPU" in out
+    status, out, err = run(capfd, str(plan_file) + "-missing", "--trt-module", extension)
+    assert status == 2 and "internal error" not in err
+    with pytest.raises(gbt.PlanError, match=r"not a plan of this .*\(version unknown\)"):
+        gbt.plan_needs(b"\x01" * 4096, trt_module=extension)

@@ -1,7 +1,10 @@
 """Every TensorRT door at once, in any order (Hypothesis): contexts created (alone or sharing a
 region), shapes changed, inferences whose outputs grow and shrink, contexts destroyed, model
 budgets exited early, streams finishing. After every step: ``check()`` clean, ``used`` the sum
-of the live blocks, nothing freed twice; at the end, nothing lost.
+of the live blocks, nothing freed twice, every context's memory and outputs charged to its own
+model's budget, and no output buffer that a stream may still be using handed to another
+stream: each inference writes its output with its context's own byte, as its kernels would,
+and those bytes must stay until that stream's work is done. At the end, nothing lost.
 
 Engines and contexts are fakes with TensorRT's method names (tests/trt_fakes.py); the scratch
 allocator and the output allocator are TensorRT-RTX's classes, called through NVIDIA's C++
@@ -18,11 +21,17 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget import tensorrt as gbt
-from tests.helpers import StreamBackend, consistent
+from tests.helpers import StreamBackend, consistent, fill, holds
 from tests.trt_fakes import KiB, FakeEngine
 
 trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
@@ -43,6 +52,19 @@ class Live:
     outputs: Any
     model: Model
     stream: int
+    byte: int  # what its "kernels" write into its outputs
+
+
+@dataclass
+class InFlight:
+    """An output buffer that stream work may still use: ``nbytes`` of ``byte`` at
+    ``address``, written on ``stream`` when the backend had ``events`` events."""
+
+    address: int
+    nbytes: int
+    byte: int
+    stream: int
+    events: int
 
 
 class Doors(RuleBasedStateMachine):
@@ -54,6 +76,15 @@ class Doors(RuleBasedStateMachine):
         self.models: list[Model] = []
         self.live: dict[int, Live] = {}
         self.serial = 0
+        self.in_flight: list[InFlight] = []
+
+    @initialize(limit=st.sampled_from([256 * KiB, 512 * KiB]), share=st.booleans())
+    def two_contexts(self, limit: int, share: bool) -> None:
+        """Every run starts with a model and two contexts: the steps go to the doors."""
+        self.new_model(limit, KiB)
+        self.create(self.models[0], False)
+        self.create(self.models[0], share)
+        assert len(self.live) == 2
 
     @precondition(lambda self: len(self.models) < 4)
     @rule(limit=st.sampled_from([96 * KiB, 256 * KiB, 512 * KiB]),
@@ -67,7 +98,9 @@ class Doors(RuleBasedStateMachine):
     @precondition(lambda self: self.models)
     @rule(data=st.data(), share=st.booleans())
     def create_context(self, data: st.DataObject, share: bool) -> None:
-        model = data.draw(st.sampled_from(self.models))
+        self.create(data.draw(st.sampled_from(self.models)), share)
+
+    def create(self, model: Model, share: bool) -> None:
         shared = [live.memory for live in self.live.values() if live.model is model]
         before = model.budget.used
         try:
@@ -79,7 +112,8 @@ class Doors(RuleBasedStateMachine):
             return
         outputs = gbt.output_allocator(context, budget=model.budget, trt_module=trt)
         self.serial += 1
-        self.live[self.serial] = Live(context, memory, outputs, model, 0x100 + self.serial)
+        self.live[self.serial] = Live(context, memory, outputs, model, 0x100 + self.serial,
+                                      1 + self.serial % 255)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), batch=st.integers(1, 16))
@@ -100,7 +134,7 @@ class Doors(RuleBasedStateMachine):
                 assert other.context.memory == (live.memory.address, size)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), found=st.integers(0, 4000))
+    @rule(data=st.data(), found=st.sampled_from([0, 100, 500, 1000, 4000]))
     def infer(self, data: st.DataObject, found: int) -> None:
         live = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         ran = live.context.execute_async_v3(live.stream, found=found, budget=live.model.budget,
@@ -109,11 +143,18 @@ class Doors(RuleBasedStateMachine):
             address = live.outputs.address("y")
             assert live.model.budget.size_of(address) >= max(found, 1) * 8
             assert live.outputs.shape("y") == (found,)
+            nbytes = max(found, 1) * 8
+            fill(address, nbytes, live.byte)  # the inference's kernels, on its stream
+            self.in_flight.append(InFlight(address, nbytes, live.byte, live.stream,
+                                           len(self.backend.events)))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def destroy_context(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.live)))
+        stream = self.live[key].stream
+        self.backend.finish(stream)  # TensorRT: a context's work is done before it is destroyed
+        self.in_flight = [f for f in self.in_flight if f.stream != stream]
         del self.live[key]
         gc.collect()
 
@@ -127,6 +168,13 @@ class Doors(RuleBasedStateMachine):
     @rule()
     def streams_finish(self) -> None:
         self.backend.finish()
+        self.in_flight.clear()
+
+    def settled(self, flight: InFlight) -> bool:
+        """Whether the budget has waited for ``flight``'s stream since it was written (an
+        event recorded on that stream later is complete)."""
+        return any(event.done and event.stream == flight.stream
+                   for event in self.backend.events[flight.events:])
 
     @invariant()
     def books_agree(self) -> None:
@@ -136,6 +184,13 @@ class Doors(RuleBasedStateMachine):
         for live in self.live.values():
             assert live.memory.address is not None
             assert live.model.budget.size_of(live.memory.address) >= live.memory.size
+            assert live.model.budget.owner_of(live.memory.address) is live.model.budget
+            output = live.outputs.address("y")
+            assert output is None or live.model.budget.owner_of(output) is live.model.budget
+        for flight in self.in_flight:  # still being used on its stream: nobody else wrote it
+            assert self.settled(flight) or holds(flight.address, flight.nbytes, flight.byte), (
+                f"an output buffer of stream {flight.stream:#x} was handed on before that "
+                "stream's work was done")
 
     def teardown(self) -> None:
         self.live.clear()

@@ -11,6 +11,7 @@ Three bindings, each driven through its C++ virtual methods as TensorRT drives i
 
 from __future__ import annotations
 
+import gc
 import types
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,8 @@ BINDINGS = ("rtx", "stream_third", "drops_stream")
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("standin")
-    return {variant: build(variant, directory) for variant in ("stream_third", "drops_stream")}
+    return {variant: build(variant, directory)
+            for variant in ("stream_third", "drops_stream", "drops_free_stream", "trt8")}
 
 
 def module_for(binding: str, standins: dict[str, Any]) -> Any:
@@ -209,3 +211,66 @@ def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
     assert "Traceback" not in err and "ZeroDivisionError" not in err
     assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment",
                                                           "invalid_size"}
+
+
+def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
+                                            capfd: pytest.CaptureFixture[str]) -> None:
+    """TensorRT 8.5/8.6's IOutputAllocator has no IVersionedInterface before its methods: its
+    fifth virtual method (slot 4), where TensorRT 10 has its first allocator method, is the
+    deleting destructor. Calling it would free the probe under pybind11's feet (a double free
+    later). The probe must recognise the layout and call nothing."""
+    old = standins["trt8"]
+    found = output_order(old.IOutputAllocator)
+    assert old.deletions() == 0  # no destructor was called
+    assert not found.stream and not found.shape and "IVersionedInterface" in found.found
+    order = gbt.argument_order(old)
+    assert not order.known and "IVersionedInterface" in order.found
+    assert old.deletions() == 0
+    from tests.trt_fakes import FakeEngine
+
+    with gpu_budget("64KiB", backend="host") as budget:  # still usable: the safe reading
+        context = FakeEngine(trt).create_execution_context()
+        made = gbt.output_allocator(context, trt_module=old)
+        first = made.reallocate_output("y", 0, 1000, 256)
+        assert first is not None and made.reallocate_output("y", first, 5000, 256) != first
+        assert budget.size_of(first) == 1024  # kept until the context ends
+        del context
+        gc.collect()
+        assert budget.used == 0
+    assert old.deletions() == 0
+    assert capfd.readouterr() == ("", "")
+
+
+def test_a_free_whose_stream_does_not_arrive_is_ordered_on_its_allocations_stream(
+        standins: dict[str, Any]) -> None:
+    """``deallocate_async`` checked as ``allocate_async`` is: a binding that loses the stream
+    of a free (here: always 0) must not have the block reused at once "on stream 0", nor
+    once stream 0 is idle, while stream A, which the block was allocated for, still uses it.
+    The block is freed on the stream it was allocated for."""
+    module = standins["drops_free_stream"]
+    order = gbt.argument_order(module)
+    assert (order.frees, order.stream_index) == (False, 3)
+    assert "deallocate_async does not pass" in order.found
+    backend = StreamBackend()
+    with gpu_budget("64KiB", backend=backend) as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=module))
+        block = cpp.allocate_async(4 * KiB, 0, 0, 0x5A0)
+        assert block is not None
+        fill(block, 4 * KiB, 0xA5)  # stream A's kernels may still read it
+        assert cpp.deallocate_async(block, 0x5A0)  # arrives as a free on stream 0
+        other = cpp.allocate(4 * KiB, 0, 0)  # the synchronous allocate: stream 0
+        assert other is not None and other != block
+        backend.finish(0)  # stream 0 is idle: A is not
+        later = cpp.allocate_async(4 * KiB, 0, 0, 0x5B0)
+        assert later is not None and later != block
+        assert holds(block, 4 * KiB, 0xA5)
+        again = cpp.allocate_async(4 * KiB, 0, 0, 0x5A0)
+        assert again == block  # on A itself: at once, A's work runs in order
+        grown = cpp.reallocate(again, 0, 8 * KiB)  # a moved block keeps its stream
+        assert grown is not None
+        for address in (other, later):
+            assert cpp.deallocate(address)
+        assert cpp.deallocate_async(grown, 0x5A0)
+        assert cpp.allocate_async(8 * KiB, 0, 0, 0x5B0) != grown  # A still busy
+        backend.finish()
+        consistent(pool)

@@ -18,7 +18,7 @@ from gpubudget import tensorrt as gbt
 from gpubudget.tensorrt.outputs import output_allocator_class
 from tests.helpers import StreamBackend, consistent, fill, holds
 from tests.trampoline import OutputTrampoline
-from tests.trt_fakes import KiB, FakeEngine
+from tests.trt_fakes import KiB, FakeContext, FakeEngine
 from tests.trt_standin import build
 
 trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
@@ -159,3 +159,91 @@ def test_arguments_of_output_allocator() -> None:
             gbt.output_allocator(context, ["z"], trt_module=trt)
     with pytest.raises(ValueError, match="no IOutputAllocator"):
         output_allocator_class(types.ModuleType("no_outputs"))
+
+
+def test_a_refused_name_leaves_the_context_as_it_was() -> None:
+    """All or nothing: when one of the names is not an output, no output of the context gets
+    the new allocator, and nothing stays pinned or charged."""
+    with gpu_budget("64KiB", name="m", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        before = context.get_output_allocator("y")
+        with pytest.raises(ValueError, match="'z'"):
+            gbt.output_allocator(context, ["y", "z"], trt_module=trt)
+        assert context.get_output_allocator("y") is before  # "y" was not changed either
+    assert budget.state == "released"  # nothing pinned it: the context still lives
+    del context
+
+    class Refusing(FakeContext):  # TensorRT refuses the second call, an output all the same
+        calls = 0
+
+        def set_output_allocator(self, name: str, output_allocator: Any) -> bool:
+            self.calls += 1
+            if output_allocator is not None and self.calls == 2:
+                return False
+            return super().set_output_allocator(name, output_allocator)
+
+    with gpu_budget("64KiB", name="m", backend="host") as budget:
+        refusing = Refusing(FakeEngine(trt))
+        with pytest.raises(ValueError, match="TensorRT refused"):
+            gbt.output_allocator(refusing, ["y", "y"], trt_module=trt)
+        assert refusing.get_output_allocator("y") is None  # given back its previous one
+    assert budget.state == "released"
+
+
+def test_a_replaced_buffer_whose_stream_free_fails_is_kept_not_lost() -> None:
+    """When the old buffer cannot be freed in stream order (no event can be recorded on the
+    stream), it stays charged until the context ends, and is freed then."""
+    backend = StreamBackend()
+    with gpu_budget("64KiB", name="m", backend=backend) as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        first = cpp.reallocate_output_async("y", 0, 1000, 256, 0x5A0)
+        backend.fail_record = True  # the stream cannot take an event
+        second = cpp.reallocate_output_async("y", first or 0, 4000, 256, 0x5A0)
+        backend.fail_record = False
+        assert first is not None and second not in (None, first)
+        assert budget.size_of(first) == 1024  # kept: stream 0x5A0 may still read it
+        del context, made, cpp
+        gc.collect()
+        backend.finish()
+        assert budget.used == 0  # every buffer came back with the context
+        consistent(budget)
+
+
+def test_a_kept_buffer_has_the_alignment_asked_for() -> None:
+    with gpu_budget("64KiB", backend="host") as budget:
+        assert budget.allocate(256, 256) is not None  # the next block is 256-aligned only
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        first = cpp.reallocate_output_async("y", 0, 4000, 256, 0)
+        assert first is not None and first % 4096
+        again = cpp.reallocate_output_async("y", first, 1000, 4096, 0)
+        assert again is not None and again % 4096 == 0
+        del context, made, cpp
+        gc.collect()
+        consistent(budget)
+
+
+def test_a_shape_that_is_not_one_is_an_error_not_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    """``notify_shape`` through NVIDIA's trampoline with a garbage ``Dims``: a rank above 8
+    (the trampoline then reads past the struct: NVIDIA's, not ours) or a negative extent is
+    recorded as an error, and the last good shape stays."""
+    import ctypes
+
+    from tests.trampoline import _Dims
+
+    class Wide(ctypes.Structure):  # room for what the trampoline reads past eight extents
+        _fields_ = [("nbDims", ctypes.c_int32), ("d", ctypes.c_int64 * 16)]
+
+    with gpu_budget("64KiB", name="g", backend="host") as budget:
+        context = FakeEngine(trt).create_execution_context()
+        made, cpp = outputs_of(context)
+        cpp.notify_shape("y", (3, 4))
+        for rank, first in ((9, 1), (2, -1)):
+            dims = Wide(rank, (ctypes.c_int64 * 16)(first, *[1] * 15))
+            cpp._shape(cpp.cpp, b"y", ctypes.cast(ctypes.pointer(dims), ctypes.POINTER(_Dims)))
+        assert made.shape("y") == (3, 4)
+        errors = [e for e in budget.report().callback_errors if e.startswith("notify_shape")]
+        assert len(errors) == 2 and all("not an output's shape" in e for e in errors)
+        del context, made, cpp
+    assert "Traceback" not in capfd.readouterr().err

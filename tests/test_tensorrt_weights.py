@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpubudget import BudgetError, gpu_budget
+from gpubudget.backends.host import HostBackend
 from gpubudget import tensorrt as gbt
 from gpubudget.tensorrt.weights import weights_size
 from tests.helpers import consistent
@@ -112,3 +113,71 @@ def test_engines_without_weight_loading() -> None:
         with pytest.raises(TypeError, match="TensorRT-RTX"):
             gbt.load_weights(Plain(), b"")
     assert weights_size(Plain()) is None
+
+
+def test_a_failure_inside_the_search_restores_the_setting() -> None:
+    """All or nothing: TensorRT failing (or a Ctrl-C) half way through the bisection leaves
+    the engine's setting as it was."""
+
+    class Failing(FakeEngine):
+        reads = 0
+
+        @property
+        def device_memory_size_v2(self) -> int:
+            self.reads += 1
+            if self.reads == 4:
+                raise RuntimeError("TensorRT could not size the context")
+            return int(FakeEngine.device_memory_size_v2.fget(self))  # type: ignore[attr-defined]
+
+    model = Failing(trt, per_batch=4 * KiB, max_batch=16, streamable=512 * KiB)
+    with gpu_budget("600KiB", backend="host") as budget:
+        budget.allocate(100 * KiB)
+        with pytest.raises(RuntimeError, match="could not size"):
+            gbt.stream_weights(model)
+    assert model.reads >= 4 and model.weight_streaming_budget_v2 == 512 * KiB
+
+
+def test_the_setting_found_does_not_depend_on_the_previous_one() -> None:
+    """The search's upper end is the context memory with every weight resident (the least),
+    not whatever the engine was last set to."""
+    with gpu_budget("600KiB", backend="host") as budget:
+        budget.allocate(100 * KiB)
+        fresh = gbt.stream_weights(streaming())
+        model = streaming()
+        model.weight_streaming_budget_v2 = 0  # an earlier, tighter setting
+        again = gbt.stream_weights(model)
+        assert again.resident == fresh.resident
+
+
+def test_a_sleeping_budget_has_no_room_and_load_is_refused_before_tensorrt() -> None:
+    with gpu_budget("1MiB", name="gpu", initial=0, backend="host") as budget:
+        runtime = gbt.Runtime(trt.Logger(trt.Logger.ERROR), trt_module=trt)
+        cpp = Trampoline(gbt.allocator_of(runtime))
+        model = FakeEngine(trt, weights=160 * KiB, allocator=cpp, streamable=64 * KiB)
+        assert gbt.unload_weights(model) == 160 * KiB
+        budget.offload()  # asleep: every allocation is refused until restore()
+        with pytest.raises(BudgetError, match="'gpu' is asleep"):
+            gbt.load_weights(model, b"plan")
+        with pytest.raises(BudgetError, match="'gpu' is asleep"):
+            gbt.stream_weights(model)
+        assert budget.report().denials == ()  # TensorRT was not asked
+        budget.restore()
+        assert gbt.load_weights(model, b"plan") == 160 * KiB
+        del runtime, cpp
+
+
+def test_a_growable_root_counts_only_what_the_device_can_back() -> None:
+    """A growable root maps memory as blocks need it: its room is what its limit allows and
+    the device can still give (its free memory, and what the root mapped and does not use)."""
+
+    class SmallDevice(HostBackend):
+        def mem_info(self) -> tuple[int, int] | None:
+            return 200 * KiB, 1 << 30
+
+    model = streaming()
+    with gpu_budget("4MiB", initial=0, backend=SmallDevice()) as budget:
+        plan = gbt.stream_weights(model)
+        assert plan.room == 200 * KiB and plan.resident < plan.streamable
+        assert plan.resident + -(-plan.context_memory // 256) * 256 <= 200 * KiB
+        assert budget.mapped == 0
+        assert gbt.engine_needs(model, budget=budget).room == 200 * KiB  # the same room

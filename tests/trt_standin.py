@@ -6,7 +6,12 @@ pybind11 trampolines, so gpubudget's probe inspects and drives them as it does t
 - ``stream_third``: ``allocate_async(size, alignment, stream, flags)``, the order of
   TensorRT 10's published bindings;
 - ``drops_stream``: ``allocate_async(size, alignment, flags, 0)`` and a
-  ``reallocate_output_async`` without its stream: orders that cannot be established.
+  ``reallocate_output_async`` without its stream: orders that cannot be established;
+- ``drops_free_stream``: TensorRT-RTX's ``allocate_async`` order, but ``deallocate_async``
+  without its stream;
+- ``trt8``: TensorRT 8.5/8.6's layout (no ``IVersionedInterface``: fewer virtual methods, the
+  destructors where TensorRT 10 has its allocator's methods); ``deletions()`` counts the calls
+  of its deleting destructors.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Final
 import pytest
 
 SOURCE: Final = Path(__file__).with_name("trt_standin.c")
-VARIANTS: Final = {"stream_third": "STREAM_THIRD", "drops_stream": "DROPS_STREAM"}
+VARIANTS: Final = {"stream_third": "STREAM_THIRD", "drops_stream": "DROPS_STREAM",
+                   "drops_free_stream": "DROPS_FREE_STREAM", "trt8": "TRT8"}
 
 
 def build(variant: str, directory: Path) -> ModuleType:

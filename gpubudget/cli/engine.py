@@ -1,7 +1,8 @@
 """``gpubudget engine PLAN``: will a TensorRT engine fit, before loading it.
 
 Without a GPU it prints the plan's size (an upper bound of the weights the engine puts on the
-device) after TensorRT has checked the plan's header, and says which numbers need a GPU: the
+device, unless the plan was built weight-stripped) after TensorRT has checked the plan's header
+(the file is read whole only to deserialize it), and says which numbers need a GPU: the
 exact weights, the execution-context memory of each optimization profile and the streamable
 weights, which only a deserialized engine gives. Where TensorRT can deserialize the plan (a GPU
 it supports), it does — TensorRT-RTX without loading the weights — and prints them all.
@@ -65,6 +66,8 @@ def engine_command(args: argparse.Namespace) -> int:
                            trt_module=args.trt_module, deserialize=not args.no_gpu)
     except PlanError as exc:
         raise Failure(f"{args.plan}: {exc}") from None
+    except ImportError as exc:  # only a module named with --trt-module is required
+        raise Failure(f"--trt-module {args.trt_module}: cannot be imported ({exc})") from None
     if args.json:
         print(json.dumps({"plan": args.plan, **needs.as_dict()}, indent=2))
     else:

@@ -28,6 +28,7 @@ an int`` when it receives ``None``; that line is TensorRT's, and means "denied".
 
 from __future__ import annotations
 
+import os
 import threading
 from types import ModuleType
 from typing import Any
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _runtimes: dict[str, type] = {}
 
 

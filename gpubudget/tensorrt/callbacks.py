@@ -12,7 +12,9 @@ Arguments. NVIDIA's bindings disagree on where ``allocate_async`` gets its strea
 flags)``). Each allocator class asks its binding once, when it is made
 (:mod:`~gpubudget.tensorrt.order`), and reads the stream where the binding puts it; where the
 order cannot be established, no allocation carries a stream (a block freed on a stream then
-waits for that stream's work before anyone reuses it) and ``reallocate`` refuses.
+waits for that stream's work before anyone reuses it) and ``reallocate`` refuses. Where
+allocations carry their stream but ``deallocate_async`` was not seen to pass its own, each
+block is freed on the stream it was allocated for (remembered per block), whatever arrives.
 
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
@@ -23,6 +25,7 @@ once control is back in Python (see :mod:`gpubudget.adapter`).
 
 from __future__ import annotations
 
+import os
 import threading
 from types import ModuleType
 from typing import Any, TypeVar
@@ -32,10 +35,12 @@ from ..budget import Budget
 from ..scope import current_budget, current_label
 from .order import AllocatorOrder, allocator_order
 
-__all__ = ["AllocatorMethods", "allocator_class", "argument_order"]
+__all__ = ["AllocatorMethods", "RememberingMethods", "allocator_class", "argument_order"]
 
 A = TypeVar("A")
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _classes: dict[str, type] = {}
 
 
@@ -129,6 +134,57 @@ class AllocatorMethods:
         return f"<gpubudget allocator for {self.budget!r}>"
 
 
+class RememberingMethods(AllocatorMethods):
+    """The callbacks for a binding whose ``deallocate_async`` loses its stream while
+    ``allocate_async`` passes it (:attr:`AllocatorOrder.remember`): each block is freed on
+    the stream it was allocated for, remembered here (the common bindings pay nothing)."""
+
+    streams: dict[int, int | None]  # block -> the stream it was allocated for
+
+    def _allocate(self, size: int, alignment: int, stream: int | None,
+                  where: str) -> int | None:
+        address = AllocatorMethods._allocate(self, size, alignment, stream, where)
+        if address is not None:
+            try:
+                with self.lock:
+                    self.streams[address] = stream
+            except BaseException as exc:  # noqa: BLE001 - all or nothing: give it back
+                self.root.free(address)
+                return self._failed(where, exc, None)
+        return address
+
+    @callback
+    def deallocate_async(self, memory: int, stream: int | None) -> bool:
+        """TensorRT callback: free a block once the work queued on the stream it was
+        allocated for is done (the stream that arrives is not trusted)."""
+        try:
+            with self.lock:
+                stream = self.streams.get(memory)
+        except BaseException as exc:  # noqa: BLE001
+            return self._failed("deallocate_async", exc, False)
+        done = AllocatorMethods.deallocate_async(self, memory, stream)
+        if done:
+            try:
+                with self.lock:
+                    self.streams.pop(memory, None)
+            except BaseException as exc:  # noqa: BLE001 - freed; only the note stays
+                callback_failed(self.budget, "deallocate_async", exc, other_threads=True)
+        return done
+
+    @callback
+    def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
+        """TensorRT callback: as :meth:`AllocatorMethods.reallocate`; a moved block keeps
+        its stream."""
+        moved = AllocatorMethods.reallocate(self, address, alignment, new_size)
+        if moved is not None and moved != address:
+            try:
+                with self.lock:
+                    self.streams[moved] = self.streams.pop(address, None)
+            except BaseException as exc:  # noqa: BLE001 - moved; only the note is lost
+                callback_failed(self.budget, "reallocate", exc, other_threads=True)
+        return moved
+
+
 def allocator_class(module: ModuleType) -> type:
     """The allocator class for ``module``: its ``IGpuAsyncAllocator`` (TensorRT 10 and later,
     so that stream-ordered calls arrive with their stream) or ``IGpuAllocator``, with the
@@ -148,9 +204,12 @@ def allocator_class(module: ModuleType) -> type:
                 self.deserializing = 0
                 self.lock = threading.Lock()
                 self.closed = False
+                if order.remember:
+                    self.streams = {}
 
+            methods = RememberingMethods if order.remember else AllocatorMethods
             cls = _classes[module.__name__] = type(
-                "BudgetAllocator", (AllocatorMethods, base),
+                "BudgetAllocator", (methods, base),
                 {"__init__": __init__, "__module__": __name__, "argument_order": order})
         return cls
 

@@ -22,6 +22,7 @@ Scratch: by default each context's ``temporary_allocator`` (scratch TensorRT nee
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -37,6 +38,8 @@ __all__ = ["ContextMemory", "context_memory", "execution_context", "fit_shapes"]
 
 ALIGNMENT = 256  # what set_device_memory requires
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _regions: weakref.WeakKeyDictionary[Any, ContextMemory] = weakref.WeakKeyDictionary()
 
 

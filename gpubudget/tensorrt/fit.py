@@ -1,7 +1,9 @@
 """Will it fit? What a TensorRT engine needs, against a budget's room, before loading it.
 
 From a serialized engine (a plan) alone, without a GPU: its size — an upper bound of the
-weights it will put on the device (the plan holds them, plus kernels and tables) — and, where
+weights it will put on the device (the plan holds them, plus kernels and tables), except for a
+weight-stripped plan (``BuilderFlag.STRIP_PLAN``), whose weights come later by a refit — and,
+where
 the TensorRT module can read plan headers (``Runtime.get_engine_validity``), whether it is a
 plan of that TensorRT at all. Everything else needs the engine deserialized, which needs a GPU:
 the exact weights (``get_engine_stat(TOTAL_WEIGHTS_SIZE)``), each optimization profile's
@@ -15,16 +17,19 @@ allocated; full TensorRT allocates the weights and frees them again.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 from ..budget import Budget
 from ..units import format_size
 from .module import load_module
-from .weights import weights_size
+from .weights import room_of, weights_size
 
 __all__ = ["EngineNeeds", "PlanError", "engine_needs", "plan_needs"]
 
+HEAD: Final = 1 << 16
+"""The bytes of a plan file read to check its header (TensorRT's are 64 bytes)."""
 NEEDS_GPU: Final = ("weights", "context_memory", "streamable_weights")
 """The numbers only a deserialized engine gives (deserializing needs a GPU)."""
 _BAD_PLAN: Final = ("VERSION_MISMATCH", "MALFORMED_ENGINE")
@@ -65,12 +70,15 @@ class EngineNeeds:
 
     @property
     def weights_bound(self) -> int | None:
-        """The exact weights, else the plan's size (an upper bound)."""
+        """The exact weights, else the plan's size (an upper bound, unless the plan was
+        built weight-stripped: its weights are not in it)."""
         return self.weights if self.weights is not None else self.plan_bytes
 
     @property
     def upper(self) -> int | None:
-        """An upper bound of what weights and ``contexts`` contexts need, if known."""
+        """An upper bound of what weights and ``contexts`` contexts need, if known (the
+        CUDA context, kernels and TensorRT's own small tables are outside every budget and
+        not counted)."""
         if self.weights_bound is None or self.context_memory_max is None:
             return None
         return self.weights_bound + self.contexts * self.context_memory_max
@@ -107,7 +115,7 @@ class EngineNeeds:
         rows = []
         if self.plan_bytes is not None:
             rows.append(("plan", f"{format_size(self.plan_bytes)} (weights on the device: "
-                                 f"at most this)"))
+                                 f"at most this, unless the plan is weight-stripped)"))
         rows.append(("weights", size(self.weights)))
         if self.context_memory is not None:
             for index, nbytes in enumerate(self.context_memory):
@@ -157,14 +165,16 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
 
     >>> print(gbt.plan_needs("model.plan", room=4 << 30).text())   # doctest: +SKIP
     """
-    data = _read(plan)
+    size, head = _read(plan, whole=False)
     try:
         module = load_module(trt_module)
     except ImportError:
+        if trt_module is not None:  # named, so wanted: not silently none
+            raise
         module = None
-    if not data:
+    if not size:
         raise PlanError("the plan is empty")
-    known = EngineNeeds(len(data), None, None, None, None, _contexts(contexts),
+    known = EngineNeeds(size, None, None, None, None, _contexts(contexts),
                         _room(budget, room), getattr(module, "__name__", None),
                         "no TensorRT module can be imported here" if module is None else
                         "not deserialized: the numbers that need a GPU were not asked for")
@@ -172,11 +182,12 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
         return known
     logger = _quiet_logger(module)
     runtime = module.Runtime(logger)
-    _check_header(module, runtime, data)
+    _check_header(module, runtime, head, size)
     if not deserialize:
         return known
     if hasattr(runtime, "defer_weights_loading"):
         runtime.defer_weights_loading = True  # TensorRT-RTX: no weights on the device
+    _, data = _read(plan, whole=True)  # all of it only now: the header is a plan's
     engine = runtime.deserialize_cuda_engine(data)
     if engine is None:
         errors = [m for severity, m in logger.messages if int(severity) <= 1]
@@ -190,33 +201,48 @@ def _replace(needs: EngineNeeds, **changes: Any) -> EngineNeeds:
     return EngineNeeds(**{**asdict(needs), "context_memory": needs.context_memory, **changes})
 
 
-def _read(plan: object) -> bytes:
+def _read(plan: object, *, whole: bool) -> tuple[int, bytes]:
+    """The plan's size in bytes and its bytes: all of them when ``whole``, else (for a file)
+    only its first :data:`HEAD` bytes, enough for the header: a plan of many gigabytes is
+    sized without being read."""
     if isinstance(plan, (bytes, bytearray, memoryview)):
-        return bytes(plan)
-    if isinstance(plan, (str, os.PathLike)):
-        if os.path.isdir(plan):
+        data = bytes(plan)
+        return len(data), data
+    if not isinstance(plan, (str, os.PathLike)):
+        raise TypeError(f"plan must be bytes or a path, got {type(plan).__name__}")
+    # opened without waiting (a pipe with no writer), then looked at: what is checked is
+    # what is read
+    fd = os.open(plan, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
             raise PlanError("a directory, not a plan file")
-        if os.path.exists(plan) and not os.path.isfile(plan):
+        if not stat.S_ISREG(info.st_mode):
             raise PlanError("not a regular file")  # a pipe or a device: never wait on it
-        with open(plan, "rb") as file:
-            return file.read()
-    raise TypeError(f"plan must be bytes or a path, got {type(plan).__name__}")
+        with open(fd, "rb", closefd=False) as file:
+            return info.st_size, file.read() if whole else file.read(HEAD)
+    finally:
+        os.close(fd)
 
 
-def _check_header(module: Any, runtime: Any, data: bytes) -> None:
+def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> None:
+    """Raise :class:`PlanError` unless ``head``, the first bytes of a plan of ``size`` bytes,
+    is a header that ``module`` accepts (where it can tell)."""
     header = getattr(runtime, "engine_header_size", None)
-    if isinstance(header, int) and len(data) < header:
-        raise PlanError(f"the plan is {len(data)} bytes, shorter than a {module.__name__} "
+    if isinstance(header, int) and size < header:
+        raise PlanError(f"the plan is {size} bytes, shorter than a {module.__name__} "
                         f"plan's header ({header} bytes)")
     check = getattr(runtime, "get_engine_validity", None)
     diagnostics = getattr(module, "EngineInvalidityDiagnostics", None)
     if check is None or diagnostics is None:
         return
-    _, found = check(data)
+    _, found = check(head)
     bad = [name for name in _BAD_PLAN
            if int(found) & int(getattr(diagnostics, name, 0))]
     if bad:
-        raise PlanError(f"not a plan of this {module.__name__} ({module.__version__}): "
+        version = getattr(module, "__version__", None)
+        raise PlanError(f"not a plan of this {module.__name__} "
+                        f"({version if isinstance(version, str) else 'version unknown'}): "
                         f"{' and '.join(n.lower().replace('_', ' ') for n in bad)}")
 
 
@@ -245,4 +271,4 @@ def _room(budget: Budget | None, room: int | None) -> int | None:
         if isinstance(room, bool) or not isinstance(room, int) or room < 0:
             raise ValueError(f"room must be a number of bytes >= 0, got {room!r}")
         return room
-    return budget.available if budget is not None else None
+    return room_of(budget, "the room") if budget is not None else None

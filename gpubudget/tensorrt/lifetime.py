@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -26,6 +27,8 @@ from .module import load_module, module_of
 __all__ = ["allocator", "allocator_of", "attach", "require_budget"]
 
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _shared: dict[tuple[int, str], AllocatorMethods] = {}  # (id(budget), module) -> allocator()
 _kept: list[AllocatorMethods] = []  # every allocator whose budget may still be called
 _attached: weakref.WeakKeyDictionary[object, AllocatorMethods] = weakref.WeakKeyDictionary()

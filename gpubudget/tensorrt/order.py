@@ -61,8 +61,9 @@ class AllocatorOrder:
 
     ``stream_index``: the position of the stream among ``allocate_async``'s arguments,
     counted from 0: 3 when flags come third and the stream fourth (TensorRT-RTX 1.7), 2 when
-    the stream comes third (TensorRT 10), ``None`` when no stream can be trusted. ``frees``: ``deallocate_async(memory, stream)``
-    confirmed. ``resize``: ``reallocate(address, alignment, new_size)`` confirmed.
+    the stream comes third (TensorRT 10), ``None`` when no stream can be trusted. ``frees``:
+    ``deallocate_async(memory, stream)`` confirmed (if not, the allocator frees each block on
+    the stream it was allocated for). ``resize``: ``reallocate(address, alignment, new_size)`` confirmed.
     ``found``: one sentence, how it was established or why it was not.
     """
 
@@ -75,6 +76,12 @@ class AllocatorOrder:
     def known(self) -> bool:
         """Whether allocations carry their stream (the order was established)."""
         return self.stream_index is not None
+
+    @property
+    def remember(self) -> bool:
+        """Whether the allocator must free each block on the stream it was allocated for:
+        allocations carry their stream, frees were not seen to carry theirs."""
+        return self.stream_index is not None and not self.frees
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,11 @@ def _allocator_order(base: type) -> AllocatorOrder:
     frees = _one(calls) == ("deallocate_async", (v.memory, v.stream))
     _REALLOCATE(slot[_REALLOCATE_SLOT])(table.cpp, v.memory, v.alignment, v.size)
     resize = _one(calls) == ("reallocate", (v.memory, v.alignment, v.size))
+    if not frees:  # the callbacks free each block on the stream it was allocated for
+        return AllocatorOrder(index, False, resize, f"{_who(table)}: allocate_async(size, "
+                              f"alignment, {order}), found by calling its C++ allocateAsync "
+                              "once; deallocate_async does not pass (memory, stream): each "
+                              "block is freed on its allocation's stream")
     return AllocatorOrder(index, frees, resize, f"{_who(table)}: allocate_async(size, "
                           f"alignment, {order}), found by calling its C++ allocateAsync once")
 

@@ -4,9 +4,10 @@ When an output's size is known only during inference (``NonZero``, non-maximum s
 TensorRT asks an ``IOutputAllocator`` for its buffer from inside ``execute_async_v3``:
 ``reallocate_output_async(name, memory, size, alignment, stream)``, then tells the shape with
 ``notify_shape(name, shape)``. :func:`output_allocator` gives a context one that takes those
-buffers from a budget: a buffer large enough is kept; a larger one is taken from the budget
-and the old one freed in stream order (at once for that stream, for others once the stream's
-work is done). A refusal is answered ``None`` (a null pointer): TensorRT then fails the
+buffers from a budget: a buffer large enough (and aligned as asked) is kept; a larger one is
+taken from the budget and the old one freed in stream order (at once for that stream, for
+others once the stream's work is done; kept until the context ends if the stream cannot take
+an event). A refusal is answered ``None`` (a null pointer): TensorRT then fails the
 inference — ``execute_async_v3`` returns ``False``, TensorRT logs an error, and NVIDIA's
 binding prints ``Return value of reallocateOutputAsync() could not be interpreted as an int``
 — and the denial is in the budget's report. Every buffer is freed when the context is
@@ -20,6 +21,7 @@ during inference is kept, charged, until the context ends. Nothing raises out of
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import weakref
 from types import ModuleType
@@ -34,9 +36,12 @@ from .order import OutputOrder, output_order
 __all__ = ["OutputMethods", "output_allocator", "output_allocator_class"]
 
 _lock = threading.Lock()
+# a child forked while another thread held it must not wait for that thread
+os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
 _classes: dict[str, type] = {}
 _open: weakref.WeakSet[OutputMethods] = weakref.WeakSet()
 MIN_ALIGNMENT = 256
+MAX_DIMS = 8  # TensorRT's Dims hold at most eight extents
 
 
 class OutputMethods:
@@ -70,9 +75,13 @@ class OutputMethods:
         """TensorRT callback: the shape of output ``tensor_name`` for this inference."""
         try:
             dims = tuple(int(d) for d in shape)
+            if not isinstance(tensor_name, str) or len(dims) > MAX_DIMS or any(
+                    d < 0 for d in dims):
+                raise ValueError(f"not an output's shape: {tensor_name!r} {dims[:MAX_DIMS + 1]}"
+                                 f"{'...' if len(dims) > MAX_DIMS + 1 else ''}")
             with self.lock:
                 if not self.closed:
-                    self.shapes[str(tensor_name)] = dims
+                    self.shapes[tensor_name] = dims
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             callback_failed(self.budget, "notify_shape", exc, other_threads=True)
             return
@@ -87,22 +96,23 @@ class OutputMethods:
                 if self.closed:
                     return None
                 current = self.buffers.get(name)
-                if current is not None and size <= self.budget.size_of(current[0]):
-                    self.buffers[name] = (current[0], size)
-                    return current[0]
                 align: Any = alignment  # a bad one is the budget's to refuse
                 if isinstance(alignment, int) and not alignment & (alignment - 1):
                     align = max(alignment, MIN_ALIGNMENT)  # 0 or a power of two
+                if (current is not None and isinstance(align, int) and align > 0
+                        and current[0] % align == 0
+                        and size <= self.budget.size_of(current[0])):
+                    self.buffers[name] = (current[0], size)
+                    return current[0]
                 address = self.budget.allocate(max(size, 1), align, tag=f"output:{name}",
                                                stream=stream)
                 if address is None:
                     return None  # the old buffer stays ours, and TensorRT's
                 self.buffers[name] = (address, size)
-                if current is not None:
-                    if stream is None:
-                        self.retired.append(current[0])
-                    else:
-                        self.budget.free(current[0], stream=stream)
+                if current is not None and (
+                        stream is None or not self.budget.free(current[0], stream=stream)):
+                    # no trusted stream, or it could not take an event: kept until close
+                    self.retired.append(current[0])
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             callback_failed(self.budget, where, exc, other_threads=True)
             return None
@@ -187,12 +197,17 @@ def output_allocator(context: Any, names: list[str] | tuple[str, ...] | None = N
     """
     target = require_budget(budget, "output_allocator()")
     module = load_module(trt_module) if trt_module is not None else module_of(context)
+    outputs = _outputs(context)
     if names is None:
-        engine = context.engine
-        names = [n for n in (engine.get_tensor_name(i) for i in range(engine.num_io_tensors))
-                 if "OUTPUT" in str(engine.get_tensor_mode(n))]
+        if outputs is None:
+            raise ValueError(f"the outputs of {context!r} cannot be read from its engine: "
+                             "pass names=")
+        names = outputs
     elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"names must be a list of output names, got {names!r}")
+    elif outputs is not None and any(n not in outputs for n in names):
+        raise ValueError(f"{[n for n in names if n not in outputs]} are not outputs of the "
+                         f"context's engine (its outputs: {outputs})")
     made = output_allocator_class(module)(target)
     target.pin()
 
@@ -200,15 +215,53 @@ def output_allocator(context: Any, names: list[str] | tuple[str, ...] | None = N
         alloc.close()
         target.unpin()
 
-    # before TensorRT holds a pointer to it: it now lives as long as the context
-    weakref.finalize(context, finished).atexit = False
-    for name in names:
-        if not context.set_output_allocator(name, made):
-            raise ValueError(f"TensorRT refused an output allocator for {name!r}: "
-                             "is it an output of this context's engine?")
+    # before TensorRT holds a pointer to it: it now lives as long as the context, and is
+    # made inert at interpreter exit
+    done = weakref.finalize(context, finished)
+    done.atexit = False
     with _lock:
         _open.add(made)
+    before: dict[str, Any] = {}
+    try:
+        for name in names:
+            if name not in before:  # a name given twice: its allocator before this call
+                before[name] = _output_allocator_of(context, name)
+            if not context.set_output_allocator(name, made):
+                raise ValueError(f"TensorRT refused an output allocator for {name!r}: "
+                                 "is it an output of this context's engine?")
+    except BaseException:
+        _undo(context, before, done)  # all or nothing
+        raise
     return made
+
+
+def _outputs(context: Any) -> list[str] | None:
+    """The output names of ``context``'s engine, ``None`` if they cannot be read."""
+    try:
+        engine = context.engine
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        return [n for n in names if "OUTPUT" in str(engine.get_tensor_mode(n))]
+    except Exception:  # noqa: BLE001 - then TensorRT decides, name by name
+        return None
+
+
+def _output_allocator_of(context: Any, name: str) -> Any:
+    getter = getattr(context, "get_output_allocator", None)
+    try:
+        return getter(name) if getter is not None else None
+    except Exception:  # noqa: BLE001 - unknown: unset it on failure
+        return None
+
+
+def _undo(context: Any, before: dict[str, Any], done: weakref.finalize[Any, Any]) -> None:
+    """Give each output its allocator from ``before`` again; then nothing holds the new one,
+    which is closed and its budget unpinned now (else at the context's end, as planned)."""
+    try:
+        for name, previous in before.items():
+            context.set_output_allocator(name, previous)
+    except Exception:  # noqa: BLE001 - TensorRT may still hold it: it lives with the context
+        return
+    done()
 
 
 @atexit.register

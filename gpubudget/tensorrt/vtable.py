@@ -15,7 +15,11 @@ is read, never probed:
   (the binding's extension module), and so does every slot that may be called, in an
   executable mapping of it;
 - the class's C++ name (from its RTTI) contains what the caller expects
-  (``"GpuAsyncAllocator"``, ``"OutputAllocator"``).
+  (``"GpuAsyncAllocator"``, ``"OutputAllocator"``);
+- the class derives from ``nvinfer1::IVersionedInterface`` (its RTTI's chain of single bases),
+  so that the interface's own methods start at slot 4, after ``IVersionedInterface``'s four.
+  TensorRT 8's classes have no such base and another layout: there, slot 4 of an
+  ``IOutputAllocator`` is its deleting destructor.
 
 Anything unexpected (no memory map: not Linux; a pure-Python stand-in; another layout) gives a
 reason instead of a :class:`VTable`, and the caller falls back to what needs no probe.
@@ -38,6 +42,8 @@ _WORD: Final = ctypes.sizeof(ctypes.c_void_p)
 _HEAD: Final = object.__basicsize__  # PyObject_HEAD: the pybind11 value pointer follows it
 _MAX_SLOTS: Final = 32
 _MAX_NAME: Final = 256
+_MAX_BASES: Final = 8
+_VERSIONED: Final = b"IVersionedInterfaceE"  # the end of its mangled name
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,9 @@ def _inspect(obj: object, base: type, expect: str) -> VTable | str:
     name = memory.c_string(name_at) if name_at else None
     if name is None or expect.encode() not in name:
         return f"the C++ class is not a {expect} trampoline (RTTI name {name!r})"
+    if rtti is None or not _versioned(memory, rtti):
+        return (f"the C++ class {name.decode('ascii', 'replace')} does not derive from "
+                f"IVersionedInterface (an older TensorRT's layout): nothing is called")
     slots: list[int] = []
     while len(slots) < _MAX_SLOTS:
         address = memory.word(vptr + len(slots) * _WORD)
@@ -158,3 +167,20 @@ def _inspect(obj: object, base: type, expect: str) -> VTable | str:
             break
         slots.append(address)
     return VTable(cpp, tuple(slots), name.decode("ascii", "replace"), library)
+
+
+def _versioned(memory: _Map, rtti: int) -> bool:
+    """Whether the class of the RTTI at ``rtti`` has ``IVersionedInterface`` among its bases,
+    following Itanium's single-inheritance type info (``{vtable, name, base}``). A class
+    without a base, or with several, ends the walk: not established."""
+    for _ in range(_MAX_BASES):
+        base = memory.word(rtti + 2 * _WORD)
+        name_at = memory.word(base + _WORD) if base else None
+        name = memory.c_string(name_at) if name_at else None
+        if name is None:
+            return False
+        if name.endswith(_VERSIONED):
+            return True
+        assert base is not None  # a name was read through it
+        rtti = base
+    return False

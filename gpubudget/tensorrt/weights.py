@@ -30,7 +30,8 @@ from ..units import format_size, parse_size
 from .lifetime import require_budget
 from .module import module_of
 
-__all__ = ["WeightStreaming", "load_weights", "stream_weights", "unload_weights", "weights_size"]
+__all__ = ["WeightStreaming", "load_weights", "room_of", "stream_weights", "unload_weights",
+           "weights_size"]
 
 
 
@@ -68,8 +69,10 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
     without streamable weights, ``BudgetError`` (naming the budget and the sizes) when not even
     the contexts fit with every streamable weight streamed.
 
-    The room is the budget's ``available`` now: streamable weights the engine may already hold
-    in the budget are not counted back, so the setting errs towards streaming more.
+    The room is the budget's ``available`` now (for a growable root, no more than its device
+    can still back; none while it is asleep): streamable weights the engine may already hold
+    in the budget are not counted back, so the setting errs towards streaming more. All or
+    nothing: on any error the engine's setting is left as it was.
 
     >>> plan = gbt.stream_weights(engine, contexts=2)   # doctest: +SKIP
     """
@@ -81,9 +84,18 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
     if streamable <= 0:
         raise ValueError("the engine has no streamable weights: build it with "
                          "BuilderFlag.WEIGHT_STREAMING (and a strongly typed network)")
-    room = target.available - kept
+    room = room_of(target, "stream_weights()") - kept
     original = engine.weight_streaming_budget_v2
+    try:
+        return _settle(engine, target, streamable, contexts, room)
+    except BaseException:
+        engine.weight_streaming_budget_v2 = original  # all or nothing
+        raise
 
+
+def _settle(engine: Any, target: Budget, streamable: int, contexts: int,
+            room: int) -> WeightStreaming:
+    """Set the most resident weights that fit ``room`` beside ``contexts`` contexts."""
     granule = max(target.align, 256)  # a context's region is charged rounded up to it
 
     def fits(resident: int) -> int | None:
@@ -93,30 +105,51 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
         charged = -(-per_context // granule) * granule
         return per_context if resident + contexts * charged <= room else None
 
-    # the most that could fit, then (the contexts' scratch grows as fewer weights stay)
-    # the largest that does, by bisection, to within 1/1024 of the streamable weights
-    high = max(min(streamable, room - contexts * int(engine.device_memory_size_v2)), 0)
-    if fits(high) is None:
-        if fits(0) is None:
-            per_context = int(engine.device_memory_size_v2)
-            engine.weight_streaming_budget_v2 = original  # all or nothing
-            raise BudgetError(
-                f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
-                f"{contexts} context(s); even with every streamable weight streamed the "
-                f"contexts need {format_size(contexts * per_context)}")
-        low, tolerance = 0, max(streamable >> 10, 1)
-        while high - low > tolerance:
-            middle = (low + high) // 2
-            if fits(middle) is None:
-                high = middle
-            else:
-                low = middle
-        high = low
+    # the most that could fit: every weight resident makes the contexts' memory the least
+    # (their scratch grows as fewer weights stay), whatever the engine was set to before;
+    # then the largest that does fit, by bisection, to within 1/1024 of the streamable weights
+    if fits(streamable) is not None:
+        high = streamable
+    else:
+        least = int(engine.device_memory_size_v2)
+        high = max(min(streamable, room - contexts * least), 0)
+        if fits(high) is None:
+            if fits(0) is None:
+                raise BudgetError(
+                    f"budget {target.name!r} has {format_size(max(room, 0))} for weights and "
+                    f"{contexts} context(s); even with every streamable weight streamed the "
+                    f"contexts need {format_size(contexts * int(engine.device_memory_size_v2))}")
+            low, tolerance = 0, max(streamable >> 10, 1)
+            while high - low > tolerance:
+                middle = (low + high) // 2
+                if fits(middle) is None:
+                    high = middle
+                else:
+                    low = middle
+            high = low
     settled = fits(high)
     assert settled is not None
     return WeightStreaming(streamable, high, settled,
                            int(engine.weight_streaming_scratch_memory_size), contexts, room,
                            _automatic(engine))
+
+
+def room_of(budget: Budget, what: str) -> int:
+    """What ``budget`` can still give: its ``available``, and for a growable root no more
+    than its device can still back (the device's free memory and what the root has mapped
+    but no block uses). ``BudgetError`` while the budget's root is asleep (offloaded)."""
+    root = budget.root
+    report = root.report()
+    if report.asleep is not None:
+        raise BudgetError(f"{what}: budget {budget.name!r} is asleep (its root {root.name!r} "
+                          "was offloaded): restore() it first")
+    room = budget.available
+    backend = root.backend
+    if report.mapped is not None and backend is not None:
+        info = backend.mem_info()
+        if info is not None:
+            room = min(room, info[0] + max(report.mapped - root.used, 0))
+    return room
 
 
 def _automatic(engine: Any) -> int | None:
@@ -151,8 +184,9 @@ def load_weights(engine: Any, plan: Any, budget: Budget | None = None) -> int:
     if getattr(engine, "weights_loaded", False) is True:
         raise RuntimeError("the engine's weights are already loaded")
     need = weights_size(engine)
-    if need is not None and need > target.available:
-        raise BudgetError(f"budget {target.name!r} has {format_size(target.available)} "
+    room = room_of(target, "load_weights()")
+    if need is not None and need > room:
+        raise BudgetError(f"budget {target.name!r} has {format_size(room)} "
                           f"available; the engine's weights need {format_size(need)}")
     before = target.used
     if not engine.load_weights(plan):
