@@ -49,7 +49,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from types import CodeType, FrameType, TracebackType
 from typing import Final, TypeVar
@@ -347,9 +346,11 @@ def _print(exc: BaseException, where: str) -> None:
     try:
         sys.stderr.write(f"gpubudget: an exception that landed in its code was to be raised "
                          f"{where}:\n")
+        import traceback  # only here: not paid by `import gpubudget`
+
         traceback.print_exception(exc, file=sys.stderr)
         sys.stderr.flush()
-    except (AttributeError, OSError, ValueError):  # no stderr
+    except (AttributeError, ImportError, OSError, ValueError):  # no stderr, or at teardown
         pass
 
 
