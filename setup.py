@@ -20,11 +20,21 @@ def pure_asked() -> bool:
     return os.environ.get("GPUBUDGET_PURE", "").strip() not in ("", "0")
 
 
+CORE = "gpubudget/_core"
+
+
+def sources() -> list[str]:
+    """The C core's files: every ``.c`` of ``gpubudget/_core`` (one per concept, beside the
+    Python module it mirrors; ``_native.c`` makes the module)."""
+    return sorted(f"{CORE}/{name}" for name in os.listdir(CORE) if name.endswith(".c"))
+
+
 def extensions() -> list[Extension]:
     if pure_asked():
         return []
-    flags = [] if sys.platform == "win32" else ["-O2", "-std=c11", "-Wall", "-Wno-missing-field-initializers"]
-    return [Extension("gpubudget._core._native", ["gpubudget/_core/_native.c"],
+    flags = [] if sys.platform == "win32" else [
+        "-O2", "-std=c11", "-Wall", "-Wno-missing-field-initializers", "-fvisibility=hidden"]
+    return [Extension("gpubudget._core._native", sources(), depends=[f"{CORE}/native.h"],
                       extra_compile_args=flags, optional=True)]
 
 

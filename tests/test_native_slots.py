@@ -1,11 +1,11 @@
 """Python code cannot crash the C core.
 
-The C fast path (``_core/_native.c``) reads the ``__slots__`` of ``Budget``, ``Node``,
+The C fast path (``_core/tree.c``) reads the ``__slots__`` of ``Budget``, ``Node``,
 ``Tree``, ``Recorder``, ``PendingFrees`` and the interrupt state at offsets looked up once,
 and the object members of its own ``Stats``. Python code may put anything there: ``None``, an
 int, a str, an object of another class, or nothing (``del``). For every slot named in
 ``install()`` and every object member of the C types that Python may set, read from the C
-source itself, a process puts each of those there, then allocates, frees, reports, checks and
+source itself (every ``.c`` and ``.h`` file of ``_core/``), a process puts each of those there, then allocates, frees, reports, checks and
 leaves its budgets: it may raise (Python's errors), and it must not die by a signal.
 """
 
@@ -22,7 +22,12 @@ import pytest
 from gpubudget._core import native
 from tests.helpers import subprocess_env
 
-SOURCE = Path(__file__).parent.parent / "gpubudget" / "_core" / "_native.c"
+CORE = Path(__file__).parent.parent / "gpubudget" / "_core"
+
+
+def c_source() -> str:
+    """The C core's source: its header and every C file, as one text."""
+    return "\n".join(path.read_text() for path in sorted([*CORE.glob("*.h"), *CORE.glob("*.c")]))
 
 # How the attack reaches an object of each kind the C source names, from the child budget
 # ``child`` (of root ``root``) that holds a block.
@@ -40,8 +45,10 @@ REACH = {
 
 def slots_read_at_offsets() -> list[tuple[str, str]]:
     """``(kind, slot)`` for every ``slot_offset`` call of ``install()`` in the C source."""
-    text = SOURCE.read_text()
-    install = text[text.index("static PyObject *py_install("):]
+    text = c_source()
+    start = re.search(r"PyObject \*py_install\([^)]*\) \{", text)  # its definition
+    assert start is not None, "the C source defines no py_install()"
+    install = text[start.start():]
     install = install[: install.index("\n}\n")]
     found = re.findall(r'slot_offset\(\s*(?:\(PyObject \*\)Py_TYPE\()?(\w+)\)?,\s*"(\w+)"',
                        install)
@@ -50,7 +57,7 @@ def slots_read_at_offsets() -> list[tuple[str, str]]:
 
 def writable_object_members() -> list[tuple[str, str]]:
     """``(type, member)`` for every object member of a C type that Python may set."""
-    text = SOURCE.read_text()
+    text = c_source()
     found = re.findall(r'\{"(\w+)", T_OBJECT(?:_EX)?, offsetof\((\w+)Object, \w+\), 0,', text)
     return [(kind, name) for name, kind in found]
 
