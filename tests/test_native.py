@@ -1,4 +1,4 @@
-"""The two cores side by side: every answer and every number of the C core (``_native.c``)
+"""The two cores side by side: every answer and every number of the C core (``_core/*.c``)
 must be the Python core's.
 
 - The arena: ``native.Arena`` against the Python ``Arena`` on the same random and

@@ -1,3 +1,5 @@
+/* The module gpubudget._core._native (what __init__.py loads): its functions and types, from
+ * the files named in native.h. */
 #include "native.h"
 
 static PyMethodDef module_methods[] = {
@@ -17,18 +19,10 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "gpubudget._core._native",
-    "gpubudget's allocation core, the hot path in C (see the file's comment).", -1, module_methods};
+    "gpubudget's allocation core, the hot path in C (see native.h).", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
-    static const char *kinds[KINDS] = {"alloc", "free", "deny"};
-    for (int i = 0; i < KINDS; i++)
-        if ((kind_names[i] = PyUnicode_InternFromString(kinds[i])) == NULL) return NULL;
-    if ((s_alignment = PyUnicode_InternFromString("alignment")) == NULL ||
-        (s_tag = PyUnicode_InternFromString("tag")) == NULL ||
-        (s_stream = PyUnicode_InternFromString("stream")) == NULL ||
-        (s_raise_on_denial = PyUnicode_InternFromString("raise_on_denial")) == NULL ||
-        (s_exited = PyUnicode_InternFromString("exited")) == NULL)
-        return NULL;
+    if (recorder_init() < 0 || tree_init() < 0) return NULL;
     PyTypeObject *types[] = {&ArenaType, &LockType, &AccountType, &StatsType, &EventLogType,
                              &RouterType, &RegistryType, &ClockType};
     const char *type_names[] = {"Arena", "Lock", "Account", "Stats", "EventLog", "Router",

@@ -1,3 +1,4 @@
+/* What adapter.py makes in C where the C core runs: by_device's Router, hand_clock's Clock. */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -86,7 +87,6 @@ PyTypeObject RouterType = {
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(RouterObject, vectorcall),
 };
-
 
 /* ---------------------------------------------------------------------------------------
  * Clock: a clock set by hand (``clock.now = t``; ``clock()`` returns it): what a replay

@@ -1,8 +1,10 @@
+/* The arena in C: arena.py's placement, the same block for every request (the Python
+ * Arena subclasses this one and adds walk() and check()). */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
- * A hash map from i64 (>= 0) to i64: open addressing, linear probing, deletion by backward
- * shift. Keys are stored + 1 so that 0 marks an empty slot.
+ * A hash map from i64 (>= 0) to i64 (see native.h for the table). Keys are stored + 1 so
+ * that 0 marks an empty slot.
  */
 typedef struct {
     i64 key, value; /* side by side: one probe, one cache line */
@@ -14,10 +16,7 @@ typedef struct {
     Py_ssize_t len;
 } Map;
 
-static inline Py_ssize_t map_slot(const Map *m, i64 key) {
-    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL; /* Fibonacci hashing: the top bits */
-    return (Py_ssize_t)(h >> (64 - __builtin_ctzll((uint64_t)m->cap)));
-}
+static inline Py_ssize_t map_slot(const Map *m, i64 key) { return hash_home(key, m->cap); }
 
 static int map_resize(Map *m, Py_ssize_t cap) {
     Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot));
@@ -91,8 +90,7 @@ static inline int map_pop(Map *m, i64 key, i64 *value) {
         j = (j + 1) & mask;
         if (!m->slots[j].key) break;
         Py_ssize_t home = map_slot(m, m->slots[j].key - 1);
-        /* the entry at j may move to hole if home is not cyclically in (hole, j] */
-        if ((j > hole && (home <= hole || home > j)) || (j < hole && (home <= hole && home > j))) {
+        if (hash_may_fill(home, hole, j)) {
             m->slots[hole] = m->slots[j];
             hole = j;
         }

@@ -1,3 +1,4 @@
+/* The ledger in C: ledger.py's accounts and its rules for charging a chain of budgets. */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------

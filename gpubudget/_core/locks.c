@@ -1,7 +1,8 @@
+/* A tree's lock in C: what locks.py's new_lock() makes where the C core runs. */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
- * Lock: re-entrant, owned by a thread.
+ * Lock: re-entrant, owned by a thread (lock_try and lock_leave, the fast path's, in native.h).
  */
 
 static PyObject *Lock_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {

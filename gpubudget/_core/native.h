@@ -1,25 +1,36 @@
-/* gpubudget's allocation core, the hot path in C.
+/* gpubudget's allocation core in C: what its files share.
  *
- * The same rules as the Python modules beside this file (arena.py, ledger.py, recorder.py,
- * tree.py), for what every allocation touches:
+ * The core's hot path has two implementations with one behaviour: the Python modules beside
+ * these files (the reference, and what runs where no C compiler was at hand) and the C
+ * extension gpubudget._core._native, built by setup.py from every .c file here. Each C file
+ * does one job and is named after the Python module it mirrors:
  *
- *   Arena     best fit over one address range with coalescing: the smallest free block that
- *             fits, the lowest address among equals; free blocks sorted by (size, start) in
- *             an array, and three hash maps (free start -> size, free end -> start, taken
- *             start -> size), all in units of the granularity.
- *   Account   one budget's limit, reserve, used, peak; refusal() and charge() up the chain of
- *             parents, as ledger.py.
- *   Stats     one budget's counters, as recorder.Stats (its methods stay in Python).
- *   EventLog  a tree's bounded timeline, a ring of C records, read back as tuples.
- *   Lock      a re-entrant lock, the tree's: Python code holds it with `with`; the fast path
- *             takes it without waiting, and leaves to Python when another thread has it.
+ *   arena.c     arena.py      Arena: best fit over one address range with coalescing: the
+ *                             smallest free block that fits, the lowest address among equals;
+ *                             free blocks in size classes, three hash maps (free start ->
+ *                             size, free end -> start, taken start -> size), in units of
+ *                             the granularity
+ *   ledger.c    ledger.py     Account: one budget's limit, reserve, used, peak; refusal(),
+ *                             charge(), available(), passed_up() up the chain of parents
+ *   recorder.c  recorder.py   Stats: one budget's counters (its methods stay in Python);
+ *                             EventLog: a tree's bounded timeline, a ring of C records
+ *   locks.c     locks.py      Lock: a tree's re-entrant lock; Python code holds it with
+ *                             `with`, the fast path takes it without waiting
+ *   registry.c  tree.py       Registry: a tree's live blocks (Tree.live), a dict's interface
+ *   tree.c      tree.py       the fast path: the common case of Tree.allocate and Tree.free,
+ *                             whole, as Budget.allocate and Budget.free (node.py installs it)
+ *   adapter.c   ../adapter.py Router (by_device) and Clock (hand_clock)
+ *   _native.c   __init__.py   the module: its types and functions
  *
- * install() puts two methods on Budget, allocate and free: the common case runs here
- * whole, and anything else (a denial, a stream still pending, a growable root, stacks,
- * tracing, an argument that is not a plain int or str) calls the Python method it
- * replaces, which does everything, as in the pure-Python core. The fast path reads the
- * Python objects' __slots__ at offsets looked up once, so both cores share their classes.
- * tests/test_native.py runs both side by side and compares every answer and number.
+ * The fast path (tree.c) does the common case whole, and anything else (a denial, a stream
+ * still pending, a growth of a growable root, stacks, tracing, an argument that is not a
+ * plain int or str) calls the Python method it replaces, which does everything, as in the
+ * pure-Python core. It reads the Python objects' __slots__ at offsets looked up once, so both
+ * cores share their classes. tests/test_native.py runs both side by side and compares every
+ * answer and number.
+ *
+ * Below: what more than one file uses, in the order of the files above. A struct is here
+ * only where another file reads its fields; the others stay in their file.
  */
 #ifndef GPUBUDGET_NATIVE_H
 #define GPUBUDGET_NATIVE_H
@@ -49,12 +60,83 @@ static inline i64 as_i64(PyObject *value, int *ok) {
     return v;
 }
 
+/* Hash tables of i64 keys (the arena's maps, the registry): open addressing, linear probing,
+ * a power-of-two number of slots `cap`, deletion by backward shift. */
+
+/* The slot where `key` belongs: Fibonacci hashing, the top bits. */
+static inline Py_ssize_t hash_home(i64 key, Py_ssize_t cap) {
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL;
+    return (Py_ssize_t)(h >> (64 - __builtin_ctzll((uint64_t)cap)));
+}
+
+/* Deleting by backward shift: whether the entry at `j`, which belongs at `home`, may move
+ * to the hole at `hole` (it may unless `home` is cyclically in (hole, j]). */
+static inline int hash_may_fill(Py_ssize_t home, Py_ssize_t hole, Py_ssize_t j) {
+    return (j > hole && (home <= hole || home > j)) || (j < hole && (home <= hole && home > j));
+}
+
+/* -- arena.c ------------------------------------------------------------------------------ */
+
+typedef struct ArenaObject ArenaObject;
+extern PyTypeObject ArenaType;
+
+int arena_reserve(ArenaObject *a);
+i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment);
+i64 arena_free(ArenaObject *a, i64 address);
+
+/* -- ledger.c ----------------------------------------------------------------------------- */
+
+typedef struct AccountObject {
+    PyObject_HEAD
+    PyObject *name, *limit_given, *reserve_given; /* as given; in C at most 2**63 - 1 */
+    i64 limit, reserve, used, peak, refusals, depth;
+    struct AccountObject *parent;
+    char plain;
+    PyObject *published; /* a writable buffer of unsigned 64-bit words, or NULL */
+    Py_buffer words;
+} AccountObject;
+
+extern PyTypeObject AccountType;
+
+AccountObject *ledger_refusal(AccountObject *account, i64 delta);
+void ledger_charge(AccountObject *account, i64 delta); /* delta bytes up the chain, peaks */
+/* functions of the module (_native.c) */
+PyObject *py_passed_up(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_available(PyObject *module, PyObject *arg);
+
+/* -- recorder.c --------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    i64 allocations, frees, blocks, peak_blocks, invalid_frees, denied, bytes_allocated,
+        bytes_freed;
+    PyObject *largest_denied; /* an int: a request may be larger than 64 bits */
+    PyObject *denials, *tags, *errors, *retired;
+} StatsObject;
+
+typedef struct EventLogObject EventLogObject;
+extern PyTypeObject StatsType, EventLogType;
+enum { KIND_ALLOC, KIND_FREE, KIND_DENY, KINDS };
+
+/* The names of the kinds of event: once, when the module is made; -1 on error. */
+int recorder_init(void);
+int tag_add(StatsObject *stats, PyObject *tag, i64 delta, PyObject *fresh);
+int log_reserve(EventLogObject *self);
+void log_append(EventLogObject *self, double time, int kind, i64 budget, i64 nbytes,
+                PyObject *tag, i64 used, i64 total);
+
+/* -- locks.c ------------------------------------------------------------------------------ */
+
 typedef struct {
     PyObject_HEAD
     PyThread_type_lock lock;
     unsigned long owner;
     long count;
 } LockObject;
+
+extern PyTypeObject LockType;
 
 /* Take the lock if no other thread holds it: 1 taken (or taken again), 0 held elsewhere. */
 static inline int lock_try(LockObject *self) {
@@ -76,25 +158,7 @@ static inline void lock_leave(LockObject *self) {
     }
 }
 
-typedef struct AccountObject {
-    PyObject_HEAD
-    PyObject *name, *limit_given, *reserve_given; /* as given; in C at most 2**63 - 1 */
-    i64 limit, reserve, used, peak, refusals, depth;
-    struct AccountObject *parent;
-    char plain;
-    PyObject *published; /* a writable buffer of unsigned 64-bit words, or NULL */
-    Py_buffer words;
-} AccountObject;
-
-typedef struct {
-    PyObject_HEAD
-    i64 allocations, frees, blocks, peak_blocks, invalid_frees, denied, bytes_allocated,
-        bytes_freed;
-    PyObject *largest_denied; /* an int: a request may be larger than 64 bits */
-    PyObject *denials, *tags, *errors, *retired;
-} StatsObject;
-
-enum { KIND_ALLOC, KIND_FREE, KIND_DENY, KINDS };
+/* -- registry.c --------------------------------------------------------------------------- */
 
 typedef struct {
     PyObject *owner, *tag, *stack; /* owner a new reference; tag and stack NULL for None */
@@ -108,15 +172,12 @@ typedef struct {
     Py_ssize_t cap, len;
 } RegistryObject;
 
-static inline Py_ssize_t reg_slot(const RegistryObject *r, i64 key) {
-    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ULL;
-    return (Py_ssize_t)(h >> (64 - __builtin_ctzll((uint64_t)r->cap)));
-}
+extern PyTypeObject RegistryType;
 
 /* The entry of `address`, or NULL. */
 static inline Entry *reg_find(const RegistryObject *r, i64 address) {
     if (!r->cap || address == INT64_MAX) return NULL;
-    Py_ssize_t j = reg_slot(r, address);
+    Py_ssize_t j = hash_home(address, r->cap);
     while (r->keys[j]) {
         if (r->keys[j] == address + 1) return &r->entries[j];
         j = (j + 1) & (r->cap - 1);
@@ -124,46 +185,26 @@ static inline Entry *reg_find(const RegistryObject *r, i64 address) {
     return NULL;
 }
 
+int reg_reserve(RegistryObject *r, Py_ssize_t more); /* room for `more`, or MemoryError */
+void reg_put(RegistryObject *r, i64 address, PyObject *owner, i64 nbytes, PyObject *tag,
+             PyObject *stack, Entry *old);
+int reg_pop(RegistryObject *r, i64 address, Entry *out);
+void entry_release(Entry *e); /* its references */
+
+/* -- tree.c ------------------------------------------------------------------------------- */
+
+/* The names the fast path compares keywords with: once, when the module is made; -1 on
+ * error. */
+int tree_init(void);
+PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds);
+
+/* -- adapter.c ---------------------------------------------------------------------------- */
+
 typedef struct {
     PyObject_HEAD
     double now;
 } ClockObject;
 
-typedef struct ArenaObject ArenaObject;
-typedef struct EventLogObject EventLogObject;
-
-extern PyTypeObject ArenaType, LockType, AccountType, StatsType, EventLogType, RegistryType,
-    RouterType, ClockType;
-
-/* arena.c */
-int arena_reserve(ArenaObject *a);
-i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment);
-i64 arena_free(ArenaObject *a, i64 address);
-
-/* ledger.c */
-AccountObject *ledger_refusal(AccountObject *account, i64 delta);
-void ledger_charge(AccountObject *account, i64 delta);
-PyObject *py_passed_up(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *py_available(PyObject *module, PyObject *arg);
-
-/* recorder.c */
-extern PyObject *kind_names[KINDS];
-int tag_add(StatsObject *stats, PyObject *tag, i64 delta, PyObject *fresh);
-int log_reserve(EventLogObject *self);
-void log_append(EventLogObject *self, double time, int kind, i64 budget, i64 nbytes,
-                PyObject *tag, i64 used, i64 total);
-
-/* registry.c */
-int reg_reserve(RegistryObject *r, Py_ssize_t more);
-void reg_put(RegistryObject *r, i64 address, PyObject *owner, i64 nbytes, PyObject *tag,
-             PyObject *stack, Entry *old);
-int reg_pop(RegistryObject *r, i64 address, Entry *out);
-void entry_release(Entry *e);
-
-/* tree.c */
-extern PyObject *s_alignment, *s_tag, *s_stream, *s_raise_on_denial, *s_exited;
-PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds);
+extern PyTypeObject RouterType, ClockType;
 
 #endif

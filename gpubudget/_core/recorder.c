@@ -1,3 +1,5 @@
+/* The recorder in C: recorder.py's counters of a budget (Stats) and a tree's bounded event
+ * log (EventLog). */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -126,7 +128,14 @@ int tag_add(StatsObject *stats, PyObject *tag, i64 delta, PyObject *fresh) {
  * EventLog: a tree's last `maxlen` events; each reads back as the tuple recorder.Event
  * (time, kind, budget id, bytes, tag, budget's used after, root's used after).
  */
-PyObject *kind_names[KINDS];
+static PyObject *kind_names[KINDS];
+
+int recorder_init(void) {
+    static const char *kinds[KINDS] = {"alloc", "free", "deny"};
+    for (int i = 0; i < KINDS; i++)
+        if ((kind_names[i] = PyUnicode_InternFromString(kinds[i])) == NULL) return -1;
+    return 0;
+}
 
 typedef struct {
     double time;
@@ -289,5 +298,3 @@ PyTypeObject EventLogType = {
     .tp_as_sequence = &EventLog_sequence,
     .tp_iter = (getiterfunc)EventLog_iter,
 };
-
-

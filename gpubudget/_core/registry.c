@@ -1,3 +1,4 @@
+/* The live-block registry in C: what tree.py keeps in a dict (Tree.live). */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -26,7 +27,7 @@ int reg_reserve(RegistryObject *r, Py_ssize_t more) {
     r->cap = cap;
     for (Py_ssize_t i = 0; i < old_cap; i++) {
         if (!old_keys[i]) continue;
-        Py_ssize_t j = reg_slot(r, old_keys[i] - 1);
+        Py_ssize_t j = hash_home(old_keys[i] - 1, cap);
         while (keys[j]) j = (j + 1) & (cap - 1);
         keys[j] = old_keys[i];
         entries[j] = old_entries[i];
@@ -40,7 +41,7 @@ int reg_reserve(RegistryObject *r, Py_ssize_t more) {
  * in *old (to be released by the caller), else old->owner is NULL. */
 void reg_put(RegistryObject *r, i64 address, PyObject *owner, i64 nbytes, PyObject *tag,
              PyObject *stack, Entry *old) {
-    Py_ssize_t j = reg_slot(r, address);
+    Py_ssize_t j = hash_home(address, r->cap);
     old->owner = NULL;
     while (r->keys[j]) {
         if (r->keys[j] == address + 1) {
@@ -60,7 +61,7 @@ void reg_put(RegistryObject *r, i64 address, PyObject *owner, i64 nbytes, PyObje
 /* Remove `address`; its entry (references now the caller's) in *out; 0 when absent. */
 int reg_pop(RegistryObject *r, i64 address, Entry *out) {
     if (!r->cap || address == INT64_MAX) return 0;
-    Py_ssize_t mask = r->cap - 1, j = reg_slot(r, address);
+    Py_ssize_t mask = r->cap - 1, j = hash_home(address, r->cap);
     while (r->keys[j] != address + 1) {
         if (!r->keys[j]) return 0;
         j = (j + 1) & mask;
@@ -70,8 +71,8 @@ int reg_pop(RegistryObject *r, i64 address, Entry *out) {
     for (;;) {
         j = (j + 1) & mask;
         if (!r->keys[j]) break;
-        Py_ssize_t home = reg_slot(r, r->keys[j] - 1);
-        if ((j > hole && (home <= hole || home > j)) || (j < hole && (home <= hole && home > j))) {
+        Py_ssize_t home = hash_home(r->keys[j] - 1, r->cap);
+        if (hash_may_fill(home, hole, j)) {
             r->keys[hole] = r->keys[j];
             r->entries[hole] = r->entries[j];
             hole = j;

@@ -1,3 +1,6 @@
+/* The fast path in C: the common case of tree.py's Tree.allocate and Tree.free, done whole,
+ * as the methods Budget.allocate and Budget.free (install(), called by node.py's
+ * install_fast_path); everything else goes to the Python methods they stand in for. */
 #include "native.h"
 
 /* ---------------------------------------------------------------------------------------
@@ -17,7 +20,15 @@ typedef struct {
 static Offsets at;
 static int configured = 0;
 static PyObject *state_object, *label_var, *perf_counter, *slow_allocate, *slow_free;
-PyObject *s_alignment, *s_tag, *s_stream, *s_raise_on_denial, *s_exited;
+static PyObject *s_alignment, *s_tag, *s_stream, *s_raise_on_denial, *s_exited;
+
+int tree_init(void) {
+    PyObject **names[] = {&s_alignment, &s_tag, &s_stream, &s_raise_on_denial, &s_exited};
+    const char *texts[] = {"alignment", "tag", "stream", "raise_on_denial", "exited"};
+    for (int i = 0; i < 5; i++)
+        if ((*names[i] = PyUnicode_InternFromString(texts[i])) == NULL) return -1;
+    return 0;
+}
 
 /* The classes whose __slots__ the fast path reads (given to install), and the class of
  * PendingFrees._fifo. */
