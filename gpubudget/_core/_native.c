@@ -13,7 +13,7 @@ static PyMethodDef module_methods[] = {
     {"available", (PyCFunction)py_available, METH_O,
      "available(account): bytes one allocation could still be charged to ``account``."},
     {"install", (PyCFunction)(void (*)(void))py_install, METH_VARARGS | METH_KEYWORDS,
-     "install(budget, node, tree, recorder, pending, state, label, clock): put the fast "
+     "install(budget, node, tree, recorder, pending, mapping, state, label, clock): put the fast "
      "allocate and free on ``budget`` (the Budget class); once."},
     {NULL}};
 

@@ -247,9 +247,9 @@ int arena_reserve(ArenaObject *a) {
     return 0;
 }
 
-/* The address of a block of `size` bytes; -1 when none fits, -2 (MemoryError) when there is
- * no memory for the bookkeeping (nothing changed). arena_reserve first. */
-i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment) {
+/* Where a block of `size` bytes goes (the address in place->address), changing nothing: 0,
+ * or -1 when none fits. */
+int arena_place(const ArenaObject *a, i64 size, i64 alignment, Place *place) {
     int shift = a->shift;
     i64 need = size >> shift;
     Key probe = {need, -1};
@@ -280,6 +280,17 @@ i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment) {
             }
         }
     }
+    *place = (Place){a->base + ((unit + pad) << shift), c, i, pad, need};
+    return 0;
+}
+
+/* Take the block arena_place found (nothing changed since): its address, or -2 (MemoryError)
+ * when there is no memory for the bookkeeping (nothing changed). arena_reserve first. */
+i64 arena_take(ArenaObject *a, const Place *place) {
+    int c = place->class_;
+    Py_ssize_t i = place->index;
+    Key key = a->bins[c].items[i];
+    i64 unit = key.unit, pad = place->pad, need = place->units;
     i64 block = key.size, rest = block - pad - need, ignored;
     if (pad && rest && size_class(pad) == size_class(rest)) {
         if (bin_room(a, pad, 2) < 0) return -2;
@@ -304,7 +315,14 @@ i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment) {
         map_pop(&a->free_end, end, &ignored);
     }
     map_put(&a->used_at, unit, need);
-    return a->base + (unit << shift);
+    return place->address;
+}
+
+/* The address of a block of `size` bytes; -1 when none fits, -2 (MemoryError) when there is
+ * no memory for the bookkeeping (nothing changed). arena_reserve first. */
+i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment) {
+    Place place;
+    return arena_place(a, size, alignment, &place) < 0 ? -1 : arena_take(a, &place);
 }
 
 static inline i64 arena_unit(const ArenaObject *a, i64 address) {

@@ -80,7 +80,17 @@ static inline int hash_may_fill(Py_ssize_t home, Py_ssize_t hole, Py_ssize_t j) 
 typedef struct ArenaObject ArenaObject;
 extern PyTypeObject ArenaType;
 
+/* Where a block goes (arena_place), found before anything changes; arena_take takes it. */
+typedef struct {
+    i64 address;
+    int class_;
+    Py_ssize_t index;
+    i64 pad, units;
+} Place;
+
 int arena_reserve(ArenaObject *a);
+int arena_place(const ArenaObject *a, i64 size, i64 alignment, Place *place);
+i64 arena_take(ArenaObject *a, const Place *place);
 i64 arena_alloc(ArenaObject *a, i64 size, i64 alignment);
 i64 arena_free(ArenaObject *a, i64 address);
 

@@ -14,6 +14,7 @@ typedef struct {
         tree_root, tree_ordered, tree_fast;
     Py_ssize_t recorder_events, recorder_writer, recorder_clock;
     Py_ssize_t pending_fifo;
+    Py_ssize_t mapping_mapped, mapping_asleep, mapping_address, mapping_granule;
     Py_ssize_t state_pending;
 } Offsets;
 
@@ -32,7 +33,8 @@ int tree_init(void) {
 
 /* The classes whose __slots__ the fast path reads (given to install), and the class of
  * PendingFrees._fifo. */
-static PyTypeObject *node_class, *tree_class, *recorder_class, *pending_class, *deque_class;
+static PyTypeObject *node_class, *tree_class, *recorder_class, *pending_class, *mapping_class,
+    *deque_class;
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
@@ -111,6 +113,27 @@ static inline int stamp(PyObject *node, double *time) {
     PyObject *recorder = typed_slot(tree, tree_class, at.tree_recorder);
     PyObject *clock = typed_slot(recorder, recorder_class, at.recorder_clock);
     return clock == NULL ? -1 : read_clock(clock, time);
+}
+
+/* The common case of memory.py's Mapping.admit, read without running Python code: 1 when
+ * `mapping` (exactly a Mapping) is awake and every granule that [address, address + nbytes)
+ * touches is mapped already (its bytearray `mapped`, kept by the Python class for both
+ * cores); 0 for anything else (a growth, a sleeping range, a slot holding what Python code
+ * put there), which the Python methods do. The tree's lock held. */
+static int mapped_already(PyObject *mapping, i64 address, i64 nbytes) {
+    PyObject *mapped = SLOT(mapping, at.mapping_mapped);
+    i64 base, granule;
+    if (SLOT(mapping, at.mapping_asleep) != Py_None || mapped == NULL ||
+        !PyByteArray_CheckExact(mapped) || !i64_slot(mapping, at.mapping_address, &base) ||
+        !i64_slot(mapping, at.mapping_granule, &granule) || granule <= 0 || address < base ||
+        address - base > INT64_MAX - nbytes)
+        return 0;
+    i64 first = (address - base) / granule, last = (address - base + nbytes - 1) / granule;
+    if (last >= PyByteArray_GET_SIZE(mapped)) return 0;
+    const char *granules = PyByteArray_AS_STRING(mapped);
+    for (i64 index = first; index <= last; index++)
+        if (!granules[index]) return 0;
+    return 1;
 }
 
 /* The parts of a tree the fast path uses, when it may take it: 1 yes, 0 leave it to Python. */
@@ -192,7 +215,9 @@ retry:;
     PyObject *mapping = SLOT(p.tree, at.tree_mapping);
     PyObject *fifo = exactly(typed_slot(SLOT(p.tree, at.tree_pending), pending_class, at.pending_fifo),
                              deque_class);
-    if (mapping != Py_None || fifo == NULL || PyObject_Length(fifo) != 0) goto slow_labelled;
+    if ((mapping != Py_None && exactly(mapping, mapping_class) == NULL) || fifo == NULL ||
+        PyObject_Length(fifo) != 0)
+        goto slow_labelled;
     PyObject *account = SLOT(node, at.node_account);
     StatsObject *st = stats_of(SLOT(node, at.node_stats));
     i64 granularity, id;
@@ -214,12 +239,16 @@ retry:;
         }
     }
     if (!lock_try(p.lock)) goto slow_labelled;
-    /* the lock held: refuse, place, then commit; a denial is left to Python (it records it) */
+    /* the lock held: refuse, place, then commit; a denial is left to Python (it records it),
+     * and so is a block of a growable root that needs a granule mapped (nothing changed) */
     AccountObject *acct = (AccountObject *)account;
+    Place place;
     i64 address;
     if (ledger_refusal(acct, nbytes) != NULL || arena_reserve(p.arena) < 0 ||
         log_reserve(p.events) < 0 || reg_reserve(p.live, 1) < 0 ||
-        (address = arena_alloc(p.arena, nbytes, granularity)) < 0) {
+        arena_place(p.arena, nbytes, granularity, &place) < 0 ||
+        (mapping != Py_None && !mapped_already(mapping, place.address, nbytes)) ||
+        (address = arena_take(p.arena, &place)) < 0) {
         PyErr_Clear();
         lock_leave(p.lock);
         goto slow_labelled;
@@ -392,13 +421,13 @@ static int put_method(PyObject *cls, PyMethodDef *def, PyObject *function) {
 }
 
 PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"budget", "node", "tree", "recorder", "pending", "state", "label",
-                            "clock", NULL};
-    PyObject *budget, *node, *tree, *recorder, *pending, *state, *label, *clock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!OOO:install", names, &PyType_Type,
+    static char *names[] = {"budget", "node", "tree", "recorder", "pending", "mapping", "state",
+                            "label", "clock", NULL};
+    PyObject *budget, *node, *tree, *recorder, *pending, *mapping, *state, *label, *clock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OOO:install", names, &PyType_Type,
                                      &budget, &PyType_Type, &node, &PyType_Type, &tree,
-                                     &PyType_Type, &recorder, &PyType_Type, &pending, &state,
-                                     &label, &clock))
+                                     &PyType_Type, &recorder, &PyType_Type, &pending,
+                                     &PyType_Type, &mapping, &state, &label, &clock))
         return NULL;
     if (configured) {
         PyErr_SetString(PyExc_RuntimeError, "install() runs once");
@@ -426,6 +455,10 @@ PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
         slot_offset(recorder, "writer", &o.recorder_writer) < 0 ||
         slot_offset(recorder, "clock", &o.recorder_clock) < 0 ||
         slot_offset(pending, "_fifo", &o.pending_fifo) < 0 ||
+        slot_offset(mapping, "mapped", &o.mapping_mapped) < 0 ||
+        slot_offset(mapping, "asleep", &o.mapping_asleep) < 0 ||
+        slot_offset(mapping, "address", &o.mapping_address) < 0 ||
+        slot_offset(mapping, "granule", &o.mapping_granule) < 0 ||
         slot_offset((PyObject *)Py_TYPE(state), "pending", &o.state_pending) < 0)
         return NULL;
     PyObject *collections = PyImport_ImportModule("collections");
@@ -453,9 +486,10 @@ PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     at = o;
-    PyObject *classes[] = {node, tree, recorder, pending};
-    PyTypeObject **kept[] = {&node_class, &tree_class, &recorder_class, &pending_class};
-    for (int i = 0; i < 4; i++) {
+    PyObject *classes[] = {node, tree, recorder, pending, mapping};
+    PyTypeObject **kept[] = {&node_class, &tree_class, &recorder_class, &pending_class,
+                             &mapping_class};
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(classes[i]);
         *kept[i] = (PyTypeObject *)classes[i];
     }
