@@ -66,12 +66,9 @@ def _stale(directory: str) -> str | None:
         when = os.path.getmtime(built)
         edited = [source for source in _sources(directory) if os.path.getmtime(source) > when]
         if edited:
-            more = (f", and so {'is' if len(edited) == 2 else 'are'} "
-                    f"{', '.join(os.path.basename(source) for source in edited[1:4])}"
-                    f"{f' and {len(edited) - 4} more' if len(edited) > 4 else ''}"
-                    if len(edited) > 1 else "")
+            also = ", ".join(os.path.basename(source) for source in edited[1:])
             return (f"{edited[0]} is newer than its extension {os.path.basename(built)} "
-                    f"(edited since the build{more})")
+                    f"(edited since the build{'; so are ' + also if also else ''})")
     return None
 
 
