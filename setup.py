@@ -1,8 +1,9 @@
 """Build script: the allocation core's C extension, where a C compiler is at hand.
 
-Everything else is in pyproject.toml. ``gpubudget/_core/_native.c`` is the hot path of every
-allocation written in C against CPython's API; it needs nothing but a C compiler and Python's
-headers. Where they are missing (the build fails: a warning), or ``GPUBUDGET_PURE=1`` is set,
+Everything else is in pyproject.toml. The C files of ``gpubudget/_core`` (one per concept,
+named after the Python module each mirrors; ``native.h`` says which) are the hot path of
+every allocation written in C against CPython's API; they need nothing but a C compiler and
+Python's headers. Where they are missing (the build fails: a warning), or ``GPUBUDGET_PURE=1`` is set,
 the package installs as pure Python with the same behaviour (``gpubudget.compiled`` tells
 which runs; ``gpubudget/_core/__init__.py`` says when a development install runs its Python
 core instead).
@@ -20,11 +21,21 @@ def pure_asked() -> bool:
     return os.environ.get("GPUBUDGET_PURE", "").strip() not in ("", "0")
 
 
+CORE = "gpubudget/_core"
+
+
+def sources() -> list[str]:
+    """The C core's files: every ``.c`` of ``gpubudget/_core`` (one per concept, beside the
+    Python module it mirrors; ``_native.c`` makes the module)."""
+    return sorted(f"{CORE}/{name}" for name in os.listdir(CORE) if name.endswith(".c"))
+
+
 def extensions() -> list[Extension]:
     if pure_asked():
         return []
-    flags = [] if sys.platform == "win32" else ["-O2", "-std=c11", "-Wall", "-Wno-missing-field-initializers"]
-    return [Extension("gpubudget._core._native", ["gpubudget/_core/_native.c"],
+    flags = [] if sys.platform == "win32" else [
+        "-O2", "-std=c11", "-Wall", "-Wno-missing-field-initializers", "-fvisibility=hidden"]
+    return [Extension("gpubudget._core._native", sources(), depends=[f"{CORE}/native.h"],
                       extra_compile_args=flags, optional=True)]
 
 

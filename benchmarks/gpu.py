@@ -4,7 +4,9 @@
 
 Every allocator runs the churn trace (``benchmarks/traces.py``) and the model-loading trace
 (``traces.model_loading``) in one process, interleaved, ``--repeat`` times; prints Markdown
-tables of median microseconds per allocate+free pair and ratios to the ``Budget`` path.
+tables of median microseconds per allocate+free pair and ratios to the ``Budget`` path (a
+reserved root), with a growable root (``initial=0``, grown to its limit before it is timed)
+beside it and the ratio of the two.
 Allocators whose package is missing are listed as not run. A third table times CuPy arrays and
 PyTorch tensors created and deleted through their own pools and routed into a budget
 (``gpubudget.cupy.allocations``, ``gpubudget.torch.allocations``).
@@ -28,6 +30,7 @@ from .traces import churn, model_loading, replay
 # An opened allocator: allocate(nbytes) -> handle, free(handle), close().
 Opened = tuple[Callable[[int], Any], Callable[[Any], object], Callable[[], None]]
 BUDGET = "gpubudget Budget.allocate/free"
+GROWABLE = "gpubudget Budget, growable root (grown)"
 
 
 def _open_budget() -> Opened:
@@ -35,6 +38,19 @@ def _open_budget() -> Opened:
 
     budget = gpu_budget("16GiB", name="bench", backend="pycuda")
     budget.__enter__()
+    return budget.allocate, budget.free, lambda: budget.__exit__(None, None, None)
+
+
+def _open_growable() -> Opened:
+    """A growable root (``initial=0``) grown to its limit before the trace: every granule
+    mapped, so the trace never grows it (the reserved root's trace, on the growable path)."""
+    from gpubudget import gpu_budget
+
+    from .churn import grown
+
+    budget = gpu_budget("16GiB", name="bench", backend="pycuda", initial=0)
+    budget.__enter__()
+    grown(budget)
     return budget.allocate, budget.free, lambda: budget.__exit__(None, None, None)
 
 
@@ -89,6 +105,7 @@ def _open_torch() -> Opened:
 
 ALLOCATORS: dict[str, Callable[[], Opened]] = {
     BUDGET: _open_budget,
+    GROWABLE: _open_growable,
     "gpubudget TensorRT methods": _open_trt_methods,
     "PyCUDA mem_alloc/free (cudaMalloc)": _open_pycuda,
     "CuPy runtime.malloc/free (cudaMalloc)": _open_cupy_runtime,
@@ -137,6 +154,8 @@ def tables(steps: int, repeat: int) -> list[str]:
         rows += ["", f"### {title}", "", "| allocator | us/pair | / Budget |", "| --- | ---: | ---: |"]
         for label, value in sorted(us.items(), key=lambda item: -item[1]):
             rows.append(f"| {label} | {value:.2f} | {value / ours:.2f}x |")
+        if GROWABLE in us:
+            rows += ["", f"growable root (grown) / reserved root: {us[GROWABLE] / ours:.2f}x"]
     return rows
 
 

@@ -1,6 +1,7 @@
 """Which core runs (``gpubudget._core``): the C extension where it was built, the pure-Python
 core where it was not, where ``GPUBUDGET_PURE`` asks for it, or where a development
-install's ``_native.c`` is newer than its build (then with one warning)."""
+install's C source (any ``.c`` or ``.h`` file of ``_core/``) is newer than its build (then
+with one warning)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,26 @@ def test_a_checkout_edited_since_its_build_runs_python_and_says_so(tmp_path: Pat
     assert source.exists()
     done = _run(tmp_path, _env(installed))
     assert done.stdout.split()[0] == "True" and "RuntimeWarning" not in done.stderr
+
+
+@pytest.mark.skipif(native is None, reason="the C core is not built here")
+@pytest.mark.parametrize("edited", ["arena.c", "native.h"])
+def test_any_c_source_edited_since_the_build_runs_python(tmp_path: Path, edited: str) -> None:
+    src = _copy(tmp_path, checkout=True)
+    core = src / "gpubudget" / "_core"
+    built = next(p for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                 for p in [core / ("_native" + suffix)] if p.exists())
+    for source in [*core.glob("*.c"), *core.glob("*.h")]:
+        os.utime(source, (1_000_000, 1_000_000))
+    os.utime(built, (2_000_000, 2_000_000))  # built from them all
+    done = _run(tmp_path, _env(src))
+    assert done.stdout.split()[0] == "True" and "Warning" not in done.stderr, done.stderr
+    os.utime(core / edited, (3_000_000, 3_000_000))  # one of them edited since
+    done = _run(tmp_path, _env(src))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "False"
+    assert done.stderr.count("RuntimeWarning") == 1, done.stderr
+    assert f"{core / edited} is newer than its extension {built.name}" in done.stderr
 
 
 def test_without_the_extension_the_python_core_runs_silently(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The two cores side by side: every answer and every number of the C core (``_native.c``)
+"""The two cores side by side: every answer and every number of the C core (``_core/*.c``)
 must be the Python core's.
 
 - The arena: ``native.Arena`` against the Python ``Arena`` on the same random and
@@ -206,13 +206,19 @@ class Trees(RuleBasedStateMachine):
     @initialize(limit=st.integers(32, 512), align=st.sampled_from([1, 64, 256, 1024]),
                 streams=st.booleans())
     def start(self, limit: int, align: int, streams: bool) -> None:
-        def backend() -> HostBackend:
-            return StreamBackend() if streams else HostBackend()
+        self.start_roots(limit, align, streams)
 
+    def backend(self, streams: bool) -> HostBackend:
+        return StreamBackend() if streams else HostBackend()
+
+    def start_roots(self, limit: int, align: int, streams: bool, **options: Any) -> None:
+        """The two roots, entered with ``options`` besides the limit and alignment."""
         # each root in a context of its own: entered side by side, neither is the other's child
         self.contexts = (contextvars.Context(), contextvars.Context())
-        self.fast = gpu_budget(limit * KiB, align=align, name="root", backend=backend())
-        self.slow = gpu_budget(limit * KiB, align=align, name="root", backend=backend())
+        self.fast = gpu_budget(limit * KiB, align=align, name="root",
+                               backend=self.backend(streams), **options)
+        self.slow = gpu_budget(limit * KiB, align=align, name="root",
+                               backend=self.backend(streams), **options)
         self.contexts[0].run(self.fast.__enter__)
         self.contexts[1].run(self.slow.__enter__)
         python_paths(self.slow)

@@ -1,4 +1,4 @@
-"""Attacks on the C core (``_core/_native.c``) and on what it shares with the Python core.
+"""Attacks on the C core (``_core/*.c``) and on what it shares with the Python core.
 
 Each test states behaviour the Python core (the reference) has, or that both must have. The
 ones marked ``xfail(strict=True)`` fail on the code they were written against: each names the

@@ -1,12 +1,14 @@
 """Python code cannot crash the C core.
 
-The C fast path (``_core/_native.c``) reads the ``__slots__`` of ``Budget``, ``Node``,
-``Tree``, ``Recorder``, ``PendingFrees`` and the interrupt state at offsets looked up once,
+The C fast path (``_core/tree.c``) reads the ``__slots__`` of ``Budget``, ``Node``, ``Tree``,
+``Recorder``, ``PendingFrees``, ``Mapping`` and the interrupt state at offsets looked up once,
 and the object members of its own ``Stats``. Python code may put anything there: ``None``, an
 int, a str, an object of another class, or nothing (``del``). For every slot named in
 ``install()`` and every object member of the C types that Python may set, read from the C
-source itself, a process puts each of those there, then allocates, frees, reports, checks and
-leaves its budgets: it may raise (Python's errors), and it must not die by a signal.
+source itself (every ``.c`` and ``.h`` file of ``_core/``), a process puts each of those
+there, then allocates, frees, reports, checks and leaves its budgets (a growable root's when
+the slot is its ``Mapping``'s): it may raise (Python's errors), and it must not die by a
+signal.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import pytest
 from gpubudget._core import native
 from tests.helpers import subprocess_env
 
-SOURCE = Path(__file__).parent.parent / "gpubudget" / "_core" / "_native.c"
+CORE = Path(__file__).parent.parent / "gpubudget" / "_core"
+
+
+def c_source() -> str:
+    """The C core's source: its header and every C file, as one text."""
+    return "\n".join(path.read_text() for path in sorted([*CORE.glob("*.h"), *CORE.glob("*.c")]))
 
 # How the attack reaches an object of each kind the C source names, from the child budget
 # ``child`` (of root ``root``) that holds a block.
@@ -35,13 +42,16 @@ REACH = {
     "state": "interrupts.STATE",
     "Stats": "child._node.stats",
     "registry": "child._node.tree.live",  # a live block's owner, read by the fast free
+    "mapping": "child._node.tree.mapping",  # a growable root's granules
 }
 
 
 def slots_read_at_offsets() -> list[tuple[str, str]]:
     """``(kind, slot)`` for every ``slot_offset`` call of ``install()`` in the C source."""
-    text = SOURCE.read_text()
-    install = text[text.index("static PyObject *py_install("):]
+    text = c_source()
+    start = re.search(r"PyObject \*py_install\([^)]*\) \{", text)  # its definition
+    assert start is not None, "the C source defines no py_install()"
+    install = text[start.start():]
     install = install[: install.index("\n}\n")]
     found = re.findall(r'slot_offset\(\s*(?:\(PyObject \*\)Py_TYPE\()?(\w+)\)?,\s*"(\w+)"',
                        install)
@@ -50,7 +60,7 @@ def slots_read_at_offsets() -> list[tuple[str, str]]:
 
 def writable_object_members() -> list[tuple[str, str]]:
     """``(type, member)`` for every object member of a C type that Python may set."""
-    text = SOURCE.read_text()
+    text = c_source()
     found = re.findall(r'\{"(\w+)", T_OBJECT(?:_EX)?, offsetof\((\w+)Object, \w+\), 0,', text)
     return [(kind, name) for name, kind in found]
 
@@ -82,9 +92,12 @@ _SCRIPT = """
             setattr(target, slot, value)
         return lambda: setattr(target, slot, saved)
 
+    # a growable root where the attack is on its memory (tree.mapping, the Mapping's slots)
+    initial = 0 if "mapping" in (where, slot) or where.endswith(".mapping") else None
+
     def attack(value, label):
         print(label, flush=True)
-        with gpu_budget("1MiB", name="root", backend="host") as root:
+        with gpu_budget("1MiB", name="root", backend="host", initial=initial) as root:
             with gpu_budget("512KiB", name="child") as child:
                 blocks = [child.allocate(256, tag="t"), child.allocate(512), root.allocate(256)]
                 others = {"a Node": child._node, "a Tree": child._node.tree,
@@ -110,6 +123,7 @@ _SCRIPT = """
     DELETE = object()
     for value, label in [(None, "None"), (12345, "an int"), ("text", "a str"),
                          (object(), "an object"), ([], "a list"), (DELETE, "nothing"),
+                         (bytearray(1), "a short bytearray"),
                          (None, "a Node"), (None, "a Tree"), (None, "a Recorder"),
                          (None, "a PendingFrees"), (None, "a Budget")]:
         try:

@@ -5,15 +5,18 @@ Its modules: :mod:`.arena` (placement), :mod:`.ledger` (limits and charges), :mo
 root's memory), :mod:`.tree` and :mod:`.node` (a root's tree and its budgets).
 
 The hot path has two implementations with one behaviour: these modules in Python, and the C
-extension ``_native`` (``_native.c``), built by ``setup.py`` where a C compiler is at hand.
+extension ``_native``, built by ``setup.py`` where a C compiler is at hand from the ``.c``
+files here (one per concept, named after the Python module it mirrors; ``native.h`` declares
+what they share, ``_native.c`` makes the module).
 :data:`native` is the extension when it runs, else ``None``; ``gpubudget.compiled`` says the
 same. The pure-Python core runs when:
 
 - ``GPUBUDGET_PURE`` is set (not ``0``) when the program runs, or was at install (nothing is
   built);
 - the extension was not built (no C compiler), or does not import;
-- in a source checkout (``setup.py`` beside the package: an editable install), ``_native.c``
-  is newer than the extension built from it: one ``RuntimeWarning`` says how to rebuild.
+- in a source checkout (``setup.py`` beside the package: an editable install), a C source
+  of it (a ``.c`` or ``.h`` file here) is newer than the extension built from them: one
+  ``RuntimeWarning`` names it and says how to rebuild.
 
 A source checkout that holds no built extension, imported while another copy of gpubudget
 that has one is further down ``sys.path`` (``pip install .`` and then Python started in the
@@ -46,17 +49,26 @@ def pure_asked() -> bool:
     return os.environ.get(PURE_ENV, "").strip() not in ("", "0")
 
 
+def _sources(directory: str) -> list[str]:
+    """The C core's source files in ``directory`` (its ``.c`` files and its header), by name."""
+    return [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+            if name.endswith((".c", ".h"))]
+
+
 def _stale(directory: str) -> str | None:
     """Why the extension of a source checkout must not run, or ``None``."""
     if not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(directory)), "setup.py")):
         return None  # installed from a wheel: what was built is what runs
-    source = os.path.join(directory, "_native.c")
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         built = os.path.join(directory, "_native" + suffix)
-        if os.path.exists(built) and os.path.exists(source) and (
-                os.path.getmtime(source) > os.path.getmtime(built)):
-            return (f"{source} is newer than its extension {os.path.basename(built)} "
-                    f"(edited since the build)")
+        if not os.path.exists(built):
+            continue
+        when = os.path.getmtime(built)
+        edited = [source for source in _sources(directory) if os.path.getmtime(source) > when]
+        if edited:
+            also = ", ".join(os.path.basename(source) for source in edited[1:])
+            return (f"{edited[0]} is newer than its extension {os.path.basename(built)} "
+                    f"(edited since the build{'; so are ' + also if also else ''})")
     return None
 
 

@@ -378,7 +378,7 @@ PythonArena: Final = Arena
 
 if native is not None and not TYPE_CHECKING:
 
-    class Arena(native.Arena):  # the same placement in C (_native.c); walk and check here
+    class Arena(native.Arena):  # the same placement in C (arena.c); walk and check here
         __doc__ = Arena.__doc__
         __slots__ = ()
         walk = walk

@@ -146,7 +146,7 @@ def encloses(account: Account, other: Account) -> bool:
 PYTHON: Final = (Account, available, charge, passed_up, refusal)
 """The ledger in Python, whichever core runs (tests compare it with the C one)."""
 
-if native is not None and not TYPE_CHECKING:  # the same rules in C: _native.c
+if native is not None and not TYPE_CHECKING:  # the same rules in C: ledger.c
     Account = native.Account
     available = native.available
     charge = native.charge

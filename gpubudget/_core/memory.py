@@ -49,7 +49,13 @@ class Asleep:
 
 class Mapping:
     """Which granules of ``memory`` are mapped; see the module docstring. It is also the
-    root's reservation (``address``, ``nbytes``, ``release``)."""
+    root's reservation (``address``, ``nbytes``, ``release``).
+
+    ``mapped`` (a bytearray, one byte per granule, 1 where mapped), ``asleep``, ``address``
+    and ``granule`` are read by the C core's fast path too (``tree.c``): a block whose
+    granules are all mapped already, in a range awake, is placed there without calling
+    :meth:`admit`; anything else calls the Python methods. Every change to them is made here,
+    with the tree's lock held, so both cores see one state."""
 
     __slots__ = ("memory", "address", "nbytes", "granule", "mapped", "count", "high", "asleep",
                  "errors", "published", "kept", "kept_pinned")

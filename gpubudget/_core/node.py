@@ -23,6 +23,7 @@ from .. import interrupts
 from ..interrupts import STATE
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
+from .memory import Mapping
 from . import native
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
@@ -245,5 +246,6 @@ def install_fast_path(budget: type) -> bool:
     if native is None:
         return False
     native.install(budget=budget, node=Node, tree=Tree, recorder=Recorder,
-                   pending=PendingFrees, state=STATE, label=LABEL, clock=time.perf_counter)
+                   pending=PendingFrees, mapping=Mapping, state=STATE, label=LABEL,
+                   clock=time.perf_counter)
     return True

@@ -68,7 +68,7 @@ class _Counters:
 
 
 if native is not None and not TYPE_CHECKING:
-    _Counters = native.Stats  # noqa: F811 - the same fields in C (_native.c)
+    _Counters = native.Stats  # noqa: F811 - the same fields in C (recorder.c)
 
 
 class Stats(_Counters):

@@ -100,7 +100,7 @@ class Tree:
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else self.unclaimed()
         self.free_at_exit: int | None = None
-        # Whether Budget.allocate and free may run in C (the C core; see _native.c); False
+        # Whether Budget.allocate and free may run in C (the C core; see tree.c); False
         # sends every call through the methods below (tests compare the two).
         self.fast = native is not None
         self.closed: str | None = None  # why no block of it may change any more (close_to)
