@@ -1,7 +1,8 @@
 """Build script: the allocation core's C extension, where a C compiler is at hand.
 
 Everything else is in pyproject.toml. ``gpubudget/_core/_native.c`` is the hot path of every
-allocation written in C against CPython's API; it needs nothing but a C compiler and Python's
+allocation written in C against CPython's API, and ``gpubudget/tracefile/_scan.c`` reads (and
+replays) the common lines of trace files; they need nothing but a C compiler and Python's
 headers. Where they are missing (the build fails: a warning), or ``GPUBUDGET_PURE=1`` is set,
 the package installs as pure Python with the same behaviour (``gpubudget.compiled`` tells
 which runs; ``gpubudget/_core/__init__.py`` says when a development install runs its Python
@@ -25,6 +26,8 @@ def extensions() -> list[Extension]:
         return []
     flags = [] if sys.platform == "win32" else ["-O2", "-std=c11", "-Wall", "-Wno-missing-field-initializers"]
     return [Extension("gpubudget._core._native", ["gpubudget/_core/_native.c"],
+                      extra_compile_args=flags, optional=True),
+            Extension("gpubudget.tracefile._scan", ["gpubudget/tracefile/_scan.c"],
                       extra_compile_args=flags, optional=True)]
 
 
