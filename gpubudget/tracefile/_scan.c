@@ -89,8 +89,30 @@ static inline const char *skip_space(const char *p) {
 
 static inline int is_digit(char c) { return (unsigned char)(c - '0') < 10; }
 
-/* A JSON number at p; NULL where it is not one the scanner takes. */
-static const char *parse_number(const char *p, Value *v) {
+/* The 8 bytes at p as 8 decimal digits: 1 and their value, or 0 (not all digits). */
+static inline int eight_digits(const char *p, uint64_t *value) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t chunk;
+    memcpy(&chunk, p, 8);
+    if (((chunk & 0xF0F0F0F0F0F0F0F0u) | (((chunk + 0x0606060606060606u) & 0xF0F0F0F0F0F0F0F0u)
+                                          >> 4)) != 0x3333333333333333u)
+        return 0; /* each byte 0x30-0x39: high nibble 3, and still 3 after adding 6 */
+    chunk -= 0x3030303030303030u;                     /* eight values 0-9, first digit lowest */
+    chunk = chunk * 10 + (chunk >> 8);                /* pairs: 10a + b in every other byte */
+    chunk = (((chunk & 0x000000FF000000FFu) * (100 + (1000000ull << 32))) +
+             (((chunk >> 16) & 0x000000FF000000FFu) * (1 + (10000ull << 32)))) >> 32;
+    *value = chunk;
+    return 1;
+#else
+    (void)p;
+    (void)value;
+    return 0;
+#endif
+}
+
+/* A JSON number at p (the line's end at `end`); NULL where it is not one the scanner
+ * takes. */
+static const char *parse_number(const char *p, const char *end, Value *v) {
     const char *start = p;
     int negative = *p == '-';
     p += negative;
@@ -100,6 +122,12 @@ static const char *parse_number(const char *p, Value *v) {
         p++;
         count = 1;
     } else if (is_digit(*p)) {
+        uint64_t eight;
+        if (end - p >= 8 && eight_digits(p, &eight)) { /* most numbers of a trace are long */
+            digits = eight;
+            p += 8;
+            count = 8;
+        }
         for (; is_digit(*p); p++, count++)
             if (count < 19) digits = digits * 10 + (uint64_t)(*p - '0'); /* < 10**19 < 2**64 */
     } else {
@@ -168,7 +196,7 @@ static inline const char *parse_string(const char *p, Value *v) {
 }
 
 /* A list of integers at p (after '['): NULL for anything else. */
-static const char *parse_ids(const char *p, Value *v) {
+static const char *parse_ids(const char *p, const char *end, Value *v) {
     v->kind = V_LIST;
     v->text = p;
     v->length = 0;
@@ -176,7 +204,7 @@ static const char *parse_ids(const char *p, Value *v) {
     if (*p == ']') return v->stop = p + 1;
     for (;;) {
         Value id;
-        p = parse_number(skip_space(p), &id);
+        p = parse_number(skip_space(p), end, &id);
         if (p == NULL || id.kind != V_INT || id.big) return NULL;
         v->length++;
         p = skip_space(p);
@@ -186,9 +214,87 @@ static const char *parse_ids(const char *p, Value *v) {
     }
 }
 
+/* The value at p of key `known` (-1: a key the format does not name); NULL where the
+ * scanner leaves it to Python. */
+static inline const char *parse_value(const char *p, const char *end, int known, Value *v) {
+    char c = *p;
+    if (c == '"') {
+        p = parse_string(p + 1, v);
+        /* UTF-8 beyond ASCII is checked where it is decoded: only in a tag */
+        return p != NULL && known != K_TAG && !v->ascii ? NULL : p;
+    }
+    if (c == '-' || is_digit(c)) return parse_number(p, end, v);
+    if (c == 'n' && end - p >= 4 && memcmp(p, "null", 4) == 0) {
+        v->kind = V_NULL;
+        return p + 4;
+    }
+    if (c == 't' && end - p >= 4 && memcmp(p, "true", 4) == 0) {
+        v->kind = V_BOOL;
+        return p + 4;
+    }
+    if (c == 'f' && end - p >= 5 && memcmp(p, "false", 5) == 0) {
+        v->kind = V_BOOL;
+        return p + 5;
+    }
+    if (c == '[' && known == K_STACK) return parse_ids(p + 1, end, v);
+    return NULL;
+}
+
+/* The writer's own layout of the two lines, key by key (json.dumps: ", " and ": "): what
+ * comes before each value. */
+typedef struct {
+    const char *text;
+    size_t length;
+    int key;
+} Before;
+
+#define BEFORE(text, key) {text, sizeof(text) - 1, key}
+static const Before alloc_layout[] = {
+    BEFORE("{\"ev\": \"alloc\", \"t\": ", K_T), BEFORE(", \"b\": ", K_B),
+    BEFORE(", \"size\": ", K_SIZE), BEFORE(", \"align\": ", K_ALIGN),
+    BEFORE(", \"tag\": ", K_TAG), BEFORE(", \"ptr\": ", K_PTR),
+    BEFORE(", \"bytes\": ", K_BYTES), BEFORE(", \"reason\": ", K_REASON),
+    BEFORE(", \"stack\": ", K_STACK)};
+static const Before free_layout[] = {BEFORE("{\"ev\": \"free\", \"t\": ", K_T),
+                                     BEFORE(", \"b\": ", K_B), BEFORE(", \"ptr\": ", K_PTR)};
+#undef BEFORE
+
+/* The line in the writer's layout (the last key of alloc_layout optional); 0 for any other
+ * (then read key by key). */
+static int parse_layout(const char *p, const char *end, Line *line) {
+    const Before *layout;
+    int keys, optional;
+    if (end - p > 8 && memcmp(p + 8, "alloc", 5) == 0) {
+        layout = alloc_layout;
+        keys = (int)(sizeof(alloc_layout) / sizeof(Before));
+        optional = 1;
+        line->v[K_EV] = (Value){.kind = V_STRING, .text = p + 8, .length = 5, .ascii = 1};
+    } else if (end - p > 8 && memcmp(p + 8, "free", 4) == 0) {
+        layout = free_layout;
+        keys = (int)(sizeof(free_layout) / sizeof(Before));
+        optional = 0;
+        line->v[K_EV] = (Value){.kind = V_STRING, .text = p + 8, .length = 4, .ascii = 1};
+    } else {
+        return 0;
+    }
+    line->seen = 1u << K_EV;
+    for (int k = 0; k < keys; k++) {
+        const Before *before = &layout[k];
+        if ((size_t)(end - p) < before->length || memcmp(p, before->text, before->length) != 0) {
+            if (k == keys - 1 && optional) break;
+            return 0;
+        }
+        p = parse_value(p + before->length, end, before->key, &line->v[before->key]);
+        if (p == NULL) return 0;
+        line->seen |= 1u << before->key;
+    }
+    return *p == '}' && p + 1 == end;
+}
+
 /* The line [p, end) (end at its newline) as one flat object; 0 where the scanner leaves it
  * to Python. */
 static int parse_line(const char *p, const char *end, Line *line) {
+    if (parse_layout(p, end, line)) return 1;
     line->seen = 0;
     if (*p != '{') return 0;
     p = skip_space(p + 1);
@@ -203,28 +309,8 @@ static int parse_line(const char *p, const char *end, Line *line) {
         p = skip_space(p);
         if (*p != ':') return 0;
         p = skip_space(p + 1);
-        Value scratch, *v = known >= 0 ? &line->v[known] : &scratch;
-        char c = *p;
-        if (c == '"') {
-            p = parse_string(p + 1, v);
-            /* UTF-8 beyond ASCII is checked where it is decoded: only in a tag */
-            if (p != NULL && known != K_TAG && !v->ascii) return 0;
-        } else if (c == '-' || is_digit(c)) {
-            p = parse_number(p, v);
-        } else if (c == 'n' && end - p >= 4 && memcmp(p, "null", 4) == 0) {
-            v->kind = V_NULL;
-            p += 4;
-        } else if (c == 't' && end - p >= 4 && memcmp(p, "true", 4) == 0) {
-            v->kind = V_BOOL;
-            p += 4;
-        } else if (c == 'f' && end - p >= 5 && memcmp(p, "false", 5) == 0) {
-            v->kind = V_BOOL;
-            p += 5;
-        } else if (c == '[' && known == K_STACK) {
-            p = parse_ids(p + 1, v);
-        } else {
-            return 0;
-        }
+        Value scratch;
+        p = parse_value(p, end, known, known >= 0 ? &line->v[known] : &scratch);
         if (p == NULL) return 0;
         p = skip_space(p);
         if (*p == '}') break;
@@ -396,7 +482,7 @@ static PyObject *stack_frames(ScannerObject *self, const Value *v) {
     const char *p = v->text;
     for (Py_ssize_t i = 0; i < v->length; i++) {
         Value id;
-        p = parse_number(skip_space(p), &id); /* as parse_ids read it */
+        p = parse_number(skip_space(p), v->stop, &id); /* as parse_ids read it */
         PyObject *key = PyLong_FromLongLong(id.integer);
         PyObject *frame = key ? PyDict_GetItemWithError(self->frames, key) : NULL;
         Py_XDECREF(key);
