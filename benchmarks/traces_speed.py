@@ -115,8 +115,8 @@ def main() -> None:
         if not present:
             print(f"| TraceReader(parser={name!r}) | not here | | |")
             continue
-        seconds, events = min((read_rate(server, name) for _ in range(repeat)),
-                              key=lambda found: found[0])
+        runs = [read_rate(server, name) for _ in range(repeat)]
+        seconds, events = statistics.median(run[0] for run in runs), runs[0][1]
         print(f"| TraceReader(parser={name!r}) | {events:,} | {seconds:.2f} | "
               f"{events / seconds:,.0f} |")
     print("\n" + head)
