@@ -48,6 +48,7 @@ __all__ = [
     "test_a_request_no_device_can_meet_is_a_memory_error",
     "test_threads_reserve_and_release_at_once",
     "test_a_virtual_range_maps_granules_on_demand", "test_a_failed_map_changes_nothing",
+    "test_a_granule_outside_the_range_is_refused",
     "test_blocks_are_aligned_inside_the_root_and_never_overlap",
     "test_a_moving_resize_copies_through_the_backend",
     "test_exhaustion_is_a_denial_and_a_double_free_is_refused",
@@ -304,6 +305,26 @@ def test_a_failed_map_changes_nothing(case: Case) -> None:
         case.write(memory.address + memory.granule, b"then")
         assert case.read(memory.address + memory.granule, 4) == b"then"
         memory.unmap(1)
+    finally:
+        memory.release()
+
+
+def test_a_granule_outside_the_range_is_refused(case: Case) -> None:
+    """The range's own granules only: an index before or past them is an ``IndexError``
+    that maps (or unmaps) nothing, never memory beyond the range."""
+    memory = virtual(case)
+    try:
+        count = memory.nbytes // memory.granule
+        memory.map(0)
+        for index in (-1, count, count + 10):
+            with pytest.raises(IndexError, match="granule"):
+                memory.map(index)
+            with pytest.raises(IndexError, match="granule"):
+                memory.unmap(index)
+        case.write(memory.address, b"still")
+        assert case.read(memory.address, 5) == b"still"
+        assert getattr(memory, "mapped", memory.granule) == memory.granule
+        memory.unmap(0)
     finally:
         memory.release()
 

@@ -58,11 +58,13 @@ class VirtualRange(Protocol):
     def granule(self) -> int: ...
 
     def map(self, index: int) -> None:
-        """Back granule ``index`` with memory; ``MemoryError`` if there is none to be had."""
+        """Back granule ``index`` with memory; ``MemoryError`` if there is none to be had
+        (nothing changed), ``IndexError`` for an index outside the range."""
         ...
 
     def unmap(self, index: int) -> None:
-        """Give granule ``index``'s memory back; its contents are lost."""
+        """Give granule ``index``'s memory back; its contents are lost. ``IndexError`` for an
+        index outside the range."""
         ...
 
     def release(self) -> None:
@@ -110,6 +112,13 @@ def _c() -> ctypes.CDLL:
 
 def _failed(what: str) -> MemoryError:
     return MemoryError(f"{what} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _inside(index: int, nbytes: int, granule: int) -> None:
+    """Refuse a granule index outside a range of ``nbytes`` in granules of ``granule``."""
+    count = nbytes // granule
+    if not 0 <= index < count:
+        raise IndexError(f"granule {index} is outside the range (granules 0 to {count - 1})")
 
 
 class HostStaging:
@@ -162,6 +171,7 @@ class HostVirtualRange:
         self._live = True
 
     def map(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         if self.capacity is not None and self.mapped + self.granule > self.capacity:
             raise MemoryError(f"out of memory: {self.mapped} of {self.capacity} bytes mapped")
         start = self.address + index * self.granule
@@ -170,6 +180,7 @@ class HostVirtualRange:
         self.mapped += self.granule
 
     def unmap(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         start = self.address + index * self.granule
         libc = _c()
         libc.madvise(start, self.granule, _MADV_DONTNEED)  # its pages are dropped: zeroes next
@@ -328,6 +339,7 @@ class CudaVirtualRange:
         self._live = True
 
     def map(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         driver, granule = self._driver, self.granule
         start = self.address + index * granule
         handle = ctypes.c_ulonglong()
@@ -348,6 +360,7 @@ class CudaVirtualRange:
         self._handles[index] = handle.value
 
     def unmap(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         handle = self._handles.pop(index)
         start = self.address + index * self.granule
         if self._backend.closed:
