@@ -49,6 +49,7 @@ __all__ = [
     "test_threads_reserve_and_release_at_once",
     "test_a_virtual_range_maps_granules_on_demand", "test_a_failed_map_changes_nothing",
     "test_a_granule_outside_the_range_is_refused",
+    "test_a_failed_unmap_leaves_the_granule_mapped_and_known",
     "test_blocks_are_aligned_inside_the_root_and_never_overlap",
     "test_a_moving_resize_copies_through_the_backend",
     "test_exhaustion_is_a_denial_and_a_double_free_is_refused",
@@ -326,6 +327,29 @@ def test_a_granule_outside_the_range_is_refused(case: Case) -> None:
         assert getattr(memory, "mapped", memory.granule) == memory.granule
         memory.unmap(0)
     finally:
+        memory.release()
+
+
+def test_a_failed_unmap_leaves_the_granule_mapped_and_known(case: Case) -> None:
+    """A granule whose unmap failed is still mapped, still the range's: its bytes are
+    there, unmapping it again works once the device lets it, and releasing frees it."""
+    memory = virtual(case)
+    try:
+        memory.map(1)
+        memory.map(2)
+        case.write(memory.address + memory.granule, b"held")
+        assert case.fail_unmap is not None
+        undo = case.fail_unmap(memory)
+        try:
+            with pytest.raises(MemoryError):
+                memory.unmap(1)
+        finally:
+            undo()
+        assert case.read(memory.address + memory.granule, 4) == b"held"
+        memory.unmap(1)  # now it goes
+        memory.map(1)  # and is the range's to map again
+    finally:
+        memory.release()
         memory.release()
 
 
