@@ -41,7 +41,7 @@ from gpubudget.replay import ReplayBackend
 from .helpers import consistent, finishes
 
 __all__ = [
-    "Case", "Faulty",
+    "Case", "Faulty", "faulty",
     "test_reservations_are_aligned_writable_and_released_twice_without_harm",
     "test_live_reservations_never_overlap",
     "test_copy_moves_bytes", "test_events_complete", "test_mem_info_is_sane",
