@@ -188,7 +188,18 @@ class TraceReader:
         """The events, as iterating the reader gives them; with ``sink`` (the tables of a
         replay, see :mod:`gpubudget.replay.run`) and the C scanner, the granted allocations
         and frees that the replay can take whole are replayed into it as they are read, and
-        only the other events are yielded, in order."""
+        only the other events are yielded, in order.
+
+        >>> import os, tempfile
+        >>> from gpubudget import gpu_budget
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
+        ...     pool.free(pool.allocate(4096))
+        True
+        >>> with TraceReader(path) as reader:
+        ...     [(type(event).__name__, event.t >= 0) for event in reader.events()]
+        [('Enter', True), ('Alloc', True), ('Free', True), ('Exit', True)]
+        """
         if self._iterated:
             raise RuntimeError(f"{self.name}: a TraceReader is read once; open another")
         self._iterated = True
