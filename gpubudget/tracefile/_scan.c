@@ -240,56 +240,60 @@ static inline const char *parse_value(const char *p, const char *end, int known,
     return NULL;
 }
 
-/* The writer's own layout of the two lines, key by key (json.dumps: ", " and ": "): what
- * comes before each value. */
-typedef struct {
-    const char *text;
-    size_t length;
-    int key;
-} Before;
+/* The writer's own layout of the two lines (json.dumps: keys in its order, ", " and ": "),
+ * literal by literal: each literal's length is known here, so comparing it is a few
+ * instructions. VALUE reads the value of key k; AFTER(text) steps over text or gives up. */
+#define AFTER(text)                                                                    \
+    if ((size_t)(end - p) < sizeof(text) - 1 || memcmp(p, text, sizeof(text) - 1) != 0) \
+        return 0;                                                                      \
+    p += sizeof(text) - 1
+#define VALUE(k)                                     \
+    if ((p = parse_value(p, end, k, &line->v[k])) == NULL) \
+        return 0;                                    \
+    line->seen |= 1u << (k)
 
-#define BEFORE(text, key) {text, sizeof(text) - 1, key}
-static const Before alloc_layout[] = {
-    BEFORE("{\"ev\": \"alloc\", \"t\": ", K_T), BEFORE(", \"b\": ", K_B),
-    BEFORE(", \"size\": ", K_SIZE), BEFORE(", \"align\": ", K_ALIGN),
-    BEFORE(", \"tag\": ", K_TAG), BEFORE(", \"ptr\": ", K_PTR),
-    BEFORE(", \"bytes\": ", K_BYTES), BEFORE(", \"reason\": ", K_REASON),
-    BEFORE(", \"stack\": ", K_STACK)};
-static const Before free_layout[] = {BEFORE("{\"ev\": \"free\", \"t\": ", K_T),
-                                     BEFORE(", \"b\": ", K_B), BEFORE(", \"ptr\": ", K_PTR)};
-#undef BEFORE
-
-/* The line in the writer's layout (the last key of alloc_layout optional); 0 for any other
- * (then read key by key). */
+/* The line in the writer's layout; 0 for any other (then read key by key). */
 static int parse_layout(const char *p, const char *end, Line *line) {
-    const Before *layout;
-    int keys, optional;
-    if (end - p > 8 && memcmp(p + 8, "alloc", 5) == 0) {
-        layout = alloc_layout;
-        keys = (int)(sizeof(alloc_layout) / sizeof(Before));
-        optional = 1;
+    line->seen = 1u << K_EV;
+    if (end - p > 13 && memcmp(p, "{\"ev\": \"alloc\"", 14) == 0) {
         line->v[K_EV] = (Value){.kind = V_STRING, .text = p + 8, .length = 5, .ascii = 1};
-    } else if (end - p > 8 && memcmp(p + 8, "free", 4) == 0) {
-        layout = free_layout;
-        keys = (int)(sizeof(free_layout) / sizeof(Before));
-        optional = 0;
+        p += 14;
+        AFTER(", \"t\": ");
+        VALUE(K_T);
+        AFTER(", \"b\": ");
+        VALUE(K_B);
+        AFTER(", \"size\": ");
+        VALUE(K_SIZE);
+        AFTER(", \"align\": ");
+        VALUE(K_ALIGN);
+        AFTER(", \"tag\": ");
+        VALUE(K_TAG);
+        AFTER(", \"ptr\": ");
+        VALUE(K_PTR);
+        AFTER(", \"bytes\": ");
+        VALUE(K_BYTES);
+        AFTER(", \"reason\": ");
+        VALUE(K_REASON);
+        if (*p == ',') { /* a stack, with track_stacks=True */
+            AFTER(", \"stack\": ");
+            VALUE(K_STACK);
+        }
+    } else if (end - p > 12 && memcmp(p, "{\"ev\": \"free\"", 13) == 0) {
         line->v[K_EV] = (Value){.kind = V_STRING, .text = p + 8, .length = 4, .ascii = 1};
+        p += 13;
+        AFTER(", \"t\": ");
+        VALUE(K_T);
+        AFTER(", \"b\": ");
+        VALUE(K_B);
+        AFTER(", \"ptr\": ");
+        VALUE(K_PTR);
     } else {
         return 0;
     }
-    line->seen = 1u << K_EV;
-    for (int k = 0; k < keys; k++) {
-        const Before *before = &layout[k];
-        if ((size_t)(end - p) < before->length || memcmp(p, before->text, before->length) != 0) {
-            if (k == keys - 1 && optional) break;
-            return 0;
-        }
-        p = parse_value(p + before->length, end, before->key, &line->v[before->key]);
-        if (p == NULL) return 0;
-        line->seen |= 1u << before->key;
-    }
     return *p == '}' && p + 1 == end;
 }
+#undef AFTER
+#undef VALUE
 
 /* The line [p, end) (end at its newline) as one flat object; 0 where the scanner leaves it
  * to Python. */
