@@ -6,10 +6,13 @@
  * only when it is an ``alloc`` that was granted or a ``free``, written as one flat JSON
  * object that the reader's plain path (json and checks.py) accepts too, and that passes
  * the same checks. Any other line (an entry, an exit, a denial, a frame, an escape in a
- * string, a number out of range, a key twice, a blank line, a problem of any kind) stops
- * the scan before it: the Python reader reads it the way it always did, and says what is
- * wrong in its own words. So the events, and every message, are the same with or without
- * this module; only the speed differs (tests/test_trace_parsers.py compares them).
+ * string, a number out of range, a blank line, a problem of any kind) stops the scan
+ * before it: the Python reader reads it the way it always did, and says what is wrong in
+ * its own words. So the events, and every message, are the same with or without this
+ * module; only the speed differs (tests/test_trace_parsers.py and test_trace_scanner.py
+ * compare them). Lines in the writer's own layout are matched literal by literal; any other
+ * layout of the same object (keys in another order, other spaces, unknown keys with plain
+ * values, a key twice: the last counts, as in json) is read key by key.
  *
  * Without a sink, each line taken becomes the event the Python reader would yield
  * (an Alloc or Free named tuple), returned in a list. With a sink (a replay's tables, see
@@ -40,7 +43,7 @@ enum { K_EV, K_T, K_B, K_SIZE, K_ALIGN, K_TAG, K_PTR, K_BYTES, K_REASON, K_STACK
 
 enum { V_NULL, V_BOOL, V_INT, V_FLOAT, V_STRING, V_LIST };
 
-/* Which of key_names the key is, -1 for none. */
+/* Which of the keys the format names (K_...) the key is, -1 for none. */
 static inline int key_index(const char *k, Py_ssize_t n) {
     switch (n) {
     case 1: return k[0] == 't' ? K_T : k[0] == 'b' ? K_B : -1;
