@@ -4,6 +4,8 @@ linear in the roots), including a hypothesis test over random recorded programs.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,8 @@ from gpubudget.replay import ReplayBackend, ReplayError, fit, replay
 from gpubudget.replay.fit import _TreeEvents
 from gpubudget.replay.run import _Replay
 from gpubudget.tracefile import Enter, TraceReader, read_trace, writer_for
+
+from .helpers import subprocess_env
 
 MiB = 2**20
 HEADER = {"format": "gpubudget-trace", "version": 1}
@@ -395,3 +399,46 @@ def test_a_replay_in_a_thread_is_not_warned_about_separate_roots(tmp_path: Path)
                 result = executor.submit(replay, path).result()
     assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
     assert [report.name for report in result.reports] == ["pool"]
+
+
+def test_reports_show_the_recorded_addresses_the_same_at_every_run(tmp_path: Path) -> None:
+    """Live blocks are listed at the addresses the recording gave them (in their order),
+    not at the replay's own, which change from run to run: two reports of one trace print
+    the same, in the command's text and JSON, by reader and from memory."""
+    path = tmp_path / "leaks.jsonl"
+    with gpu_budget("64MiB", name="pool", trace=str(path), backend="host") as pool:
+        with gpu_budget("32MiB", name="model") as model:
+            kept = [model.allocate(10_000 * (k + 1), tag=f"w{k}") for k in range(30)]
+            for block in kept[::3]:
+                assert block is not None and model.free(block)
+        leak = pool.allocate(4096, tag="leak")
+        assert leak is not None
+    writer_for(path).flush()
+    recorded = {record["ptr"]: record["b"] for record in map(json.loads,
+                                                             path.read_text().splitlines()[1:])
+                if record.get("ev") == "alloc" and record.get("ptr") is not None}
+    freed = set(kept[::3])  # (the leak may take the address of one of them)
+    held = [block for block in kept if block is not None and block not in freed]
+    live = sorted([*held, leak])
+    runs = [subprocess.run([sys.executable, "-m", "gpubudget", "report", *options, str(path)],
+                           capture_output=True, text=True, env=subprocess_env(), timeout=300)
+            for options in ([], [], ["--json"], ["--json"])]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[2].stdout == runs[3].stdout
+    shown = [int(word, 16) for word in runs[0].stdout.split() if word.startswith("0x")]
+    assert shown and set(shown) <= set(recorded)  # 20 of each report's first rows
+    listed = [block["address"] for report in json.loads(runs[2].stdout)["roots"]
+              for item in _walk(report) for block in item["live_blocks"]]
+    assert sorted(listed) == live  # every live block, at its recorded address
+    first, second = replay(path), replay(read_trace(path))
+    assert first.reports[0].as_dict() == second.reports[0].as_dict()
+    assert [b.address for b in first.reports[0].children[0].live_blocks] == sorted(held)
+
+
+def _walk(report: dict[str, Any]) -> list[dict[str, Any]]:
+    found, stack = [], [report]
+    while stack:
+        item = stack.pop()
+        found.append(item)
+        stack.extend(item["children"])
+    return found

@@ -17,13 +17,16 @@ from .helpers import subprocess_env
 def test_traces_speed_prints_every_table(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.traces_speed", "--events", "3000", "--depths",
-         "30,40", "--blank-mib", "1", "--keep", str(tmp_path)],
+         "30,40", "--blank-mib", "1", "--keep", str(tmp_path), "--repeat", "2", "--before",
+         str(Path(__file__).resolve().parent.parent)],
         capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    for row in ("TraceReader(parser='msgspec')", "TraceReader(parser='json')",
-                "`gpubudget report server.jsonl`", "`gpubudget fit server.jsonl`",
-                "30 deep", "40 deep", "`gpubudget report blank.jsonl`"):
+    for row in ("TraceReader(parser='c')", "TraceReader(parser='msgspec')",
+                "TraceReader(parser='json')", "`gpubudget report server.jsonl`",
+                "GPUBUDGET_TRACE_PARSER=msgspec", "`gpubudget fit server.jsonl`",
+                "`report` |", "`fit` |", "30 deep", "40 deep", "`gpubudget report blank.jsonl`",
+                "medians of 2 runs"):
         assert row in out, out
     # the server trace keeps its kv pages to the end, on purpose: interpreter exit says so
     assert "exit" not in out and done.stderr.splitlines() == [

@@ -1,7 +1,7 @@
-"""The fast path (msgspec) and the plain path (json) read every input alike: the same
-events, the same last line cut short, or the same error, word for word; on real traces, on
-hand-made edge cases and on the fuzzer's mutations. And runs of empty lines are skipped a
-buffer at a time, lines counted."""
+"""The fast paths (the C scanner, msgspec) and the plain path (json) read every input alike:
+the same events, the same last line cut short, the same progress calls, or the same error,
+word for word; on real traces, on hand-made edge cases and on the fuzzer's mutations. And
+runs of empty lines are skipped a buffer at a time, lines counted."""
 
 from __future__ import annotations
 
@@ -16,26 +16,43 @@ import pytest
 
 from benchmarks.fuzz_traces import mutate, record_seeds
 from gpubudget.tracefile import PARSER_ENV, TraceError, TraceReader, read_trace
+from gpubudget.tracefile.cscan import NATIVE
+from gpubudget.tracefile.fastparse import AVAILABLE
 
 from .helpers import finishes, subprocess_env
 
-pytest.importorskip("msgspec", reason="the fast path needs the traces extra (msgspec)")
+FAST = [name for name, there in (("c", NATIVE), ("msgspec", AVAILABLE)) if there]
+"""The fast paths built or installed here, each compared with the plain path."""
+if not FAST:
+    pytest.skip("neither fast path is here: no C scanner built, no msgspec (the traces extra)",
+                allow_module_level=True)
 
 HEADER = b'{"format": "gpubudget-trace", "version": 1}\n'
 ROOT = (b'{"ev": "enter", "t": 0.0, "b": 1, "name": "pool", "parent": null, '
         b'"limit": 1048576, "align": 256, "reserve": 0}\n')
 
 
-def outcome(path: Path, parser: str) -> tuple[Any, ...]:
-    """What reading ``path`` gives: the events and what else the reader says, or the
-    error's message."""
+def outcome(path: Path, parser: str, max_bytes: int = 4 << 30) -> tuple[Any, ...]:
+    """What reading ``path`` gives: the events and what else the reader says (its progress
+    calls too), or the error's message and the progress calls before it."""
+    told: list[tuple[int, int]] = []
     try:
-        with TraceReader(path, parser=parser) as reader:
-            events = list(reader)
-            return ("read", reader.header, events, reader.cut_short, reader.lines,
-                    reader.bytes_read)
+        with TraceReader(path, parser=parser, max_bytes=max_bytes,
+                         progress=lambda *at: told.append(at)) as reader:
+            events = list(reader)  # their repr: an int for a float, a bool for an int differ
+            return ("read", reader.header, repr(events), reader.cut_short, reader.lines,
+                    reader.bytes_read, told)
     except TraceError as exc:
-        return ("refused", str(exc))
+        return ("refused", str(exc), told)
+
+
+def alike(path: Path, max_bytes: int = 4 << 30) -> tuple[Any, ...]:
+    """The plain path's outcome of ``path``, after checking that every fast path's is the
+    same."""
+    plain = outcome(path, "json", max_bytes)
+    for parser in FAST:
+        assert outcome(path, parser, max_bytes) == plain, (parser, path.read_bytes()[-300:])
+    return plain
 
 
 def alloc(**fields: Any) -> bytes:
@@ -87,7 +104,7 @@ def test_edge_lines_read_alike(tmp_path: Path, index: int) -> None:
     for number, body in enumerate((alloc() + line, line, line + line)):
         path = tmp_path / f"edge{number}.jsonl"
         path.write_bytes(HEADER + ROOT + body)
-        assert outcome(path, "msgspec") == outcome(path, "json"), body
+        alike(path)
 
 
 def test_the_fuzzers_mutations_read_alike(tmp_path: Path) -> None:
@@ -98,26 +115,31 @@ def test_the_fuzzers_mutations_read_alike(tmp_path: Path) -> None:
         seed = rng.choice(seeds).split(b"\n")[:-1]
         path = tmp_path / f"mutated{number}.jsonl"
         path.write_bytes(b"\n".join(mutate(seed, seeds, rng)) + rng.choice([b"\n", b""]))
-        fast, plain = outcome(path, "msgspec"), outcome(path, "json")
-        assert fast == plain, path.read_bytes()
-        read += fast[0] == "read"
-        refused += fast[0] == "refused"
+        plain = alike(path)
+        read += plain[0] == "read"
+        refused += plain[0] == "refused"
     assert read > 20 and refused > 200  # both kinds were compared
 
 
-def test_auto_takes_msgspec_unless_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_takes_the_fastest_unless_told(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "t.jsonl"
     path.write_bytes(HEADER + ROOT)
+    monkeypatch.delenv(PARSER_ENV, raising=False)
     with TraceReader(path) as reader:
-        assert reader.parser == "msgspec"
-    monkeypatch.setenv(PARSER_ENV, "json")
+        assert reader.parser == FAST[0]
+    for told in ("json", *FAST):
+        monkeypatch.setenv(PARSER_ENV, told)
+        with TraceReader(path) as reader:
+            assert reader.parser == told
+    monkeypatch.setenv(PARSER_ENV, "yaml")  # not a parser: the fastest
     with TraceReader(path) as reader:
-        assert reader.parser == "json"
-    with pytest.raises(ValueError, match="parser must be one of auto, msgspec, json"):
+        assert reader.parser == FAST[0]
+    with pytest.raises(ValueError, match="parser must be one of auto, c, msgspec, json"):
         TraceReader(path, parser="yaml")
 
 
-@pytest.mark.parametrize("parser", ["json", "msgspec"])
+@pytest.mark.parametrize("parser", ["json", *FAST])
 def test_runs_of_empty_lines_are_skipped_fast_and_counted(tmp_path: Path, parser: str) -> None:
     """32 MiB of empty lines between a header and a bad line: the error names the right
     line, soon; the same with a good line reads it."""

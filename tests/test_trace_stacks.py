@@ -15,6 +15,7 @@ from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
 from gpubudget.replay import replay
 from gpubudget.tracefile import MAX_FRAMES, Alloc, TraceError, TraceReader, writer_for
+from gpubudget.tracefile.cscan import NATIVE
 
 HEADER = {"format": "gpubudget-trace", "version": 1}
 ROOT = {"ev": "enter", "t": 0.0, "b": 1, "name": "pool", "parent": None, "limit": 1 << 20,
@@ -141,8 +142,9 @@ def test_every_bad_stack_is_one_line_and_exit_2(
 
 
 def test_without_msgspec_the_plain_path_reads_and_says_what_is_missing(tmp_path: Path) -> None:
-    """In a process where msgspec cannot be imported: ``auto`` reads with json, the same
-    events; asking for msgspec names the extra."""
+    """In a process where msgspec cannot be imported: ``auto`` reads with the C scanner
+    where it is built, else with json, the same events; asking for msgspec names the
+    extra."""
     import subprocess
     import sys
 
@@ -165,6 +167,6 @@ def test_without_msgspec_the_plain_path_reads_and_says_what_is_missing(tmp_path:
                           env=subprocess_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     parser, events, missing = done.stdout.splitlines()
-    assert parser == "json" and events == expected
+    assert parser == ("c" if NATIVE else "json") and events == expected
     assert missing == ("TraceReader(parser='msgspec') needs msgspec: pip install "
                        "'gpubudget[traces]'")

@@ -57,11 +57,14 @@ class VirtualRange(Protocol):
     def granule(self) -> int: ...
 
     def map(self, index: int) -> None:
-        """Back granule ``index`` with memory; ``MemoryError`` if there is none to be had."""
+        """Back granule ``index`` with memory; ``MemoryError`` if there is none to be had
+        (nothing changed), ``IndexError`` for an index outside the range."""
         ...
 
     def unmap(self, index: int) -> None:
-        """Give granule ``index``'s memory back; its contents are lost."""
+        """Give granule ``index``'s memory back; its contents are lost. ``MemoryError`` if
+        the device refuses: the granule is then still mapped, its contents kept, and the
+        range's to unmap again or release; ``IndexError`` for an index outside the range."""
         ...
 
     def release(self) -> None:
@@ -111,6 +114,13 @@ def _c() -> ctypes.CDLL:
 
 def _failed(what: str) -> MemoryError:
     return MemoryError(f"{what} failed: {os.strerror(ctypes.get_errno())}")
+
+
+def _inside(index: int, nbytes: int, granule: int) -> None:
+    """Refuse a granule index outside a range of ``nbytes`` in granules of ``granule``."""
+    count = nbytes // granule
+    if not 0 <= index < count:
+        raise IndexError(f"granule {index} is outside the range (granules 0 to {count - 1})")
 
 
 class HostStaging:
@@ -163,6 +173,7 @@ class HostVirtualRange:
         self._live = True
 
     def map(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         if self.capacity is not None and self.mapped + self.granule > self.capacity:
             raise MemoryError(f"out of memory: {self.mapped} of {self.capacity} bytes mapped")
         start = self.address + index * self.granule
@@ -171,11 +182,16 @@ class HostVirtualRange:
         self.mapped += self.granule
 
     def unmap(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         start = self.address + index * self.granule
         libc = _c()
-        libc.madvise(start, self.granule, _MADV_DONTNEED)  # its pages are dropped: zeroes next
-        libc.mprotect(start, self.granule, _PROT_NONE)
-        self.mapped -= self.granule
+        if libc.mprotect(start, self.granule, _PROT_NONE) != 0:  # still mapped, bytes kept
+            raise _failed(f"unmapping granule {index}")
+        if libc.madvise(start, self.granule, _MADV_DONTNEED) != 0:  # pages kept: map it back
+            error = _failed(f"dropping the pages of granule {index}")
+            libc.mprotect(start, self.granule, _PROT_READ_WRITE)
+            raise error
+        self.mapped -= self.granule  # its pages were dropped: zeroes when mapped again
 
     def release(self) -> None:
         if self._live:
@@ -302,8 +318,8 @@ class CudaVirtualRange:
     """A range of device addresses on ``backend``'s device, mapped granule by granule with
     CUDA's virtual memory management (see the module docstring)."""
 
-    __slots__ = ("_backend", "_driver", "address", "nbytes", "granule", "_handles", "_prop",
-                 "_access", "_live", "__weakref__")
+    __slots__ = ("_backend", "_driver", "address", "nbytes", "granule", "_handles",
+                 "_unreleased", "_prop", "_access", "_live", "__weakref__")
 
     def __init__(self, backend: PyCudaBackend, nbytes: int, granule: int) -> None:
         minimum = cuda_granularity(backend)
@@ -321,6 +337,7 @@ class CudaVirtualRange:
         self.nbytes: Final = size
         self.granule: Final = granule
         self._handles: dict[int, int] = {}  # granule index -> its physical allocation
+        self._unreleased: list[int] = []  # unmapped allocations the driver would not release
         self._prop = _prop(backend.ordinal)
         self._access = _AccessDesc()
         self._access.location.type = 1
@@ -329,6 +346,7 @@ class CudaVirtualRange:
         self._live = True
 
     def map(self, index: int) -> None:
+        _inside(index, self.nbytes, self.granule)
         driver, granule = self._driver, self.granule
         start = self.address + index * granule
         handle = ctypes.c_ulonglong()
@@ -349,22 +367,34 @@ class CudaVirtualRange:
         self._handles[index] = handle.value
 
     def unmap(self, index: int) -> None:
-        handle = self._handles.pop(index)
-        start = self.address + index * self.granule
-        if self._backend.closed:
+        _inside(index, self.nbytes, self.granule)
+        handle = self._handles.get(index)
+        if handle is None:
+            return  # not mapped
+        if self._backend.closed:  # the context is gone, and its memory with it
+            del self._handles[index]
             return
+        start = self.address + index * self.granule
         with self._backend.active():
-            _status(self._driver.cuMemUnmap(start, self.granule), "cuMemUnmap")
-            _status(self._driver.cuMemRelease(handle), "cuMemRelease")
+            _status(self._driver.cuMemUnmap(start, self.granule), "cuMemUnmap")  # or still ours
+            del self._handles[index]
+            if self._driver.cuMemRelease(handle) != 0:  # unmapped, its memory still held:
+                self._unreleased.append(handle)  # tried again at release()
 
     def release(self) -> None:
         if not self._live:
             return
         self._live = False
         for index in list(self._handles):
-            self.unmap(index)
+            try:
+                self.unmap(index)
+            except MemoryError:  # a broken driver: free the rest of what can be freed
+                pass
         if not self._backend.closed:
             with self._backend.active():
+                for handle in self._unreleased:
+                    self._driver.cuMemRelease(handle)
+                self._unreleased.clear()
                 self._driver.cuMemAddressFree(self.address, self.nbytes)
 
     def stage(self, nbytes: int, pinned: bool = True) -> CudaStaging | HostStaging:

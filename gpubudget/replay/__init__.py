@@ -15,7 +15,15 @@ reason (an invalid size, alignment or tag, a released budget) are not replayed: 
 changes them.
 
 Stacks recorded with ``track_stacks=True`` are kept beside the replayed blocks (a replay
-cannot hand a stack to ``Budget.allocate``): the reports' live blocks carry them.
+cannot hand a stack to ``Budget.allocate``): the reports' live blocks carry them. The
+reports list each live block at the address it was recorded at, in that order: the replay
+places blocks in a host mapping of its own, whose addresses change from run to run, so two
+reports of one trace print the same (the arena's free bytes and largest free block are the
+replay's, and the same from run to run too).
+
+Granted allocations and frees, most of a trace, are replayed by the reader's C scanner as it
+reads them (:meth:`~gpubudget.tracefile.TraceReader.events` with the replay's tables), and
+everything else by the Python loop of :mod:`.run`; both do the same, in the same order.
 
 A file is read as a stream (:class:`~gpubudget.tracefile.TraceReader`): ``replay`` holds
 the budgets, the blocks live at once and their stacks, never the whole trace; a budget

@@ -4,7 +4,7 @@ backend whose clock is the trace's (see the package's docstring)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Union
 
 from ..adapter import hand_clock
@@ -13,7 +13,7 @@ from ..report import BudgetReport
 from ..tracefile import LIMIT_REASONS, Trace, TraceError, TraceReader
 
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
-           "TraceSource"]
+           "TraceSource", "as_recorded"]
 PROBE_REASONS: Final = LIMIT_REASONS
 """Denial reasons whose requests are replayed as probes (a larger limit would grant them)."""
 TraceSource = Union[Trace, TraceReader, str, "os.PathLike[str]"]
@@ -113,3 +113,23 @@ class ReplayResult:
         while (parent := self.budgets[budget].parent) is not None:
             budget = parent
         return budget
+
+
+def as_recorded(report: BudgetReport, recorded: dict[int, int],
+                stacks: dict[int, tuple[str, ...]]) -> BudgetReport:
+    """``report`` (of a replay) with each live block at the address it was recorded at
+    (``recorded``: replayed address -> recorded one), in the order of those addresses, and
+    with the stack recorded for it (``stacks``, by replayed address: a replay cannot hand a
+    stack to ``Budget.allocate``). A replay places its blocks in a host mapping of its own,
+    at addresses that change from run to run; the recorded ones do not, and name the blocks
+    as the program saw them."""
+    made: dict[int, BudgetReport] = {}
+    for item in reversed(report.walk()):  # children before parents: no recursion
+        blocks = sorted((replace(block, address=recorded.get(block.address, block.address),
+                                 stack=block.stack if block.stack is not None
+                                 else stacks.get(block.address))
+                         for block in item.live_blocks), key=lambda block: block.address)
+        made[id(item)] = replace(item, live_blocks=tuple(blocks),
+                                 children=tuple(made.pop(id(child))
+                                                for child in item.children))
+    return made[id(report)]

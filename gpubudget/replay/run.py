@@ -14,6 +14,7 @@ from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
     MAX_TRACE_BYTES,
+    Sink,
     Alloc,
     Enter,
     Exit,
@@ -26,6 +27,7 @@ from ..tracefile import (
 from ..units import format_size, round_up
 from .results import (
     PROBE_REASONS,
+    as_recorded,
     Recorded,
     ReplayBackend,
     ReplayError,
@@ -41,14 +43,15 @@ class _Member:
     """One recorded budget during a replay. It knows its parent, never its whole chain of
     ancestors: a chain 10,000 deep costs 10,000 members, not 50 million references."""
 
-    __slots__ = ("entry", "limit", "parent", "budget", "context", "denials", "largest_probe",
-                 "granted_peak", "after_release")
+    __slots__ = ("entry", "limit", "parent", "budget", "open", "context", "denials",
+                 "largest_probe", "granted_peak", "after_release")
 
     def __init__(self, entry: Enter, limit: int, parent: _Member | None) -> None:
         self.entry = entry
         self.limit = limit
         self.parent = parent
         self.budget: Budget | None = None  # None when its entry was refused
+        self.open = False  # entered and not yet exited by the replay: its budget is "open"
         self.context = contextvars.Context()
         self.context.run(separate_roots)  # a replay's roots: no thread-trap warning
         self.denials = 0
@@ -110,6 +113,14 @@ class _Replay:
         finally:
             self.close()
         return ReplayResult(reports, tuple(self.roots), budgets)
+
+    def sink(self) -> Sink | None:
+        """What the C scanner replays granted allocations and frees into, as :meth:`play`
+        does (see ``gpubudget/tracefile/_scan.c``): the tables, the clock, :meth:`deny`;
+        ``None`` for a replay whose loop keeps count of the events (pins, granted peaks)."""
+        if self.granted_peaks or self.last_uses:
+            return None
+        return (self.members, self.blocks, self.stacks, self.backend.clock, self.deny)
 
     def denied(self, events: Iterable[TraceEvent]) -> bool:
         """Whether replaying ``events`` is refused anything (stops at the first refusal, and
@@ -207,10 +218,8 @@ class _Replay:
     def report(self, root: int) -> BudgetReport:
         budget = self.members[root].budget
         assert budget is not None  # a root whose entry fails ends the replay
-        report = budget.report()
-        if self.stacks:
-            report = _with_stacks(report, self.stacks)
-        return report
+        recorded = {address: ptr for ptr, (_, address, _) in self.blocks.items()}
+        return as_recorded(budget.report(), recorded, self.stacks)
 
     @staticmethod
     def recorded(member: _Member) -> Recorded:
@@ -264,6 +273,7 @@ class _Replay:
             self.deny(member)
             return
         member.budget = budget
+        member.open = True
         if self.granted_peaks and parent is not None:
             parent.note_granted()  # its reserve, set aside in its ancestors
         last = self.last_uses.get(event.budget, -1)
@@ -314,22 +324,9 @@ class _Replay:
 
     def exit(self, event: Exit) -> None:
         member = self.members[event.budget]
+        member.open = False
         if member.budget is not None and member.budget.state == "open":
             member.context.run(member.budget.__exit__, None, None, None)
-
-
-def _with_stacks(report: BudgetReport, stacks: dict[int, tuple[str, ...]]) -> BudgetReport:
-    """``report`` whose live blocks carry the stacks recorded for them (a replay cannot
-    hand a stack to ``Budget.allocate``: it keeps them beside, by replayed address)."""
-    made: dict[int, BudgetReport] = {}
-    for item in reversed(report.walk()):  # children before parents: no recursion
-        blocks = tuple(replace(block, stack=stacks[block.address])
-                       if block.stack is None and block.address in stacks else block
-                       for block in item.live_blocks)
-        made[id(item)] = replace(item, live_blocks=blocks,
-                                 children=tuple(made.pop(id(child))
-                                                for child in item.children))
-    return made[id(report)]
 
 
 def replay(
@@ -382,11 +379,13 @@ def replay(
     """
     if isinstance(trace, Trace):
         return _Replay(limits or {}, last_uses=_last_uses(trace.events)).run(trace.events)
-    run = _Replay(limits or {}).run
+    replayer = _Replay(limits or {})
     if isinstance(trace, TraceReader):
-        return replace(run(trace), cut_short=trace.cut_short)
+        return replace(replayer.run(trace.events(sink=replayer.sink())),
+                       cut_short=trace.cut_short)
     with TraceReader(trace, max_bytes=max_bytes, progress=progress) as reader:
-        return replace(run(reader), cut_short=reader.cut_short)
+        return replace(replayer.run(reader.events(sink=replayer.sink())),
+                       cut_short=reader.cut_short)
 
 def _last_uses(events: Iterable[TraceEvent]) -> dict[int, int]:
     """Budget id -> the index of the last event that allocates through it (a granted

@@ -66,10 +66,13 @@ process was killed mid-line) is skipped, and :attr:`TraceReader.cut_short` says 
 reader's memory grows with the budgets, the blocks live at once and the distinct frames,
 never with the number of events.
 
-With msgspec installed (``pip install 'gpubudget[traces]'``) granted allocations and frees
-are decoded and typed in C, about three times as fast; every other line, and any line that
-msgspec does not take, is read by the standard library's :mod:`json` and checked as above.
-Events and error messages are the same either way (:mod:`.fastparse`).
+Granted allocations and frees (nearly every line) are read, checked and typed in C by the
+scanner built with the package (``_scan.c``, :mod:`.cscan`), a buffer of lines at a time; a
+replay has it replay them too, as it reads them. Without it (no C compiler at install,
+``GPUBUDGET_PURE=1``), msgspec (``pip install 'gpubudget[traces]'``) decodes and types them in
+C, line by line, about three times as fast as :mod:`json`. Every other line, and any line
+that these do not take, is read by the standard library's :mod:`json` and checked as above.
+Events and error messages are the same either way (:mod:`.cscan`, :mod:`.fastparse`).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ from .files import TraceBusy
 from .writer import TraceWriter, writer_for, writer_from_env
 
 if TYPE_CHECKING:
+    from .cscan import Sink
     from .reader import PARSER_ENV, PARSERS, Trace, TraceReader, read_trace
 
 _READER: Final = frozenset({"PARSER_ENV", "PARSERS", "Trace", "TraceReader", "read_trace"})
@@ -107,6 +111,10 @@ def __getattr__(name: str) -> Any:
         from . import reader
 
         return getattr(reader, name)
+    if name == "Sink":
+        from . import cscan
+
+        return cscan.Sink
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -126,6 +134,7 @@ __all__ = [
     "PARSERS",
     "PARSER_ENV",
     "Resize",
+    "Sink",
     "Trace",
     "TraceBusy",
     "TraceError",

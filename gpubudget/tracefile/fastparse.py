@@ -1,4 +1,4 @@
-"""The fast path of reading a trace: msgspec (the ``traces`` extra) decodes a granted
+"""The msgspec path of reading a trace: msgspec (the ``traces`` extra) decodes a granted
 ``alloc`` or a ``free`` line straight into a typed struct, checking in C the types and the
 ranges of its fields, and :func:`fast_lines` finishes the checks that span lines.
 
@@ -6,13 +6,15 @@ It accepts only lines that the plain path (:mod:`json` and :mod:`.checks`) accep
 yields the very same events: a line it does not take (any other event, a denial, a wrong
 type or range, a key it does not know (msgspec would skip the value without the checks
 :mod:`json` makes: its UTF-8, an integer of 4,300 digits), a line msgspec will not parse,
-a problem of any kind) goes to the plain path,
-which accepts it or names what is wrong in the words it always used. So results and error
-messages do not depend on whether msgspec is installed; only the speed does.
+a problem of any kind) goes to the plain path, which accepts it or names what is wrong in the
+words it always used. So results and error messages do not depend on whether msgspec is
+installed; only the speed does. (The C scanner, :mod:`.cscan`, is the other fast path.)
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Annotated, Any, Final, Optional, Union
@@ -23,13 +25,9 @@ from .format import MAX_FRAMES
 
 __all__ = ["AVAILABLE", "fast_lines"]
 
-try:
-    import msgspec
-except ImportError:  # the plain path alone: same results, slower
-    msgspec = None  # type: ignore[assignment]
-
-AVAILABLE: Final = msgspec is not None
-"""Whether msgspec is installed (``pip install 'gpubudget[traces]'``)."""
+AVAILABLE: Final = importlib.util.find_spec("msgspec") is not None
+"""Whether msgspec is installed (``pip install 'gpubudget[traces]'``). It is imported when a
+reader first uses it, not with gpubudget."""
 
 _INT_RANGE: Final = 1 << 63
 _INFINITY: Final = math.inf
@@ -42,10 +40,10 @@ FastLine = Callable[[bytes], Union[TraceEvent, None]]
 def fast_lines(validator: Validator) -> FastLine | None:
     """A function that reads a line the fast way, sharing ``validator``'s state with the
     plain path; ``None`` without msgspec."""
-    if msgspec is None:
+    found_types = _msgspec_types()
+    if found_types is None:
         return None
-    decode = _DECODER.decode
-    failed = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+    decode, free_type, failed = found_types
     budgets, live = validator.budgets, validator.live
     frames = validator.frames
 
@@ -61,7 +59,7 @@ def fast_lines(validator: Validator) -> FastLine | None:
             t = float(t)
         elif not 0.0 <= t < _INFINITY:  # msgspec refuses NaN; -0.0 passes, as in the checks
             return None
-        if type(found) is _Free:
+        if type(found) is free_type:
             ptr, budget = found.ptr, found.b
             if live.get(ptr) != budget:
                 return None
@@ -83,29 +81,30 @@ def fast_lines(validator: Validator) -> FastLine | None:
     return line
 
 
-if msgspec is not None:
-    from msgspec import Meta, Struct
+@functools.lru_cache(maxsize=None)
+def _msgspec_types() -> tuple[Callable[[bytes], Any], type[Any],
+                           tuple[type[BaseException], ...]] | None:
+    """msgspec's decoder of the two lines it takes (a granted allocation, a free), the type
+    of a free, and the errors it raises; ``None`` without msgspec. Made at the first use."""
+    try:
+        import msgspec
+    except ImportError:  # the plain path alone: same results, slower
+        return None
+    from msgspec import Meta
 
-    _Time = Union[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=0.0)]]
-    _Count = Annotated[int, Meta(ge=0, le=_INT_RANGE - 1)]
-    _Size = Annotated[int, Meta(ge=1, le=_INT_RANGE - 1)]
-
-    class _Alloc(Struct, tag_field="ev", tag="alloc", forbid_unknown_fields=True):
-        """A granted allocation; a denial (``ptr`` null) fails here and goes the plain way."""
-
-        t: _Time
-        b: _Count
-        size: _Size
-        align: _Count
-        ptr: _Count
-        bytes: _Size
-        tag: Optional[str] = None  # noqa: UP007 - msgspec reads the annotation at run time
-        reason: None = None
-        stack: Optional[Annotated[tuple[_Count, ...], Meta(max_length=MAX_FRAMES)]] = None  # noqa: UP007
-
-    class _Free(Struct, tag_field="ev", tag="free", forbid_unknown_fields=True):
-        t: _Time
-        b: _Count
-        ptr: _Count
-
-    _DECODER: Final = msgspec.json.Decoder(Union[_Alloc, _Free])
+    time = Union[Annotated[int, Meta(ge=0)], Annotated[float, Meta(ge=0.0)]]
+    count = Annotated[int, Meta(ge=0, le=_INT_RANGE - 1)]
+    size = Annotated[int, Meta(ge=1, le=_INT_RANGE - 1)]
+    frames = Optional[Annotated[tuple[count, ...], Meta(max_length=MAX_FRAMES)]]  # noqa: UP007
+    # A granted allocation; a denial (``ptr`` null) fails here and goes the plain way.
+    granted = msgspec.defstruct(
+        "_Alloc", [("t", time), ("b", count), ("size", size), ("align", count),
+                   ("ptr", count), ("bytes", size),
+                   ("tag", Optional[str], None),  # noqa: UP007 - read at run time
+                   ("reason", None, None), ("stack", frames, None)],
+        tag_field="ev", tag="alloc", forbid_unknown_fields=True)
+    freed = msgspec.defstruct("_Free", [("t", time), ("b", count), ("ptr", count)],
+                              tag_field="ev", tag="free", forbid_unknown_fields=True)
+    decoder = msgspec.json.Decoder(Union[granted, freed])
+    return (decoder.decode, freed,
+            (msgspec.DecodeError, msgspec.ValidationError, RecursionError))

@@ -10,11 +10,12 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, BinaryIO, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final
 
 from ..units import format_size
 from .checks import Bad, Validator, header
 from .events import Header, TraceEvent
+from .cscan import NATIVE, Sink, scanner
 from .fastparse import AVAILABLE, fast_lines
 from .format import (
     MAX_LINE_BYTES,
@@ -24,15 +25,23 @@ from .format import (
     printable,
 )
 
+if TYPE_CHECKING:
+    from ._scan import Scanner
+
 __all__ = ["PARSERS", "PARSER_ENV", "Trace", "TraceReader", "read_trace"]
+_STOP_EVENT: Final = 2
+"""``Scanner.stopped`` after an event that a replay's sink handed back (see ``_scan.c``)."""
 _READ_PROGRESS_EVERY: Final = 16_384
 """Lines between two calls of a reader's progress callback."""
 _BUFFER: Final = 1 << 20
 """Bytes a reader reads from a file at a time."""
-PARSERS: Final = ("auto", "msgspec", "json")
+PARSERS: Final = ("auto", "c", "msgspec", "json")
 """What ``TraceReader(parser=...)`` takes."""
 PARSER_ENV: Final = "GPUBUDGET_TRACE_PARSER"
-"""Set to ``json`` to make ``parser="auto"`` use the plain path (comparisons, tests)."""
+"""Set to ``c``, ``msgspec`` or ``json`` to make ``parser="auto"`` use that path where it is
+there (comparisons, tests): ``json`` is the plain path alone."""
+_NEVER: Final = 1 << 62
+"""A line count no trace reaches."""
 
 
 def _reject_constant(name: str) -> None:
@@ -97,11 +106,14 @@ class TraceReader:
     progress
         Called with ``(lines, bytes)`` read so far every 16,384 lines.
     parser
-        ``"msgspec"``: the fast path (the ``traces`` extra, ``pip install
+        ``"c"``: the C scanner (built with gpubudget where a C compiler was at hand;
+        :class:`ImportError` without it), the standard library's :mod:`json` for the few
+        lines it leaves; ``"msgspec"``: msgspec's fast path (the ``traces`` extra, ``pip install
         'gpubudget[traces]'``; :class:`ImportError` without it); ``"json"``: the standard
-        library's alone; ``"auto"`` (default): msgspec where it is installed, unless the
-        environment variable ``GPUBUDGET_TRACE_PARSER`` is ``json``. Events and error
-        messages are the same either way (see :mod:`gpubudget.tracefile.fastparse`).
+        library's alone; ``"auto"`` (default): the fastest of these that is there, or the
+        one the environment variable ``GPUBUDGET_TRACE_PARSER`` names. Events and error
+        messages are the same either way (see :mod:`gpubudget.tracefile.cscan` and
+        :mod:`gpubudget.tracefile.fastparse`).
 
     Examples
     --------
@@ -123,11 +135,13 @@ class TraceReader:
         if parser == "msgspec" and not AVAILABLE:
             raise ImportError("TraceReader(parser='msgspec') needs msgspec: pip install "
                               "'gpubudget[traces]'")
+        if parser == "c" and not NATIVE:
+            raise ImportError("TraceReader(parser='c') needs gpubudget's C scanner, built "
+                              "where a C compiler is at hand (and not under GPUBUDGET_PURE=1)")
         if parser == "auto":
-            plain = not AVAILABLE or os.environ.get(PARSER_ENV, "").strip().lower() == "json"
-            parser = "json" if plain else "msgspec"
+            parser = _auto_parser()
         self.parser = parser
-        """The parser that reads the lines: ``"msgspec"`` or ``"json"``."""
+        """The parser that reads the lines: ``"c"``, ``"msgspec"`` or ``"json"``."""
         self.name = printable(os.fspath(path))
         """The file's name as given, safe to print."""
         self.max_bytes = max_bytes
@@ -168,13 +182,48 @@ class TraceReader:
             self._file.close()
 
     def __iter__(self) -> Iterator[TraceEvent]:
+        return self.events()
+
+    def events(self, sink: Sink | None = None) -> Iterator[TraceEvent]:
+        """The events, as iterating the reader gives them; with ``sink`` (the tables of a
+        replay, see :mod:`gpubudget.replay.run`) and the C scanner, the granted allocations
+        and frees that the replay can take whole are replayed into it as they are read, and
+        only the other events are yielded, in order.
+
+        >>> import os, tempfile
+        >>> from gpubudget import gpu_budget
+        >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
+        ...     pool.free(pool.allocate(4096))
+        True
+        >>> with TraceReader(path) as reader:
+        ...     [(type(event).__name__, event.t >= 0) for event in reader.events()]
+        [('Enter', True), ('Alloc', True), ('Free', True), ('Exit', True)]
+        """
         if self._iterated:
             raise RuntimeError(f"{self.name}: a TraceReader is read once; open another")
         self._iterated = True
         validator = Validator()
         handlers = validator.handlers
+        # the C scanner leaves few lines, not worth importing msgspec for
         fast = fast_lines(validator) if self.parser == "msgspec" else None
-        for raw in self._raw_lines():
+        scan = scanner(validator, sink) if self.parser == "c" else None
+        peek = getattr(self._file, "peek", None)
+        skip = self._skipper() if scan is not None else None
+        buffered, origin = b"", 0  # what the file's buffer held, from byte ``origin`` on
+        lines = self._raw_lines()
+        while True:
+            if scan is not None and peek is not None:
+                if self.bytes_read - origin >= len(buffered):
+                    buffered, origin = _peeked(peek), self.bytes_read
+                if buffered:
+                    assert skip is not None
+                    yield from self._scanned(scan, skip, buffered, self.bytes_read - origin)
+                    if scan.stopped == _STOP_EVENT:
+                        continue
+            raw = next(lines, None)
+            if raw is None:
+                return
             if fast is not None:
                 found = fast(raw)
                 if found is not None:
@@ -197,6 +246,33 @@ class TraceReader:
                 raise self._error(f"{kind} event: {exc}") from None
             if event is not None:  # None: a frame line, kept by the validator
                 yield event
+
+    def _scanned(self, scan: Scanner, skip: Callable[[int], object], buffered: bytes,
+                 position: int) -> list[TraceEvent]:
+        """The events of the lines that the C scanner takes from ``buffered`` (the file's
+        buffer, the file at its byte ``position``); the file, the line and byte counts moved
+        past them, even when replaying one raised."""
+        stop = self._next_progress if self._progress is not None else _NEVER
+        try:
+            return scan.scan(buffered, position, self.lines, self.bytes_read, stop,
+                             self.max_bytes)
+        finally:
+            taken = scan.bytes_read - self.bytes_read
+            if taken:
+                skip(taken)  # within the file's buffer: no system call
+                self.lines, self.bytes_read = scan.lines, scan.bytes_read
+
+    def _skipper(self) -> Callable[[int], object]:
+        """Moves the file ``n`` bytes on, bytes it has buffered: a seek where the file
+        seeks (nothing copied), else a read."""
+        try:
+            seekable = self._file.seekable()
+        except (OSError, ValueError):
+            seekable = False
+        if not seekable:
+            return self._file.read
+        seek = self._file.seek
+        return lambda n: seek(n, os.SEEK_CUR)
 
     def _error(self, message: str) -> TraceError:
         return TraceError(f"{self.name}:{self.lines}: {self._prefix}{message}")
@@ -310,6 +386,24 @@ class TraceReader:
         if type(record) is not dict:
             raise Bad(f"expected a JSON object, got {_json_kind(record)}")
         return record
+
+
+def _auto_parser() -> str:
+    """The parser ``"auto"`` stands for (see :class:`TraceReader`)."""
+    there = {"c": NATIVE, "msgspec": AVAILABLE, "json": True}
+    asked = os.environ.get(PARSER_ENV, "").strip().lower()
+    if there.get(asked):
+        return asked
+    return next(name for name, present in there.items() if present)
+
+
+def _peeked(peek: Callable[[int], bytes]) -> bytes:
+    """What the file's buffer holds (reading once if it is empty); ``b""`` at the end, or
+    when reading fails (the next ``readline`` says why)."""
+    try:
+        return peek(1)
+    except OSError:
+        return b""
 
 
 def _json_kind(value: object) -> str:
