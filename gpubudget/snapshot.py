@@ -36,7 +36,7 @@ from .report import (
 from ._core.node import Node, Probe
 from ._core.tree import Tree
 from .interrupts import STATE, protect
-from .tracefile import printable
+from .text import printable
 from .units import format_size
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from .tracefile import printable
+from .text import printable
 from .units import format_size
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Final
 from ..backends import Backend, Reservation
 from ..callers import user_stacklevel
 from ..errors import BudgetError
-from ..tracefile import printable
+from ..text import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
 from .devices import LedgerDevice, device_for

@@ -20,9 +20,8 @@ from .format import (
     MAX_LINE_BYTES,
     MAX_TRACE_BYTES,
     TraceError,
-    _quote,
-    printable,
 )
+from ..text import printable, quote as _quote
 
 __all__ = ["PARSERS", "PARSER_ENV", "Trace", "TraceReader", "read_trace"]
 _READ_PROGRESS_EVERY: Final = 16_384
