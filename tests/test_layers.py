@@ -81,11 +81,9 @@ def test_no_module_imports_one_below_it() -> None:
 # plumbing: not at import, not inside a function, not by ``import gpubudget.x``.
 ADAPTERS_AND_TOOLS = {"tensorrt", "cupy", "torch", "routing", "ray", "replay", "cli", "metrics",
                       "html", "perfetto", "pytest_plugin", "plot"}
-PLUMBING = {"_core", "interrupts", "context", "callers", "snapshot", "view", "hooks",
-            "residency", "roots", "arguments", "forks", "stats"}
+PLUMBING = {"_core", "interrupts", "context", "callers", "_budget"}
 # Who may use the private core: the layer right above it.
-CORE_USERS = {"_core", "budget", "view", "hooks", "snapshot", "residency", "adapter", "hostledger",
-              "stats", "roots", "forks"}
+CORE_USERS = {"_core", "budget", "_budget", "adapter", "hostledger"}
 
 
 def imports_anywhere(path: Path) -> set[str]:

@@ -317,7 +317,7 @@ class Tree:
     def close_to(self, reason: str) -> None:
         """From now on no block of this tree changes: frees are refused (counted as invalid),
         resizes denied with ``reason``; allocations are its nodes' to refuse (their
-        ``refusal``). What a forked child does with the trees it inherited (``forks.py``)."""
+        ``refusal``). What a forked child does with the trees it inherited (``_budget/forks.py``)."""
         self.closed = reason
         self.fast = False  # every call through the methods here, which check ``closed``
 

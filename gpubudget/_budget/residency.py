@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from . import interrupts
-from .errors import BudgetError
-from .interrupts import STATE, protect
-from ._core.memory import Mapping
-from ._core.node import Node
-from ._core.locks import let_in
-from ._core.tree import Tree, unlock
+from .. import interrupts
+from ..errors import BudgetError
+from ..interrupts import STATE, protect
+from .._core.memory import Mapping
+from .._core.node import Node
+from .._core.locks import let_in
+from .._core.tree import Tree, unlock
 
 __all__ = ["Residency"]
 

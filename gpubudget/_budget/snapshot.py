@@ -21,9 +21,9 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from . import interrupts
-from ._core.ledger import available
-from .report import (
+from .. import interrupts
+from .._core.ledger import available
+from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
     Denial,
@@ -33,14 +33,14 @@ from .report import (
     Totals,
     Usage,
 )
-from ._core.node import Node, Probe
-from ._core.tree import Tree
-from .interrupts import STATE, protect
-from .text import printable
-from .units import format_size
+from .._core.node import Node, Probe
+from .._core.tree import Tree
+from ..interrupts import STATE, protect
+from ..text import printable
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget
+    from ..budget import Budget
 
 __all__ = ["leaks_at_exit", "snapshot", "watch_leaks"]
 

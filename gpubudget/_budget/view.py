@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .backends import Backend
-from ._core.ledger import available
-from ._core.node import Node, State
-from .report import BudgetReport
+from ..backends import Backend
+from .._core.ledger import available
+from .._core.node import Node, State
+from ..report import BudgetReport
 from .snapshot import snapshot
 from .stats import memory_stats, memory_summary, reset_accumulated_stats
-from .units import format_size
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget
+    from ..budget import Budget
 
 __all__ = ["BudgetView"]
 

@@ -15,13 +15,14 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from . import context, forks  # noqa: F401 - imported for its handler: a forked child's budgets
-from ._core.tree import _unreleased
-from .callers import user_stacklevel
-from .units import format_size
+from .. import context
+from . import forks  # noqa: F401 - imported for its handler: a forked child's budgets
+from .._core.tree import _unreleased
+from ..callers import user_stacklevel
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget  # only named: budget.py imports this module
+    from ..budget import Budget  # only named: budget.py imports this module
 
 __all__ = ["THREAD_ROOT", "holder", "opened", "warn_if_thread_trap"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from ._core.tree import Tree, _unreleased
+from .._core.tree import Tree, _unreleased
 from .snapshot import _watched
 
 __all__ = ["FORKED", "close_inherited"]
