@@ -35,9 +35,8 @@ from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
-from ._core.node import Node, install_fast_path
+from ._core import Denied, Node, install_fast_path
 from .tracefile import writer_for, writer_from_env
-from ._core.tree import Denied
 from .units import DEFAULT_ALIGN, as_int, as_size, format_size, parse_size
 
 if TYPE_CHECKING:

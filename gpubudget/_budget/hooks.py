@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import BudgetError
-from .._core.node import Node
+from .._core import Node
 from ..units import as_int
 
 __all__ = ["AdapterHooks"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Final
 
 from .. import context
 from . import forks  # noqa: F401 - imported for its handler: a forked child's budgets
-from .._core.tree import _unreleased
+from .._core import unreleased
 from ..callers import user_stacklevel
 from ..units import format_size
 
@@ -50,10 +50,10 @@ def holder(address: int) -> Budget | None:
     ...     (holder(block).name, holder(block + 1), pool.free(block))
     ('pool', None, True)
     """
-    for tree in list(_unreleased):
-        record = tree.owner(address)
-        if record is not None:
-            found: Budget = record[0].budget
+    for tree in unreleased():
+        entry = tree.owner(address)
+        if entry is not None:
+            found: Budget = entry.owner.budget
             return found
     return None
 

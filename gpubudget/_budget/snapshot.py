@@ -22,7 +22,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .. import interrupts
-from .._core.ledger import available
+from .._core import Node, Probe, Tree, available
 from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
@@ -33,8 +33,6 @@ from ..report import (
     Totals,
     Usage,
 )
-from .._core.node import Node, Probe
-from .._core.tree import Tree
 from ..interrupts import STATE, protect
 from ..text import printable
 from ..units import format_size
@@ -59,8 +57,9 @@ def snapshot(node: Node) -> BudgetReport:
         own: dict[Node, list[LiveBlock]] = {}
         free_bytes = largest_free = 0
         if tree is not None:
-            for address, (owner, nbytes, tag, stack) in tree.live.items():
-                own.setdefault(owner, []).append(LiveBlock(address, nbytes, tag, stack))
+            for address, entry in tree.entries():
+                own.setdefault(entry.owner, []).append(
+                    LiveBlock(address, entry.nbytes, entry.tag, entry.stack))
             if tree.reservation is not None:
                 free_bytes, largest_free = tree.arena.free_bytes, tree.arena.largest_free
         made: dict[Node, BudgetReport] = {}

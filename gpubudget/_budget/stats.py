@@ -21,7 +21,7 @@ from ..text import printable
 from ..units import format_size
 
 if TYPE_CHECKING:
-    from .._core.node import Node
+    from .._core import Node
     from ..report import BudgetReport
     from .view import BudgetView
 
