@@ -26,6 +26,7 @@ from ._budget import (
     BudgetView,
     Residency,
     checked,
+    open_root,
     opened,
     warn_if_thread_trap,
     watch_leaks,
@@ -33,7 +34,6 @@ from ._budget import (
 from .backends import Backend, get_backend
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
-from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
 from ._core import Denied, Node, install_fast_path
 from .tracefile import writer_for, writer_from_env
@@ -195,9 +195,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
         elif self._trace is None and os.environ.get(TRACE_ENV):
             writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
         node = self._node
-        initial = self._initial
-        open_registered(backend, node.name, self._share or node.account.limit, node.align,
-                        lambda limit: node.open_root(backend, writer, limit, initial), initial)
+        open_root(node, backend, writer, self._share or node.account.limit, self._initial)
         if untraced is not None and node.tree is not None:
             node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()

@@ -20,9 +20,9 @@ from .arguments import Arguments, checked
 from .forks import FORKED
 from .hooks import AdapterHooks
 from .residency import Residency
-from .roots import THREAD_ROOT, holder, opened, warn_if_thread_trap
+from .roots import THREAD_ROOT, holder, open_root, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .view import BudgetView
 
 __all__ = ["FORKED", "THREAD_ROOT", "AdapterHooks", "Arguments", "BudgetView", "Residency",
-           "checked", "holder", "opened", "warn_if_thread_trap", "watch_leaks"]
+           "checked", "holder", "open_root", "opened", "warn_if_thread_trap", "watch_leaks"]

@@ -80,9 +80,9 @@ class Tree:
                  "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
                  "fast", "closed")
 
-    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
+    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None, limit: int,
                  initial: int | None = None) -> None:
-        capacity = round_up(root.account.limit, root.align)
+        capacity = round_up(limit, root.align)
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
         self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
