@@ -21,6 +21,7 @@ from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget.backends import HostBackend
 from gpubudget.backends.host import HostReservation
 from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view, procs
+from gpubudget.hostledger.layout import slot_word
 from gpubudget.hostledger.sizing import HEADROOM
 from gpubudget.units import GiB, MiB
 from tests.helpers import RecordingBackend, subprocess_env
@@ -219,6 +220,22 @@ def test_a_root_opens_in_one_direction_its_limit_decided_once_its_account_made_o
             "half", 4 * GiB, 4 * GiB, "reserved", MiB)
         half.free(block)
     assert host_view(nvml=False).entries == ()
+
+
+def test_a_slot_let_go_before_its_root_is_written_no_more() -> None:
+    """At interpreter exit the slots go before the roots do (``atexit``): a root still used
+    then (by a daemon thread) must not store into a slot that another process may claim."""
+    with gpu_budget("1GiB", name="late", initial=0) as late:  # growable: its mapped word too
+        (claim,) = [claim for claim in claims._claims if claim.pid == os.getpid()]
+        words = claim.book.words
+        at = [slot_word(claim.slot, "used") + i for i in range(3)]
+        at.append(slot_word(claim.slot, "reserved"))
+        claim.release()
+        before = [words[i] for i in at]
+        block = late.allocate("64MiB", raise_on_denial=True)
+        assert late.allocate("2GiB") is None and late.mapped
+        assert [words[i] for i in at] == before
+        assert late.free(block)
 
 
 def test_kill_9_of_a_holder_frees_its_entry_for_the_next_process(workers: list[Worker]) -> None:
