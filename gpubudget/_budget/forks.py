@@ -30,7 +30,7 @@ import os
 from typing import Final
 
 from .._core import Tree, unreleased
-from .snapshot import _watched
+from .snapshot import watch_none
 
 __all__ = ["FORKED", "close_inherited"]
 
@@ -46,7 +46,7 @@ def close_inherited() -> int:
     trees = unreleased()
     for tree in trees:
         _close(tree, parent)
-    _watched.clear()  # their leaks, if any, are the parent's to list
+    watch_none()  # their leaks, if any, are the parent's to list
     return len(trees)
 
 

@@ -40,7 +40,7 @@ from ..units import format_size
 if TYPE_CHECKING:
     from ..budget import Budget
 
-__all__ = ["leaks_at_exit", "snapshot", "watch_leaks"]
+__all__ = ["leaks_at_exit", "snapshot", "watch_leaks", "watch_none"]
 
 _watched: weakref.WeakSet[Budget] = weakref.WeakSet()
 
@@ -169,6 +169,12 @@ def watch_leaks(budget: Budget) -> None:
     docstring): every root is watched, and a child that keeps stacks under a root that does
     not."""
     _watched.add(budget)
+
+
+def watch_none() -> None:
+    """Watch no budget any more (a forked child: the leaks of its parent's budgets are the
+    parent's to say)."""
+    _watched.clear()
 
 
 _TAGS_SHOWN = 3
