@@ -34,7 +34,7 @@ from .results import (
 )
 
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
-           "TraceSource", "replay"]
+           "Replayer", "TraceSource", "last_uses_of", "replay"]
 
 
 class _Member:
@@ -71,7 +71,7 @@ class _Denied(Exception):
     """Raised out of a replay that only asks whether anything is denied, at the first."""
 
 
-class _Replay:
+class Replayer:
     """One replay's state: the budgets opened, and the recorded address -> replayed block.
 
     ``granted_peaks``: track each budget's peak counting only what the recording granted
@@ -381,14 +381,14 @@ def replay(
     ('pool', 100096, 1, 'weights')
     """
     if isinstance(trace, Trace):
-        return _Replay(limits or {}, last_uses=_last_uses(trace.events)).run(trace.events)
-    run = _Replay(limits or {}).run
+        return Replayer(limits or {}, last_uses=last_uses_of(trace.events)).run(trace.events)
+    run = Replayer(limits or {}).run
     if isinstance(trace, TraceReader):
         return replace(run(trace), cut_short=trace.cut_short)
     with TraceReader(trace, max_bytes=max_bytes, progress=progress) as reader:
         return replace(run(reader), cut_short=reader.cut_short)
 
-def _last_uses(events: Iterable[TraceEvent]) -> dict[int, int]:
+def last_uses_of(events: Iterable[TraceEvent]) -> dict[int, int]:
     """Budget id -> the index of the last event that allocates through it (a granted
     allocation, a probe, a resize)."""
     last: dict[int, int] = {}
