@@ -297,7 +297,7 @@ class Injected(BaseException):
     """What the fault injector raises: a BaseException, as an asynchronous one may be."""
 
 
-LOCK_TAKERS = ("allocate", "free", "resize", "owner", "note_error", "_deny", "check")
+LOCK_TAKERS = ("allocate", "free", "resize", "owner", "size_of", "note_error", "_deny", "check")
 
 
 def _lock_taking_code() -> set[Any]:
@@ -400,6 +400,7 @@ def _scenarios() -> dict[str, Any]:
         "resize whose copy fails": run(lambda p, c, a, b: c.resize(a, 4 * KiB),
                                        BrokenCopyBackend()),
         "owner": run(lambda p, c, a, b: p.owner_of(a)),
+        "size of": run(lambda p, c, a, b: p.size_of(a)),
         "check": run(lambda p, c, a, b: p.check()),
         "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
             None, None, None)),
