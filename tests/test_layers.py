@@ -103,9 +103,11 @@ def _module(path: Path, node: ast.ImportFrom) -> list[str] | None:
 
 
 def _is_module(parts: list[str]) -> bool:
-    """Whether ``parts`` name a module or a folder of the package."""
+    """Whether ``parts`` name a module (Python, a stub, or a C extension built here) or a
+    folder of the package."""
     where = PACKAGE.joinpath(*parts)
-    return where.is_dir() or where.with_suffix(".py").exists()
+    suffixes = (".py", ".pyi", *importlib.machinery.EXTENSION_SUFFIXES)
+    return where.is_dir() or any(Path(f"{where}{suffix}").exists() for suffix in suffixes)
 
 
 def _tree(path: Path, source: str | None) -> ast.Module:

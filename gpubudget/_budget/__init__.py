@@ -16,7 +16,7 @@ package imports this folder (``tests/test_layers.py`` checks it).
 
 from __future__ import annotations
 
-from .arguments import Arguments, checked
+from .arguments import checked
 from .forks import FORKED
 from .hooks import AdapterHooks
 from .residency import Residency
@@ -24,5 +24,5 @@ from .roots import THREAD_ROOT, holder, open_root, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .view import BudgetView
 
-__all__ = ["FORKED", "THREAD_ROOT", "AdapterHooks", "Arguments", "BudgetView", "Residency",
-           "checked", "holder", "open_root", "opened", "warn_if_thread_trap", "watch_leaks"]
+__all__ = ["FORKED", "THREAD_ROOT", "AdapterHooks", "BudgetView", "Residency", "checked",
+           "holder", "open_root", "opened", "warn_if_thread_trap", "watch_leaks"]
