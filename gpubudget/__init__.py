@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Final
 
 from . import _core
+from ._core import EVENT_LOG_LIMIT
 from .budget import TRACE_ENV, Budget, gpu_budget
 from .errors import (
     AllocationDenied,
@@ -24,7 +25,6 @@ from .errors import (
     TraceError,
     TraceWriteError,
 )
-from ._core.recorder import EVENT_LOG_LIMIT
 from .report import BudgetReport, Denial, LiveBlock
 from .scope import bind, current_budget, current_label, label, use
 from .units import format_size, parse_size

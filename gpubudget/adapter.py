@@ -40,10 +40,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from . import interrupts
+from ._budget import holder
 from ._core import native
 from .backends import current_device
 from .context import SEPARATE_ROOTS
-from .roots import holder
 
 if TYPE_CHECKING:
     from .budget import Budget

@@ -3,9 +3,11 @@
 A budget checks its arguments, runs the ``with`` protocol (the context-variable stack,
 misnesting found and explained) and takes the calls that change memory (``allocate``, ``free``,
 ``resize``); the work happens in its tree (:mod:`gpubudget._core.tree`). What it answers is in
-:mod:`gpubudget.view`, what adapters call in :mod:`gpubudget.hooks` (its two bases). Lifetime: ``new`` -> ``open`` (entered) -> ``exited`` (scope left) ->
-``released`` (nothing holds it any more: no live block, no pin, no unreleased child; a root
-then returns its reservation).
+:mod:`gpubudget._budget.view`, what adapters call in :mod:`gpubudget._budget.hooks`, what a
+growable root does with its memory in :mod:`gpubudget._budget.residency` (its three bases).
+Lifetime: ``new`` -> ``open`` (entered) -> ``exited`` (scope left) -> ``released`` (nothing
+holds it any more: no live block, no pin, no unreleased child; a root then returns its
+reservation).
 """
 
 from __future__ import annotations
@@ -17,22 +19,25 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
 
 from . import context, interrupts
-from .arguments import checked
+from ._budget import (
+    FORKED,
+    THREAD_ROOT,
+    AdapterHooks,
+    BudgetView,
+    Residency,
+    checked,
+    open_root,
+    opened,
+    warn_if_thread_trap,
+    watch_leaks,
+)
 from .backends import Backend, get_backend
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
-from .forks import FORKED
-from .hooks import AdapterHooks
-from .hostledger.claims import open_registered
 from .interrupts import STATE, protect
-from ._core.node import Node, install_fast_path
-from .residency import Residency
-from .roots import THREAD_ROOT, opened, warn_if_thread_trap
-from .snapshot import watch_leaks
+from ._core import Denied, Node, install_fast_path
 from .tracefile import writer_for, writer_from_env
-from ._core.tree import Denied
 from .units import DEFAULT_ALIGN, as_int, as_size, format_size, parse_size
-from .view import BudgetView
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -190,9 +195,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
         elif self._trace is None and os.environ.get(TRACE_ENV):
             writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
         node = self._node
-        initial = self._initial
-        open_registered(backend, node.name, self._share or node.account.limit, node.align,
-                        lambda limit: node.open_root(backend, writer, limit, initial), initial)
+        open_root(node, backend, writer, self._share or node.account.limit, self._initial)
         if untraced is not None and node.tree is not None:
             node.tree.recorder.trace_error = untraced  # the report says why
         interrupts.install()

@@ -12,7 +12,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any, Final
 
-from .tracefile import printable
+from .text import printable
 from .units import GiB, KiB, MiB
 
 if TYPE_CHECKING:

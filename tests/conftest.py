@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpubudget import roots, snapshot
+from gpubudget._budget import roots, snapshot
 from gpubudget.context import ACTIVE
 
 

@@ -24,7 +24,7 @@ MODULES = sorted(
 
 
 def test_the_modules_with_examples_are_found() -> None:
-    assert {"gpubudget", "gpubudget.budget", "gpubudget.view", "gpubudget.units",
+    assert {"gpubudget", "gpubudget.budget", "gpubudget._budget.view", "gpubudget.units",
             "gpubudget.tracefile.reader"} <= set(MODULES)
     assert "gpubudget.torch" not in MODULES  # its examples need a GPU and are skipped
 

@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget.backends import HostBackend
 from gpubudget.backends.host import HostReservation
 from gpubudget.hostledger import LedgerDevice, LedgerError, claims, host_view, procs
+from gpubudget.hostledger.layout import slot_word
 from gpubudget.hostledger.sizing import HEADROOM
 from gpubudget.units import GiB, MiB
 from tests.helpers import RecordingBackend, subprocess_env
@@ -184,6 +186,57 @@ def test_a_root_that_cannot_reserve_releases_its_claim_and_names_the_holders() -
         root("2GiB", "late", backend)
     assert [entry.name for entry in host_view(nvml=False).entries] == ["detector"]
     leave(detector, context)
+
+
+def test_a_root_opens_in_one_direction_its_limit_decided_once_its_account_made_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledger decides the limit, once; then the core makes the root's account, once, with
+    that limit, and reserves it; then the slot is marked reserved with the root's numbers."""
+    from gpubudget._core import ledger
+    from gpubudget._core import node as node_module
+    from gpubudget.hostledger import sizing
+
+    made: list[tuple[object, ...]] = []
+    decided: list[object] = []
+    account, decide = ledger.Account, sizing.decide
+
+    def counted_account(*args: Any) -> Any:
+        made.append(args)
+        return account(*args)
+
+    def counted_decide(*args: Any, **kwargs: Any) -> Any:
+        decision = decide(*args, **kwargs)
+        decided.append(decision.nbytes)
+        return decision
+
+    half = gpu_budget("50%", name="half")  # its account before entry: what it asked for
+    monkeypatch.setattr(node_module, "Account", counted_account)
+    monkeypatch.setattr(claims, "decide", counted_decide)
+    with half:
+        assert (made, decided, half.limit) == ([("half", 4 * GiB)], [4 * GiB], 4 * GiB)
+        block = half.allocate("1MiB", raise_on_denial=True)
+        (entry,) = host_view(nvml=False).entries
+        assert (entry.name, entry.limit, entry.reserved, entry.state, entry.used) == (
+            "half", 4 * GiB, 4 * GiB, "reserved", MiB)
+        half.free(block)
+    assert host_view(nvml=False).entries == ()
+
+
+def test_a_slot_let_go_before_its_root_is_written_no_more() -> None:
+    """At interpreter exit the slots go before the roots do (``atexit``): a root still used
+    then (by a daemon thread) must not store into a slot that another process may claim."""
+    others = set(claims._claims)  # claims of roots that earlier tests still hold
+    with gpu_budget("1GiB", name="late", initial=0) as late:  # growable: its mapped word too
+        (claim,) = set(claims._claims) - others
+        words = claim.book.words
+        at = [slot_word(claim.slot, "used") + i for i in range(3)]
+        at.append(slot_word(claim.slot, "reserved"))
+        claim.release()
+        before = [words[i] for i in at]
+        block = late.allocate("64MiB", raise_on_denial=True)
+        assert late.allocate("2GiB") is None and late.mapped
+        assert [words[i] for i in at] == before
+        assert late.free(block)
 
 
 def test_kill_9_of_a_holder_frees_its_entry_for_the_next_process(workers: list[Worker]) -> None:

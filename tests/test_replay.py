@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gpubudget import Budget, gpu_budget, label
 from gpubudget.replay import ReplayBackend, ReplayError, fit, replay
 from gpubudget.replay.fit import _TreeEvents
-from gpubudget.replay.run import _Replay
+from gpubudget.replay.run import Replayer
 from gpubudget.tracefile import Enter, TraceReader, read_trace, writer_for
 
 from .helpers import subprocess_env
@@ -276,14 +276,14 @@ def test_fit_holds_events_losslessly_in_flat_arrays(tmp_path: Path) -> None:
 
 def test_fit_is_linear_in_the_number_of_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     replayed = {"events": 0}
-    run = _Replay.run
+    run = Replayer.run
 
-    def counting(self: _Replay, events: Any) -> Any:
+    def counting(self: Replayer, events: Any) -> Any:
         events = list(events)
         replayed["events"] += len(events)
         return run(self, events)
 
-    monkeypatch.setattr(_Replay, "run", counting)
+    monkeypatch.setattr(Replayer, "run", counting)
     per_event = []
     for roots in (5, 80):
         path = tmp_path / f"{roots}.jsonl"

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from gpubudget import Budget, bind, current_budget, gpu_budget, use
-from gpubudget.roots import THREAD_ROOT
+from gpubudget.budget import THREAD_ROOT
 
 
 def test_current_budget_follows_nesting() -> None:

@@ -7,7 +7,7 @@ import json
 
 from gpubudget import gpu_budget
 from gpubudget._core.node import KEEP_RELEASED_CHILDREN
-from gpubudget.stats import STAT_KEYS
+from gpubudget._budget.stats import STAT_KEYS
 
 KiB = 1024
 

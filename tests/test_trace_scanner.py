@@ -23,7 +23,7 @@ from benchmarks.fuzz_traces import mutate, record_seeds
 from benchmarks.trace_gen import record_server
 from gpubudget import gpu_budget, label
 from gpubudget.replay import ReplayResult, replay
-from gpubudget.replay.run import _Replay
+from gpubudget.replay.run import Replayer
 from gpubudget.tracefile import MAX_LINE_BYTES, TraceError, TraceReader, writer_for
 from gpubudget.tracefile.checks import Validator
 from gpubudget.tracefile.cscan import NATIVE, scanner
@@ -337,7 +337,7 @@ def test_a_replay_stopped_at_its_first_denial_stops_alike(tmp_path: Path) -> Non
         seen = []
         for parser in ("c", "json"):
             with TraceReader(path, parser=parser) as reader:
-                run = _Replay(dict.fromkeys(budgets, limit))
+                run = Replayer(dict.fromkeys(budgets, limit))
                 denied = run.denied(reader.events(sink=run.sink()))
                 seen.append((denied, run.shortfall, reader.lines, reader.bytes_read))
         assert seen[0] == seen[1], limit

@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 
-from gpubudget import BudgetError, BudgetNestingError, InvariantError, current_budget, gpu_budget
+from gpubudget import (
+    BudgetError,
+    BudgetNestingError,
+    InvariantError,
+    current_budget,
+    gpu_budget,
+    label,
+)
+from gpubudget._core import LiveEntry
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
 from tests.helpers import consistent, fill, holds, python_paths
@@ -228,6 +236,30 @@ def test_check_names_a_registry_that_disagrees_with_the_arena() -> None:
         node.tree.live[block] = record
 
 
+def test_the_core_hands_out_live_blocks_with_named_fields() -> None:
+    with gpu_budget(MiB, name="pool", align=256) as pool:
+        with gpu_budget("64KiB", name="model") as model:
+            with label("weights"):
+                block = model.allocate(1000)
+            assert block is not None
+            other = pool.allocate(5000)
+            assert other is not None
+            tree = pool._node.tree
+            assert tree is not None
+            entry = tree.owner(block)
+            assert isinstance(entry, LiveEntry)
+            assert (entry.owner.budget, entry.nbytes, entry.tag, entry.stack) == (
+                model, 1024, "weights", None)
+            assert tree.owner(block + 1) is None and tree.size_of(block + 1) == 0
+            assert (tree.size_of(block), tree.size_of(other)) == (1024, 5120)
+            with pool._node.lock:
+                entries = dict(tree.entries())
+            assert entries == {block: entry, other: (pool._node, 5120, None, None)}
+            assert (model.size_of(block), pool.owner_of(other)) == (1024, pool)
+            assert model.free(block) and pool.free(other)
+            assert tree.owner(block) is None
+
+
 def test_children_and_parents_see_the_public_tree() -> None:
     with gpu_budget(MiB, name="pool") as pool:
         with gpu_budget("1KiB", name="model") as model:
@@ -265,7 +297,7 @@ class Injected(BaseException):
     """What the fault injector raises: a BaseException, as an asynchronous one may be."""
 
 
-LOCK_TAKERS = ("allocate", "free", "resize", "owner", "note_error", "_deny", "check")
+LOCK_TAKERS = ("allocate", "free", "resize", "owner", "size_of", "note_error", "_deny", "check")
 
 
 def _lock_taking_code() -> set[Any]:
@@ -368,6 +400,7 @@ def _scenarios() -> dict[str, Any]:
         "resize whose copy fails": run(lambda p, c, a, b: c.resize(a, 4 * KiB),
                                        BrokenCopyBackend()),
         "owner": run(lambda p, c, a, b: p.owner_of(a)),
+        "size of": run(lambda p, c, a, b: p.size_of(a)),
         "check": run(lambda p, c, a, b: p.check()),
         "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
             None, None, None)),

@@ -1,8 +1,12 @@
-"""The allocation core (private: the rest of the package and its tests use it, users do not).
+"""The allocation core (private: the budget layer uses it, through this module alone; users
+and the rest of the package do not, and tests may reach inside).
 
 Its modules: :mod:`.arena` (placement), :mod:`.ledger` (limits and charges), :mod:`.streams`
 (stream-ordered frees), :mod:`.recorder` (statistics, event log, trace), :mod:`.memory` (a
-root's memory), :mod:`.tree` and :mod:`.node` (a root's tree and its budgets).
+root's memory), :mod:`.registry` (the live blocks), :mod:`.locks` (a tree's lock),
+:mod:`.recovery` (a tree put right after a fault), :mod:`.tree` and :mod:`.node` (a root's
+tree and its budgets). This module is the core's one door: the names at its end are what the
+budget layer uses (``tests/test_layers.py`` checks that nothing imports the modules behind it).
 
 The hot path has two implementations with one behaviour: these modules in Python, and the C
 extension ``_native``, built by ``setup.py`` where a C compiler is at hand from the ``.c``
@@ -125,5 +129,18 @@ def load_native(directory: str = _HERE) -> ModuleType | None:
     return None
 
 
-native: Final = load_native()
+native: Final[ModuleType | None] = load_native()
 """The C extension when it runs, else ``None``."""
+
+
+# The door: the names the budget layer uses. Imported after ``native``, which they read.
+from .ledger import available  # noqa: E402
+from .locks import let_in, unlock  # noqa: E402
+from .memory import Mapping  # noqa: E402
+from .node import Node, Probe, State, install_fast_path  # noqa: E402
+from .recorder import EVENT_LOG_LIMIT  # noqa: E402
+from .registry import LiveEntry  # noqa: E402
+from .tree import Denied, Tree, unreleased  # noqa: E402
+
+__all__ += ["EVENT_LOG_LIMIT", "Denied", "LiveEntry", "Mapping", "Node", "Probe", "State", "Tree",
+            "available", "install_fast_path", "let_in", "unlock", "unreleased"]

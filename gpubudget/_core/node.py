@@ -84,19 +84,32 @@ class Node:
 
     # -- entering --------------------------------------------------------------------------
 
-    def open_root(self, backend: Backend, writer: TraceWriter | None,
-                  limit: int | None = None, initial: int | None = None) -> Tree:
-        """Reserve the whole limit (``limit`` if given: decided at entry) from ``backend``
-        (``initial``: reserve addresses for it and map ``initial`` bytes); ``BudgetError``
-        if it cannot."""
-        if limit is not None:
-            self.account = Account(self.name, limit)
-        tree = Tree(self, backend, writer, initial)
-        self.account = Account(self.name, self.account.limit)  # a root holds its whole limit
+    def open_root(self, backend: Backend, writer: TraceWriter | None, limit: int,
+                  initial: int | None = None) -> Tree:
+        """Open as a root of ``limit`` bytes (decided before: by the host ledger), reserved
+        whole from ``backend`` (``initial``: reserve addresses for it and map ``initial``
+        bytes); ``BudgetError``, and nothing changed, if it cannot."""
+        tree = Tree(self, backend, writer, limit, initial)
+        self.account = Account(self.name, limit)  # a root holds its whole limit: no reserve
         self.tree = tree
         self.lock = tree.lock
         self._opened()
         return tree
+
+    def publish(self, numbers: memoryview | None, mapped: memoryview | None = None) -> None:
+        """An open root: from now on store its ``used`` and ``peak`` in ``numbers[0]`` and
+        ``numbers[1]`` (with plain stores, at every change: see ``ledger.charge``), count its
+        tree's denials in ``numbers[2]``, and a growable root's mapped bytes in ``mapped[0]``:
+        its words in its slot of the host ledger, for other processes to read. ``None``: no
+        more (the slot went)."""
+        tree = self.tree
+        assert tree is not None and self.parent is None
+        account = self.account
+        if numbers is not None:
+            numbers[0], numbers[1] = account.used, account.peak
+        account.published = tree.recorder.published = numbers
+        if tree.mapping is not None:
+            tree.mapping.published = mapped
 
     def open_child(self, parent: Node) -> None:
         """Enter under ``parent``, setting aside this budget's reserve there."""

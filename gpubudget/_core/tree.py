@@ -4,7 +4,8 @@ Two classes, the plumbing behind what the user holds (:class:`~gpubudget.budget.
 
 - :class:`Tree`, one per root: the lock, the backend and its reservation, the
   :class:`~gpubudget.arena.Arena` over it, the live-block registry (address -> owner, aligned
-  size, tag, stack), the stream-ordered frees still pending, and the recorder. Its methods
+  size, tag, stack: :mod:`~gpubudget._core.registry`), the stream-ordered frees still
+  pending, and the recorder. Its methods
   ``allocate``, ``free`` and ``resize`` are the only code that changes blocks.
 - :class:`Node`, one per budget: its place in the tree (parent, children), its
   :class:`~gpubudget.ledger.Account` and :class:`~gpubudget.recorder.Stats`, its state and
@@ -33,7 +34,7 @@ Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, Literal
 
 from .. import interrupts
@@ -43,6 +44,7 @@ from ..errors import InvariantError
 from .ledger import charge, passed_up, refusal
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
+from .registry import LiveEntry, new_registry
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
@@ -53,13 +55,10 @@ if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from ..tracefile import TraceWriter
 
-__all__ = ["Denied", "Live", "Tree", "new_lock", "unlock"]  # the last two from locks.py
+__all__ = ["Denied", "Tree", "new_lock", "unlock", "unreleased"]  # 3 and 4 from locks.py
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
-# A live block: (owner, aligned size, tag, stack). A plain tuple: one is built on every
-# allocation, and a class instance costs several times more to create.
-Live = tuple["Node", int, "str | None", "tuple[str, ...] | None"]
 # What moving a block needs: (owner, size, alignment, tag, stack, old and new aligned sizes).
 _Move = tuple["Node", int, int, "str | None", "tuple[str, ...] | None", int, int]
 
@@ -69,6 +68,11 @@ _unreleased: Final[set[Tree]] = set()
 it are live keeps its memory (a block is never freed under its user by the collector)."""
 
 
+def unreleased() -> list[Tree]:
+    """Every tree of this process whose root has not released yet."""
+    return list(_unreleased)
+
+
 class Tree:
     """A root's memory and what is placed in it; see the module docstring."""
 
@@ -76,9 +80,9 @@ class Tree:
                  "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
                  "fast", "closed")
 
-    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None,
+    def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None, limit: int,
                  initial: int | None = None) -> None:
-        capacity = round_up(root.account.limit, root.align)
+        capacity = round_up(limit, root.align)
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
         self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
@@ -89,9 +93,7 @@ class Tree:
         # a growable root's memory: granules mapped as blocks need them (see memory.py)
         self.mapping: Final = reservation if isinstance(reservation, Mapping) else None
         self.arena = Arena(base, capacity, root.align)  # rebuilt by recover() if need be
-        # the live-block registry: a dict, or the C core's with a dict's interface
-        self.live: Final[MutableMapping[int, Live]] = (
-            native.Registry() if native is not None else {})
+        self.live: Final = new_registry()  # address -> (owner, aligned size, tag, stack)
         self.pending: Final = PendingFrees()
         # A backend whose work is always complete (host memory) needs no stream events.
         self.ordered: Final = not getattr(backend, "synchronous", False)
@@ -317,7 +319,7 @@ class Tree:
     def close_to(self, reason: str) -> None:
         """From now on no block of this tree changes: frees are refused (counted as invalid),
         resizes denied with ``reason``; allocations are its nodes' to refuse (their
-        ``refusal``). What a forked child does with the trees it inherited (``forks.py``)."""
+        ``refusal``). What a forked child does with the trees it inherited (``_budget/forks.py``)."""
         self.closed = reason
         self.fast = False  # every call through the methods here, which check ``closed``
 
@@ -329,7 +331,8 @@ class Tree:
         return self.mapping.trim((block.address, block.size) for block in self.arena.walk()
                                  if not block.free)
 
-    def owner(self, where: object) -> Live | None:
+    def owner(self, where: object) -> LiveEntry | None:
+        """The registry's entry of the live block at ``where``, or ``None``."""
         address = where if type(where) is int else as_int(where) or 0
         lock = self.lock
         try:  # see ``unlock``
@@ -339,7 +342,26 @@ class Tree:
         except BaseException:
             unlock(lock)
             raise
-        return record
+        return LiveEntry._make(record) if record is not None else None
+
+    def size_of(self, where: object) -> int:
+        """The aligned size of the live block at ``where``, 0 if there is none: what
+        :meth:`owner` reads, with no entry made (adapters ask it of every block they get)."""
+        address = where if type(where) is int else as_int(where) or 0
+        lock = self.lock
+        try:  # see ``unlock``
+            lock.acquire()
+            record = self.live.get(address)
+            lock.release()
+        except BaseException:
+            unlock(lock)
+            raise
+        return record[1] if record is not None else 0
+
+    def entries(self) -> Iterator[tuple[int, LiveEntry]]:
+        """Lock held: every live block's address and entry."""
+        for address, record in self.live.items():
+            yield address, LiveEntry._make(record)
 
     # -- internals -------------------------------------------------------------------------
 

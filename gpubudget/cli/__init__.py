@@ -23,7 +23,8 @@ from typing import Any, Final, NoReturn
 
 from .. import __version__
 from ..errors import GpuBudgetError
-from ..tracefile import MAX_TRACE_BYTES, printable
+from ..tracefile import MAX_TRACE_BYTES
+from ..text import printable
 from ..units import format_size, parse_size
 from .demo import demo
 from .engine import add_engine_parser

@@ -11,7 +11,7 @@ from ..backends import Backend, get_backend
 from ..budget import gpu_budget
 from ..plot import plot_format
 from ..scope import label
-from ..tracefile import printable
+from ..text import printable
 from ..units import MiB, format_size
 
 __all__ = ["demo"]

@@ -42,7 +42,8 @@ from typing import Final
 
 from ..errors import GpuBudgetError
 from ..replay import fit
-from ..tracefile import Alloc, Enter, TraceEvent, TraceReader, printable
+from ..tracefile import Alloc, Enter, TraceEvent, TraceReader
+from ..text import printable
 from ..units import format_size
 from .limits import Limits, Path, read_limits
 from .output import Failure

@@ -33,7 +33,7 @@ import tokenize
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ..tracefile import printable
+from ..text import printable
 from ..units import parse_size
 from .output import Failure
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Final, TextIO
 
-from ..tracefile import printable
+from ..text import printable
 
 __all__ = [
     "EXIT_BAD_INPUT",

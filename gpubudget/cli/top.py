@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from ..hostledger import DeviceView, Entry, HostView, host_view
-from ..tracefile import printable
+from ..text import printable
 from ..units import format_size
 
 __all__ = ["SORT_KEYS", "TopOptions", "render", "top_command"]

@@ -17,7 +17,8 @@ from ..plot import plot_format
 from ..replay import Fit, ReplayResult, fit, replay
 from ..replay.fit import reading_progress
 from ..report import BudgetReport, LiveBlock
-from ..tracefile import TraceReader, printable
+from ..tracefile import TraceReader
+from ..text import printable
 from ..units import GiB, KiB, MiB, format_size
 from .output import EXIT_BAD_INPUT, Failure, Progress, say
 

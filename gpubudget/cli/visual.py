@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ..html import ViewModel, model_from_trace, write_page
 from ..html.torchsnap import looks_like_pickle, model_from_torch_snapshot
 from ..perfetto import write_perfetto
-from ..tracefile import printable
+from ..text import printable
 from ..units import format_size
 from .output import Failure, Progress
 

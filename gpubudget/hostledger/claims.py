@@ -1,6 +1,8 @@
 """Registering a root budget in the host ledger: claim, reserve, publish, release.
 
-:func:`open_registered` is what a root's entry calls. In order:
+A root's entry asks :func:`claim_root` for its limit before it reserves anything, then
+reserves it, then tells its :class:`Claim` (the budget layer does it, in one direction: this
+module knows nothing of budgets, trees or the core). In order:
 
 1. Read the device's free memory (a device call, with no lock held).
 2. Under the ledger's lock (microseconds, whatever the number of live roots: this
@@ -10,11 +12,12 @@
    unclaimed, within the device cap); write its slot, ``claimed``. If a claim of another
    process may not show in the free memory read in 1 (it is still reserving), let go of
    the lock and start again, for up to :data:`SETTLE_SECONDS`; then count it as taken.
-3. Reserve the memory (a device call, no lock held). If that fails, the slot is released
-   and the error names who holds the device's memory: all or nothing.
-4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
-   ``peak``) and every denial in its tree is stored into the slot's words, with plain
-   stores (:mod:`gpubudget._core.ledger` and :mod:`gpubudget._core.recorder` do it).
+3. The root reserves the memory (a device call, no lock held). If that fails,
+   :meth:`Claim.refused` releases the slot, and the error names who holds the device's
+   memory: all or nothing.
+4. :meth:`Claim.reserved` marks the slot ``reserved`` and hands out its words: from then on
+   every change of the root's ``used`` (with its ``peak``) and every denial in its tree is
+   stored into them, with plain stores (the core does it).
 5. When the root releases its reservation (or the process exits, or dies), the slot goes.
 
 When the ledger cannot be used (a directory or file refused, a file damaged or full, a lock
@@ -33,12 +36,12 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final, NamedTuple
 
 from ..backends import Backend, Reservation
 from ..callers import user_stacklevel
 from ..errors import BudgetError
-from ..tracefile import printable
+from ..text import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
 from .devices import LedgerDevice, device_for
@@ -48,11 +51,8 @@ from .layout import Entry, slot_word
 from .procs import myself, process_title
 from .sizing import CAP_ENV, Share, decide, headroom, parse_cap
 
-if TYPE_CHECKING:
-    from .._core.tree import Tree
-
-__all__ = ["LEDGER_ENV", "SETTLE_SECONDS", "Claim", "book_for", "device_claims", "holders",
-           "ledger_enabled", "open_registered"]
+__all__ = ["LEDGER_ENV", "SETTLE_SECONDS", "Claim", "Registered", "book_for", "claim_root",
+           "device_claims", "holders", "ledger_enabled"]
 
 LEDGER_ENV: Final = "GPUBUDGET_LEDGER"
 """Environment variable: ``0`` (or ``off``) registers no root in the host ledger."""
@@ -121,38 +121,51 @@ def device_claims(device: LedgerDevice) -> list[Entry]:
         return book.live_entries()
 
 
-class Claim:
-    """One root's slot in its device's ledger, held by this process."""
+class Registered(NamedTuple):
+    """What a root keeps of its slot once it has reserved its memory (:meth:`Claim.reserved`)."""
 
-    def __init__(self, book: DeviceBook, slot: int, limit: int) -> None:
+    reservation: Reservation
+    """To hold in place of its own: its release frees the slot too."""
+    numbers: memoryview
+    """The slot's words for the root's ``used``, ``peak`` and denials, in that order."""
+    mapped: memoryview
+    """The slot's word for the bytes the root has mapped (a growable root keeps it current)."""
+
+
+class Claim:
+    """One root's slot in its device's ledger, held by this process: claimed with its limit
+    (:func:`claim_root`), then :meth:`reserved` or :meth:`refused`, later released."""
+
+    def __init__(self, book: DeviceBook, device: LedgerDevice, slot: int, limit: int) -> None:
         self.book: Final = book
+        self.device: Final = device
         self.slot: Final = slot
         self.limit: Final = limit
         self.pid: Final = os.getpid()
-        self.tree: Tree | None = None
+        self._detach: Callable[[], None] | None = None
 
-    def attach(self, tree: Tree) -> None:
-        """The root's memory is reserved: mark the slot, publish the root's numbers there,
-        and release the slot with the reservation."""
-        reservation = tree.reservation
-        assert reservation is not None
-        mapping = tree.mapping  # a growable root: what it has mapped, kept current
-        held = mapping.mapped_bytes if mapping is not None else reservation.nbytes
+    def reserved(self, reservation: Reservation, held: int,
+                 detach: Callable[[], None]) -> Registered:
+        """The root has reserved its memory, ``held`` bytes of it backed now: mark the slot
+        ``reserved``, and hand out its words (see :class:`Registered`). ``detach`` is called
+        when the slot goes while the root may still store into them (the process exits
+        first, or a forked child lets go of its parent's slots): it must stop."""
         try:
             with self.book.locked():
                 self.book.reserved(self.slot, held, time.monotonic_ns())
         except LedgerLocked:  # the slot is ours: mark it without the lock
             self.book.reserved_unlocked(self.slot, held, time.monotonic_ns())
-        if mapping is not None:
-            at = slot_word(self.slot, "reserved")
-            mapping.published = self.book.words[at: at + 1]
-        at = slot_word(self.slot, "used")  # then "peak" and "denials"
-        words = self.book.words[at: at + 3]
-        account = tree.root.account
-        words[0], words[1] = account.used, account.peak
-        self.tree = tree
-        account.published = tree.recorder.published = words
-        tree.reservation = _Released(reservation, self)
+        self._detach = detach
+        used = slot_word(self.slot, "used")  # then "peak" and "denials"
+        mapped = slot_word(self.slot, "reserved")
+        return Registered(_Released(reservation, self), self.book.words[used: used + 3],
+                          self.book.words[mapped: mapped + 1])
+
+    def refused(self, exc: BudgetError) -> BudgetError:
+        """The root could not reserve its memory: free the slot, and return ``exc`` said
+        again with who holds the device's memory, to raise."""
+        self.release()
+        return BudgetError(f"{exc}{_held_elsewhere(self.book, self.device)}")
 
     def release(self) -> None:
         """Free the slot (in the process that claimed it, once); the memory is returned
@@ -161,17 +174,17 @@ class Claim:
             if self not in _claims:
                 return
             _claims.discard(self)
-        self._detach()
+        self._let_go()
         try:
             with self.book.locked():
                 self.book.release(self.slot)
         except LedgerLocked:  # the slot is ours: free it without the lock
             self.book.release_unlocked(self.slot)
 
-    def _detach(self) -> None:
-        tree, self.tree = self.tree, None
-        if tree is not None:
-            tree.root.account.published = tree.recorder.published = None
+    def _let_go(self) -> None:
+        detach, self._detach = self._detach, None
+        if detach is not None:
+            detach()
 
 
 class _Released:
@@ -196,21 +209,25 @@ class _Released:
         self._claim.release()
 
 
-def open_registered(backend: Backend, name: str, request: int | Share, align: int,
-                    open_tree: Callable[[int], Tree], initial: int | None = None) -> Tree:
-    """Enter a root registered in the host ledger: claim, ``open_tree(limit)`` (which
-    reserves), attach; see the module docstring. ``request``: the root's limit in bytes, or
-    a share. ``initial``: a growable root's memory at entry (it claims its limit, what it may
-    grow to, but only ``initial`` must be free now; its slot's reserved bytes follow what it
-    maps). Backends the ledger does not know are not registered (a share is then a
-    ``BudgetError``)."""
+def claim_root(backend: Backend, name: str, request: int | Share, align: int,
+               initial: int | None = None) -> tuple[int, Claim | None]:
+    """A root's limit, decided before it reserves anything, and its claim on a slot of the
+    device's ledger: ``(limit, claim)``; see the module docstring. ``request``: the root's
+    limit in bytes (which is then its limit), or a share (sized here). ``initial``: a
+    growable root's memory at entry (it claims its limit, what it may grow to, but only
+    ``initial`` must be free now; its slot's reserved bytes follow what it maps).
+
+    The claim is ``None`` where the root is not registered: a backend the ledger does not
+    know (a share is then a ``LedgerError``), the ledger turned off (``GPUBUDGET_LEDGER=0``),
+    or a ledger that cannot be used now (one warning per kind of trouble); a root that needs
+    the ledger (a share, a cap, a simulated device) gets a ``LedgerError`` instead."""
     device = device_for(backend)
     if device is None:  # not a device (a trace's replay, a backend of the user's own)
         if isinstance(request, Share):
             raise LedgerError(f"budget {name!r} asks for a share ({request.text!r}) of a "
                               f"device's memory, and the {backend.name} backend's memory "
                               f"({backend!r}) is not a device the host ledger knows")
-        return open_tree(request)
+        return request, None
     cap_text = os.environ.get(CAP_ENV, "").strip()
     required = isinstance(request, Share) or bool(cap_text) or device.hard
     if not ledger_enabled():
@@ -220,7 +237,7 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
             raise LedgerError(f"budget {name!r} asks for {asked}, which needs the host "
                               f"ledger, and {LEDGER_ENV}=0 turns the host ledger off")
         assert isinstance(request, int)
-        return open_tree(request)
+        return request, None
     cap = parse_cap(cap_text, device.total) if cap_text else None
     kept = headroom() if device.free is not None else 0
     try:
@@ -232,17 +249,8 @@ def open_registered(backend: Backend, name: str, request: int | Share, align: in
         _warn_once(type(exc).__name__, f"gpubudget: root budgets are not registered in the "
                                        f"host ledger: {exc}")
         assert isinstance(request, int)
-        return open_tree(request)
-    try:
-        tree = open_tree(claim.limit)
-    except BudgetError as exc:
-        claim.release()
-        raise BudgetError(f"{exc}{_held_elsewhere(book, device)}") from exc.__cause__
-    except BaseException:
-        claim.release()
-        raise
-    claim.attach(tree)
-    return tree
+        return request, None
+    return claim.limit, claim
 
 
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
@@ -279,7 +287,7 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
                     request, Share) else request, "claim": decision.nbytes,
                     "claimed_at": time.monotonic_ns(), "serial": next(_serials)},
                     name, process)
-                claim = Claim(book, slot, request if isinstance(request, int)
+                claim = Claim(book, device, slot, request if isinstance(request, int)
                               else decision.nbytes)
                 with _lock:
                     _claims.add(claim)
@@ -329,7 +337,7 @@ def _forked() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork
     for claim in list(_claims):
-        claim._detach()
+        claim._let_go()
     _claims.clear()
     for book in _books.values():
         book.forget()

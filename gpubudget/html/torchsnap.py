@@ -31,7 +31,8 @@ import stat
 import sys
 from typing import Any, Final
 
-from ..tracefile import MAX_FRAMES, MAX_TRACE_BYTES, printable
+from ..tracefile import MAX_FRAMES, MAX_TRACE_BYTES
+from ..text import printable
 from ..units import format_size
 from .model import ViewBudget, ViewModel
 from .plainpickle import SnapshotError, load_plain

@@ -7,7 +7,7 @@ import socket
 import sys
 from typing import Final
 
-from ..tracefile import printable
+from ..text import printable
 from .registry import cluster_report, death_cause
 
 __all__ = ["EXIT_ERROR", "ray_command"]

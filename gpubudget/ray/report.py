@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from ..report import BudgetReport
-from ..tracefile import printable
+from ..text import printable
 from ..units import format_size
 
 __all__ = ["ActorEntry", "ActorInfo", "ClusterReport", "DeviceSummary", "FlatReport"]

@@ -24,9 +24,9 @@ from ..units import format_size, round_up
 from .run import (
     PROBE_REASONS,
     ReplayError,
+    Replayer,
     TraceSource,
-    _last_uses,
-    _Replay,
+    last_uses_of,
 )
 
 __all__ = ["Fit", "fit", "reading_progress"]
@@ -276,13 +276,13 @@ def _split_by_root(trace: TraceSource, max_bytes: int,
 def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
     """Fit one root and its descendants on the events of that tree (see :func:`fit`)."""
     steps = 0
-    last_uses = _last_uses(events)
+    last_uses = last_uses_of(events)
 
-    def run(limits: dict[int, int], granted_peaks: bool) -> _Replay:
+    def run(limits: dict[int, int], granted_peaks: bool) -> Replayer:
         nonlocal steps
         steps += 1
         tell(steps)
-        replay = _Replay(limits, granted_peaks=granted_peaks, last_uses=last_uses,
+        replay = Replayer(limits, granted_peaks=granted_peaks, last_uses=last_uses,
                          reports=False)
         replay.run(events)
         return replay
@@ -308,12 +308,12 @@ def _fit_root(events: _TreeEvents, tell: Callable[[int], None]) -> list[Fit]:
 
     def shortfall(limit: int) -> int:
         """0 if the tree replays at ``limit`` without a denial; else at least one alignment:
-        how much more the request refused first lacked (see ``_Replay.missing``)."""
+        how much more the request refused first lacked (see ``Replayer.missing``)."""
         nonlocal steps
         steps += 1
         tell(steps)
         limits[root.budget] = limit
-        replay = _Replay(limits, last_uses=last_uses, reports=False)
+        replay = Replayer(limits, last_uses=last_uses, reports=False)
         if not replay.denied(events):
             return 0
         return max(align, round_up(replay.shortfall, align))
@@ -366,7 +366,7 @@ def _search(need: int, align: int, ceiling: int,
 
 
 def _unlimited(root: Enter, events: _TreeEvents, members: list[int],
-               run: Callable[[dict[int, int]], _Replay]) -> _Replay:
+               run: Callable[[dict[int, int]], Replayer]) -> Replayer:
     """A replay with every budget of the tree at one ceiling (at first the root's recorded
     limit plus its tree's largest probe), doubled until nothing is denied."""
     largest = max((e.nbytes for e in events

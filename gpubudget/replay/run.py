@@ -36,7 +36,7 @@ from .results import (
 )
 
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
-           "TraceSource", "replay"]
+           "Replayer", "TraceSource", "last_uses_of", "replay"]
 
 
 class _Member:
@@ -74,7 +74,7 @@ class _Denied(Exception):
     """Raised out of a replay that only asks whether anything is denied, at the first."""
 
 
-class _Replay:
+class Replayer:
     """One replay's state: the budgets opened, and the recorded address -> replayed block.
 
     ``granted_peaks``: track each budget's peak counting only what the recording granted
@@ -378,8 +378,8 @@ def replay(
     ('pool', 100096, 1, 'weights')
     """
     if isinstance(trace, Trace):
-        return _Replay(limits or {}, last_uses=_last_uses(trace.events)).run(trace.events)
-    replayer = _Replay(limits or {})
+        return Replayer(limits or {}, last_uses=last_uses_of(trace.events)).run(trace.events)
+    replayer = Replayer(limits or {})
     if isinstance(trace, TraceReader):
         return replace(replayer.run(trace.events(sink=replayer.sink())),
                        cut_short=trace.cut_short)
@@ -387,7 +387,7 @@ def replay(
         return replace(replayer.run(reader.events(sink=replayer.sink())),
                        cut_short=reader.cut_short)
 
-def _last_uses(events: Iterable[TraceEvent]) -> dict[int, int]:
+def last_uses_of(events: Iterable[TraceEvent]) -> dict[int, int]:
     """Budget id -> the index of the last event that allocates through it (a granted
     allocation, a probe, a resize)."""
     last: dict[int, int] = {}

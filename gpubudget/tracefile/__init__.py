@@ -91,8 +91,8 @@ from .format import (
     MAX_TRACE_BYTES,
     VERSION,
     TraceError,
-    printable,
 )
+from ..text import printable  # kept here too: gpubudget.tracefile.printable was public
 from .files import TraceBusy
 from .writer import TraceWriter, writer_for, writer_from_env
 

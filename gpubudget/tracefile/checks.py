@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
-from .format import FORMAT, LIMIT_REASONS, MAX_FRAMES, VERSION, _quote
+from ..text import quote as _quote
+from .format import FORMAT, LIMIT_REASONS, MAX_FRAMES, VERSION
 
 __all__ = ["Bad", "Validator", "header"]
 

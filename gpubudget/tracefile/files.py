@@ -36,7 +36,8 @@ from typing import Final
 
 from .. import interrupts
 from ..errors import TraceWriteError
-from .format import FORMAT, printable
+from ..text import printable
+from .format import FORMAT
 
 __all__ = ["PID", "FileId", "TraceBusy", "file_id", "open_for_writing", "per_process", "reopen",
            "resolve"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Final
 
 from ..errors import TraceError
@@ -18,7 +17,6 @@ __all__ = [
     "MAX_TRACE_BYTES",
     "VERSION",
     "TraceError",
-    "printable",
 ]
 
 
@@ -41,31 +39,6 @@ MAX_TRACE_BYTES: Final = 4 << 30
 """Largest trace a reader accepts unless told otherwise (4 GiB, about 40 million events)."""
 
 
-_QUOTED: Final = 60
-"""Characters of a bad value quoted in an error message, at most."""
 LIMIT_REASONS: Final = frozenset({"over_limit", "fragmented"})
 """Denial reasons that a larger limit can change (a request denied for one has a size)."""
 
-
-def printable(text: str) -> str:
-    """``text`` with every character that is not printable (control characters, terminal
-    escape sequences, bidirectional overrides, line breaks, lone surrogates) written as a
-    Python escape, so that text read from a trace can be shown on a terminal safely.
-
-    >>> printable("model\\x1b[2J\\n")
-    'model\\\\x1b[2J\\\\n'
-    """
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
-                   for ch in text)
-
-
-def _quote(value: object) -> str:
-    """A bad value, quoted for an error message as JSON writes it: safe to print, at most
-    ~60 characters."""
-    try:
-        text = json.dumps(value)
-    except (ValueError, RecursionError):  # pragma: no cover - values come from json itself
-        text = printable(repr(value))
-    return text if len(text) <= _QUOTED else text[: _QUOTED - 1] + "…"

@@ -21,9 +21,8 @@ from .format import (
     MAX_LINE_BYTES,
     MAX_TRACE_BYTES,
     TraceError,
-    _quote,
-    printable,
 )
+from ..text import printable, quote as _quote
 
 if TYPE_CHECKING:
     from ._scan import Scanner

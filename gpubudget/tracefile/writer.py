@@ -36,8 +36,8 @@ from .format import (
     MAX_TEXT,
     VERSION,
     TraceError,
-    printable,
 )
+from ..text import printable
 
 __all__ = ["TraceWriter", "shortened", "writer_for", "writer_from_env"]
 

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from . import interrupts
-from .errors import BudgetError
-from .interrupts import STATE, protect
-from ._core.memory import Mapping
-from ._core.node import Node
-from ._core.locks import let_in
-from ._core.tree import Tree, unlock
+from .. import interrupts
+from ..errors import BudgetError
+from ..interrupts import STATE, protect
+from .._core import Mapping, Node, Tree, let_in, unlock
 
 __all__ = ["Residency"]
 
@@ -128,12 +125,12 @@ def _offload(tree: Tree, mapping: Mapping, pinned: bool) -> int:
     if mapping.asleep is not None:
         return 0
     tree.pending.retire(tree.arena, True, tree.root.stats.errors.append)
-    return mapping.offload(((address, record[1]) for address, record in tree.live.items()),
+    return mapping.offload(((address, entry.nbytes) for address, entry in tree.entries()),
                            pinned)
 
 
 def _restore(tree: Tree, mapping: Mapping, keep: bool) -> int:
-    return mapping.restore(((address, record[1]) for address, record in tree.live.items()),
+    return mapping.restore(((address, entry.nbytes) for address, entry in tree.entries()),
                            _interrupted, keep)
 
 

@@ -21,9 +21,9 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from . import interrupts
-from ._core.ledger import available
-from .report import (
+from .. import interrupts
+from .._core import Node, Probe, Tree, available
+from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
     Denial,
@@ -33,16 +33,14 @@ from .report import (
     Totals,
     Usage,
 )
-from ._core.node import Node, Probe
-from ._core.tree import Tree
-from .interrupts import STATE, protect
-from .tracefile import printable
-from .units import format_size
+from ..interrupts import STATE, protect
+from ..text import printable
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget
+    from ..budget import Budget
 
-__all__ = ["leaks_at_exit", "snapshot", "watch_leaks"]
+__all__ = ["leaks_at_exit", "snapshot", "watch_leaks", "watch_none"]
 
 _watched: weakref.WeakSet[Budget] = weakref.WeakSet()
 
@@ -59,8 +57,9 @@ def snapshot(node: Node) -> BudgetReport:
         own: dict[Node, list[LiveBlock]] = {}
         free_bytes = largest_free = 0
         if tree is not None:
-            for address, (owner, nbytes, tag, stack) in tree.live.items():
-                own.setdefault(owner, []).append(LiveBlock(address, nbytes, tag, stack))
+            for address, entry in tree.entries():
+                own.setdefault(entry.owner, []).append(
+                    LiveBlock(address, entry.nbytes, entry.tag, entry.stack))
             if tree.reservation is not None:
                 free_bytes, largest_free = tree.arena.free_bytes, tree.arena.largest_free
         made: dict[Node, BudgetReport] = {}
@@ -170,6 +169,12 @@ def watch_leaks(budget: Budget) -> None:
     docstring): every root is watched, and a child that keeps stacks under a root that does
     not."""
     _watched.add(budget)
+
+
+def watch_none() -> None:
+    """Watch no budget any more (a forked child: the leaks of its parent's budgets are the
+    parent's to say)."""
+    _watched.clear()
 
 
 _TAGS_SHOWN = 3

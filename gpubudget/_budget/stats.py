@@ -17,12 +17,12 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from .tracefile import printable
-from .units import format_size
+from ..text import printable
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from ._core.node import Node
-    from .report import BudgetReport
+    from .._core import Node
+    from ..report import BudgetReport
     from .view import BudgetView
 
 __all__ = ["STAT_KEYS", "memory_stats", "memory_summary", "reset_accumulated_stats"]

@@ -29,8 +29,8 @@ from __future__ import annotations
 import os
 from typing import Final
 
-from ._core.tree import Tree, _unreleased
-from .snapshot import _watched
+from .._core import Tree, unreleased
+from .snapshot import watch_none
 
 __all__ = ["FORKED", "close_inherited"]
 
@@ -43,10 +43,10 @@ def close_inherited() -> int:
     docstring says; return how many trees were closed (called at every fork, in the child;
     calling it again changes nothing more)."""
     parent = os.getppid()
-    trees = list(_unreleased)
+    trees = unreleased()
     for tree in trees:
         _close(tree, parent)
-    _watched.clear()  # their leaks, if any, are the parent's to list
+    watch_none()  # their leaks, if any, are the parent's to list
     return len(trees)
 
 

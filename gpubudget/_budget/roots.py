@@ -1,5 +1,12 @@
-"""The root budgets open in this process, the thread-pool trap they let us see, and the
-budget that holds a block (:func:`holder`).
+"""Root budgets: how one is opened (:func:`open_root`), the roots open in this process, the
+thread-pool trap they let us see, and the budget that holds a block (:func:`holder`).
+
+A root opens in one direction: the host ledger decides its limit and claims its slot
+(:func:`~gpubudget.hostledger.claims.claim_root`: a share sized, a cap enforced), the core
+reserves that limit and opens the root's tree (``Node.open_root``, which makes the root's
+account once), and the root's numbers are then stored into the slot (``Node.publish``). The
+ledger never calls into the core; if the core cannot reserve, the slot is freed and nothing
+is left behind.
 
 A new thread starts with no active budget, so a plain ``gpu_budget(...)`` there is a new root
 with a reservation of its own, not a share of the pool the program opened elsewhere.
@@ -15,15 +22,21 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Final
 
-from . import context, forks  # noqa: F401 - imported for its handler: a forked child's budgets
-from ._core.tree import _unreleased
-from .callers import user_stacklevel
-from .units import format_size
+from .. import context
+from . import forks  # noqa: F401 - imported for its handler: a forked child's budgets
+from .._core import Node, Tree, unreleased
+from ..backends import Backend
+from ..callers import user_stacklevel
+from ..errors import BudgetError
+from ..hostledger import Share
+from ..hostledger.claims import claim_root
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget  # only named: budget.py imports this module
+    from ..budget import Budget  # only named: budget.py imports this module
+    from ..tracefile import TraceWriter
 
-__all__ = ["THREAD_ROOT", "holder", "opened", "warn_if_thread_trap"]
+__all__ = ["THREAD_ROOT", "holder", "open_root", "opened", "warn_if_thread_trap"]
 
 THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
 """How the warning about a root entered in a thread while another is open begins: the
@@ -31,6 +44,30 @@ THREAD_ROOT: Final = "gpubudget: new root budget in a thread"
 _open_roots: Final[weakref.WeakSet[Budget]] = weakref.WeakSet()  # roots entered, maybe open
 _open_roots_lock: Final = threading.Lock()
 os.register_at_fork(after_in_child=getattr(_open_roots_lock, "_at_fork_reinit"))
+
+
+def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request: int | Share,
+              initial: int | None) -> Tree:
+    """Open ``node`` as a root on ``backend`` (see the module docstring): ``request`` its
+    limit in bytes, or a share of the device; ``initial`` a growable root's memory at entry.
+    ``BudgetError`` (``LedgerError`` from the ledger), with nothing held, if it cannot."""
+    limit, claim = claim_root(backend, node.name, request, node.align, initial)
+    if claim is None:  # not registered: nothing to publish
+        return node.open_root(backend, writer, limit, initial)
+    try:
+        tree = node.open_root(backend, writer, limit, initial)
+    except BudgetError as exc:
+        raise claim.refused(exc) from exc.__cause__
+    except BaseException:
+        claim.release()
+        raise
+    reservation = tree.reservation
+    assert reservation is not None
+    held = tree.mapping.mapped_bytes if tree.mapping is not None else reservation.nbytes
+    slot = claim.reserved(reservation, held, lambda: node.publish(None))
+    tree.reservation = slot.reservation
+    node.publish(slot.numbers, slot.mapped)
+    return tree
 
 
 def opened(root: Budget) -> None:
@@ -49,10 +86,10 @@ def holder(address: int) -> Budget | None:
     ...     (holder(block).name, holder(block + 1), pool.free(block))
     ('pool', None, True)
     """
-    for tree in list(_unreleased):
-        record = tree.owner(address)
-        if record is not None:
-            found: Budget = record[0].budget
+    for tree in unreleased():
+        entry = tree.owner(address)
+        if entry is not None:
+            found: Budget = entry.owner.budget
             return found
     return None
 

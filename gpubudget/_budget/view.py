@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .backends import Backend
-from ._core.ledger import available
-from ._core.node import Node, State
-from .report import BudgetReport
+from ..backends import Backend
+from .._core import Node, State, available
+from ..report import BudgetReport
 from .snapshot import snapshot
 from .stats import memory_stats, memory_summary, reset_accumulated_stats
-from .units import format_size
+from ..units import format_size
 
 if TYPE_CHECKING:
-    from .budget import Budget
+    from ..budget import Budget
 
 __all__ = ["BudgetView"]
 
@@ -140,14 +139,13 @@ class BudgetView:
     def size_of(self, address: int) -> int:
         """Aligned size of the live block at ``address`` in this tree, 0 if none."""
         tree = self._node.tree
-        record = tree.owner(address) if tree is not None else None
-        return record[1] if record is not None else 0
+        return tree.size_of(address) if tree is not None else 0
 
     def owner_of(self, address: int) -> Budget | None:
         """The budget of this tree that holds the live block at ``address``, if any."""
         tree = self._node.tree
-        record = tree.owner(address) if tree is not None else None
-        return record[0].budget if record is not None else None
+        entry = tree.owner(address) if tree is not None else None
+        return entry.owner.budget if entry is not None else None
 
     def report(self) -> BudgetReport:
         """A snapshot of this budget and its children; works in every state.

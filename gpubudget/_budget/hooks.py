@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .errors import BudgetError
-from ._core.node import Node
-from .units import as_int
+from ..errors import BudgetError
+from .._core import Node
+from ..units import as_int
 
 __all__ = ["AdapterHooks"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from typing import Final, NamedTuple
 
-from .backends import Backend, validate_spec
-from .hostledger import Share, parse_share
-from .units import as_int, check_align, format_size, parse_size
+from ..backends import Backend, validate_spec
+from ..hostledger import Share, parse_share
+from ..units import as_int, check_align, format_size, parse_size
 
 __all__ = ["Arguments", "checked"]
 
