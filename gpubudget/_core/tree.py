@@ -44,7 +44,7 @@ from ..errors import InvariantError
 from .ledger import charge, passed_up, refusal
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
-from .registry import LiveEntry, new_registry
+from .registry import LiveEntry, Record, new_registry
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
@@ -333,20 +333,16 @@ class Tree:
 
     def owner(self, where: object) -> LiveEntry | None:
         """The registry's entry of the live block at ``where``, or ``None``."""
-        address = where if type(where) is int else as_int(where) or 0
-        lock = self.lock
-        try:  # see ``unlock``
-            lock.acquire()
-            record = self.live.get(address)
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
+        record = self._record(where)
         return LiveEntry._make(record) if record is not None else None
 
     def size_of(self, where: object) -> int:
         """The aligned size of the live block at ``where``, 0 if there is none: what
         :meth:`owner` reads, with no entry made (adapters ask it of every block they get)."""
+        record = self._record(where)
+        return record[1] if record is not None else 0
+
+    def _record(self, where: object) -> Record | None:
         address = where if type(where) is int else as_int(where) or 0
         lock = self.lock
         try:  # see ``unlock``
@@ -356,7 +352,7 @@ class Tree:
         except BaseException:
             unlock(lock)
             raise
-        return record[1] if record is not None else 0
+        return record
 
     def entries(self) -> Iterator[tuple[int, LiveEntry]]:
         """Lock held: every live block's address and entry."""
