@@ -117,7 +117,7 @@ def test_a_planted_link_or_foreign_file_is_refused_never_written(tmp_path: Path)
     assert victim.read_bytes() == b"precious"
     (tmp_path / "ledger" / "host.ledger").unlink()
     (tmp_path / "ledger" / "host.ledger").write_bytes(b"mine, not a ledger")
-    with pytest.raises(LedgerError, match="is 18 bytes, not 1052672: not a gpubudget ledger, "
+    with pytest.raises(LedgerError, match="is 18 bytes, not 3149824: not a gpubudget ledger, "
                                           "or damaged; remove it"):
         directory.create("host.ledger", *IDENTITY)
     assert (tmp_path / "ledger" / "host.ledger").read_bytes() == b"mine, not a ledger"

@@ -250,7 +250,7 @@ def test_a_bad_ledger_in_a_terminal_is_one_line_and_exit_2(tmp_path: Path,
     lines = [line for line in drawn.replace("\r", "").splitlines() if line.strip()]
     assert status == 2 and "Traceback" not in drawn
     assert lines == [f"gpubudget: error: the ledger file "
-                     f"'{tmp_path / 'ledger' / 'GPU-bad.ledger'}' is 12 bytes, not 1052672: "
+                     f"'{tmp_path / 'ledger' / 'GPU-bad.ledger'}' is 12 bytes, not 3149824: "
                      f"not a gpubudget ledger, or damaged; remove it"]
     assert main(["top", "--json"]) == 2
 

@@ -138,6 +138,7 @@ class Node:
         parent.children.append(self)
         parent.unreleased += 1
         self._opened()
+        tree.recorder.child_entered(account, parent.account, self.id, self.name)  # host ledger
 
     def _opened(self) -> None:
         assert self.tree is not None
@@ -194,6 +195,8 @@ class Node:
                 assert node.tree is not None
                 node.tree.release_reservation()
                 return
+            if node.tree is not None:
+                node.tree.recorder.child_released(node.account)  # host ledger
             if node.account.reserve:
                 charge(parent.account, -passed_up(node.account, node.account.used))
             parent.unreleased -= 1

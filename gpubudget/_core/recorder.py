@@ -18,7 +18,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from .. import interrupts
 from ..callers import user_stacklevel
@@ -27,6 +27,7 @@ from . import native
 
 if TYPE_CHECKING:
     from ..tracefile import TraceWriter
+    from .ledger import Account
 
 __all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "EventLog", "Recorder", "Stats"]
 
@@ -137,10 +138,21 @@ if native is not None and not TYPE_CHECKING:
     EventLog = native.EventLog
 
 
+class Family(Protocol):
+    """Where a registered root's children are shown in the host ledger
+    (:class:`gpubudget.hostledger.children.Family`)."""
+
+    def opened(self, account: Account, parent: Account, serial: int, name: str) -> None: ...
+
+    def released(self, account: Account) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "writer", "trace_error", "clock", "published")
+    __slots__ = ("events", "writer", "trace_error", "clock", "published", "family")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -149,6 +161,8 @@ class Recorder:
         self.writer = writer
         self.trace_error: str | None = None  # why tracing stopped, if it did
         self.published: memoryview | None = None  # the root's words in the host ledger
+        # where a registered root's children are shown in the host ledger, if anywhere
+        self.family: Family | None = None
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
@@ -222,6 +236,40 @@ class Recorder:
                 reserve: int, backend: str | None) -> None:
         if self.writer is not None:
             self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend)
+
+    # -- the host ledger: a registered root's children, shown as they enter and go ---------
+
+    def child_entered(self, account: Account, parent: Account, budget: int, name: str) -> None:
+        """A child budget entered (its ``account`` under ``parent``'s): shown in the host
+        ledger where the root is registered. Never raises (see :meth:`_shown`)."""
+        if self.family is not None:
+            self._shown(self.family.opened, account, parent, budget, name)
+
+    def child_released(self, account: Account) -> None:
+        """A child budget was released: no longer shown in the host ledger."""
+        if self.family is not None:
+            self._shown(self.family.released, account)
+
+    def _shown(self, change: Callable[..., None], *args: object) -> None:
+        """One change of what the host ledger shows. It is only shown: an exception in it
+        (a bug) stops showing this root's children and is told once as a warning; one from
+        outside (a signal handler's) is held for delivery once the operation is whole."""
+        try:
+            change(*args)
+        except BaseException as exc:  # noqa: BLE001 - the accounting is committed: kept whole
+            if interrupts.foreign(exc):
+                interrupts.hold(exc)
+                return
+            family, self.family = self.family, None
+            try:
+                if family is not None:
+                    family.close()
+                warnings.warn(f"gpubudget: child budgets are no longer shown in the host "
+                              f"ledger: {type(exc).__name__}: {exc}", RuntimeWarning,
+                              stacklevel=user_stacklevel())
+            except Exception as late:  # noqa: BLE001 - warnings turned into errors
+                if interrupts.foreign(late):
+                    interrupts.hold(late)
 
     def exited(self, budget: int, root: bool) -> None:
         if self.writer is not None:

@@ -34,6 +34,7 @@ from .claims import LEDGER_ENV, SETTLE_SECONDS, device_claims, ledger_enabled
 from .devices import DEVICE_MEMORY_ENV, LedgerDevice, device_for
 from .errors import LedgerDamaged, LedgerError, LedgerFull, LedgerLocked, LedgerUnusable
 from .files import LEDGER_DIR_ENV, default_directory, ledger_directory
+from .children import ChildBudget
 from .layout import Entry
 from .sizing import CAP_ENV, HEADROOM, HEADROOM_ENV, Share, parse_share
 from .view import DeviceView, HostView, host_view
@@ -46,6 +47,7 @@ __all__ = [
     "LEDGER_DIR_ENV",
     "LEDGER_ENV",
     "SETTLE_SECONDS",
+    "ChildBudget",
     "DeviceView",
     "Entry",
     "HostView",

@@ -14,8 +14,11 @@
    and the error names who holds the device's memory: all or nothing.
 4. Mark the slot ``reserved``; from now on every change of the root's ``used`` (with its
    ``peak``) and every denial in its tree is stored into the slot's words, with plain
-   stores (:mod:`gpubudget._core.ledger` and :mod:`gpubudget._core.recorder` do it).
-5. When the root releases its reservation (or the process exits, or dies), the slot goes.
+   stores (:mod:`gpubudget._core.ledger` and :mod:`gpubudget._core.recorder` do it), and
+   each child budget that enters gets a row of the root's pages, which its numbers are
+   stored into in the same way (:mod:`~gpubudget.hostledger.children`).
+5. When the root releases its reservation (or the process exits, or dies), its pages and
+   its slot go.
 
 When the ledger cannot be used (a directory or file refused, a file damaged or full, a lock
 that another process keeps: :class:`~gpubudget.hostledger.errors.LedgerUnusable`), a root
@@ -41,6 +44,7 @@ from ..errors import BudgetError
 from ..tracefile import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
+from .children import Family
 from .devices import LedgerDevice, device_for
 from .errors import LedgerError, LedgerLocked, LedgerUnusable
 from .files import LedgerDirectory, ledger_directory
@@ -152,6 +156,7 @@ class Claim:
         words[0], words[1] = account.used, account.peak
         self.tree = tree
         account.published = tree.recorder.published = words
+        tree.recorder.family = Family(self.book, self.slot, account)  # its children's rows
         tree.reservation = _Released(reservation, self)
 
     def release(self) -> None:
@@ -168,10 +173,15 @@ class Claim:
         except LedgerLocked:  # the slot is ours: free it without the lock
             self.book.release_unlocked(self.slot)
 
-    def _detach(self) -> None:
+    def _detach(self, forked: bool = False) -> None:
+        """Stop publishing into the slot (and free the children's pages, unless this is a
+        forked child, where they are the parent's)."""
         tree, self.tree = self.tree, None
         if tree is not None:
             tree.root.account.published = tree.recorder.published = None
+            family, tree.recorder.family = tree.recorder.family, None
+            if family is not None and not forked:
+                family.close()
 
 
 class _Released:
@@ -329,7 +339,7 @@ def _forked() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork
     for claim in list(_claims):
-        claim._detach()
+        claim._detach(forked=True)
     _claims.clear()
     for book in _books.values():
         book.forget()
