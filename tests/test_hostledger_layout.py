@@ -64,8 +64,8 @@ def test_a_child_row_reads_back_and_a_free_one_reads_as_none() -> None:
     numbers["state"] = layout.OPEN
     child = layout.decode_child(layout.encode_child(numbers, "backbone"), 0, 33)
     assert child == layout.Child(33, 1, 3, 4, 5, 6, 7, 8, "backbone")  # parent: its row + 1
-    assert layout.decode_child(layout.encode_child({"parent": 0, "state": layout.OPEN}, "x"),
-                               0, 1).parent is None  # 0: the root
+    root_child = layout.decode_child(layout.encode_child({"state": layout.OPEN}, "x"), 0, 1)
+    assert root_child is not None and root_child.parent is None  # 0: the root
     assert layout.decode_child(layout.encode_child({}, "x"), 0, 1) is None
     assert layout.decode_child(layout.encode_child({"state": 2}, "x"), 0, 1) is None
 

@@ -139,7 +139,8 @@ def _branches(children: tuple[ChildBudget, ...]) -> list[str]:
         after = next((other.depth for other in children[index + 1:]
                       if other.depth <= child.depth), 0)
         last.append(after < child.depth)
-    drawn, open_levels = [], []  # open_levels[d]: whether depth d + 1 has siblings to come
+    drawn: list[str] = []
+    open_levels: list[bool] = []  # open_levels[d]: whether depth d + 1 has siblings to come
     for child, final in zip(children, last):
         del open_levels[child.depth - 1:]
         drawn.append("".join("│ " if more else "  " for more in open_levels)

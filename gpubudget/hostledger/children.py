@@ -75,20 +75,20 @@ class Family:
         self.head: Final = tuple(words[slot_word(slot, field)] for field in _HEAD)
         self.pages: list[int] = []
         self.free: list[int] = []  # rows of its pages that no child holds
-        self.rows: dict[Any, int] = {}  # account -> its row
+        self.rows: dict[Any, tuple[int, int]] = {}  # account -> its row and depth
         self.hidden: set[Any] = set()  # accounts of children that no row shows
 
     def opened(self, account: Any, parent: Any, serial: int, name: str) -> None:
         """The child budget of ``account`` entered under ``parent``'s: show it in a row, or
         count it hidden."""
-        up = 0 if parent is self.root else self.rows.get(parent, -1) + 1
-        if not up and parent is not self.root or not self.free and not self._take_page():
+        above = (-1, 0) if parent is self.root else self.rows.get(parent)
+        if above is None or not self.free and not self._take_page():
             self.hidden.add(account)
             self.book.words[slot_word(self.slot, "hidden")] = len(self.hidden)
             return
         row = self.free.pop()
         offset = CHILDREN + row * CHILD_BYTES
-        depth = 1 if not up else self.book.words[child_word(up - 1, "depth")] + 1
+        up, depth = above[0] + 1, above[1] + 1
         written = encode_child({"parent": up, "depth": depth, "serial": serial,
                                 "limit": account.limit, "reserve": account.reserve,
                                 "used": account.used, "peak": account.peak}, name)
@@ -97,19 +97,19 @@ class Family:
         book.words[child_word(row, "state")] = OPEN  # last: readers see it whole
         at = child_word(row, "used")  # then "peak"
         account.published = book.words[at: at + 2]
-        self.rows[account] = row
+        self.rows[account] = (row, depth)
 
     def released(self, account: Any) -> None:
         """``account``'s budget was released: its row is free (or it is hidden no more)."""
-        row = self.rows.pop(account, None)
-        if row is None:
+        found = self.rows.pop(account, None)
+        if found is None:
             if account in self.hidden:
                 self.hidden.discard(account)
                 self.book.words[slot_word(self.slot, "hidden")] = len(self.hidden)
             return
         account.published = None
-        self.book.words[child_word(row, "state")] = FREE  # first: readers skip it from now on
-        self.free.append(row)
+        self.book.words[child_word(found[0], "state")] = FREE  # first: readers skip it now
+        self.free.append(found[0])
 
     def close(self) -> None:
         """The root goes: its pages are free (its slot is freed next). Without the lock: a
