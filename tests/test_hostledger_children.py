@@ -298,3 +298,24 @@ def workers() -> Iterator[list[Worker]]:
     yield started
     for worker in started:
         worker.close()
+
+
+def test_a_failure_while_showing_a_child_never_reaches_its_budget(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubudget.hostledger.children import Family
+
+    with gpu_budget("8MiB", name="pool", backend="host"):
+        with gpu_budget("1MiB", name="shown") as first:
+            def broken(*args: object) -> None:
+                raise RuntimeError("a bug")
+
+            monkeypatch.setattr(Family, "opened", broken)
+            with pytest.warns(RuntimeWarning, match="child budgets are no longer shown in "
+                                                    "the host ledger: RuntimeError: a bug"):
+                with gpu_budget("1MiB", name="second") as second:
+                    block = second.allocate(KiB)
+                    assert block is not None and second.free(block)
+                    second.check()
+            assert shown() == ((), 0)  # none shown from then on, the first one included
+            block = first.allocate(KiB)
+            assert block is not None and first.free(block) and first.used == 0

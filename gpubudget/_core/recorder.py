@@ -28,6 +28,7 @@ from . import native
 if TYPE_CHECKING:
     from ..tracefile import TraceWriter
     from .ledger import Account
+    from .memory import Mapping
 
 __all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "EventLog", "Recorder", "Stats"]
 
@@ -152,7 +153,8 @@ class Family(Protocol):
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "writer", "trace_error", "clock", "published", "family")
+    __slots__ = ("events", "writer", "trace_error", "clock", "published", "family", "base",
+                 "mapping", "root")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -163,6 +165,9 @@ class Recorder:
         self.published: memoryview | None = None  # the root's words in the host ledger
         # where a registered root's children are shown in the host ledger, if anywhere
         self.family: Family | None = None
+        self.base = 0  # where the root's blocks sit, and a growable root's granules
+        self.mapping: Mapping | None = None
+        self.root: int | None = None  # the root's budget id, once entered
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
@@ -232,10 +237,40 @@ class Recorder:
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)
 
+    def place(self, base: int, mapping: Mapping | None) -> None:
+        """The root's memory starts at ``base``; a growable root's granules are ``mapping``'s,
+        which tells this recorder each change of them (for the trace)."""
+        self.base = base
+        self.mapping = mapping
+        if mapping is not None:
+            mapping.watcher = self.mapped
+
     def entered(self, budget: int, name: str, parent: int | None, limit: int, align: int,
                 reserve: int, backend: str | None) -> None:
-        if self.writer is not None:
+        if parent is None:
+            self.root = budget
+        if self.writer is None:
+            return
+        if parent is not None:
             self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend)
+            return
+        mapping = self.mapping
+        self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend,
+                    self.base, None if mapping is None else mapping.granule)
+        if mapping is not None:  # what it mapped at entry
+            self.mapped("map", [index for index, on in enumerate(mapping.mapped) if on])
+
+    def mapped(self, change: str, indices: list[int]) -> None:
+        """Granules ``indices`` of the root's range were mapped or unmapped (``change``): one
+        trace line per run of them. Called by the :class:`~gpubudget._core.memory.Mapping`,
+        only when what is mapped changes."""
+        writer, mapping, root = self.writer, self.mapping, self.root
+        if writer is None or mapping is None or root is None:
+            return
+        write = writer.map if change == "map" else writer.unmap
+        granule, address = mapping.granule, mapping.address
+        for first, count in _runs(indices):
+            self._trace(write, root, address + first * granule, count * granule)
 
     # -- the host ledger: a registered root's children, shown as they enter and go ---------
 
@@ -313,6 +348,20 @@ class Recorder:
         except Exception as late:  # noqa: BLE001 - warnings turned into errors must not escape
             if interrupts.foreign(late):
                 interrupts.hold(late)
+
+
+def _runs(indices: list[int]) -> Iterator[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive numbers in ``indices``.
+
+    >>> list(_runs([7, 2, 3, 4, 9, 8]))
+    [(2, 3), (7, 3)]
+    """
+    ordered = sorted(indices)
+    start = 0
+    for at in range(1, len(ordered) + 1):
+        if at == len(ordered) or ordered[at] != ordered[at - 1] + 1:
+            yield ordered[start], at - start
+            start = at
 
 
 def _clock_failed(exc: BaseException) -> bool:
