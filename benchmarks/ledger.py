@@ -156,15 +156,15 @@ def lock_timer() -> Iterator[list[float]]:
     original = _book.DeviceBook.locked
 
     @contextmanager
-    def timed(self: _book.DeviceBook, wait: float | None = None) -> Iterator[None]:
-        with original(self, wait):
+    def timed(self: _book.DeviceBook, *wait: float | None) -> Iterator[None]:
+        with original(self, *wait):
             start = time.perf_counter()
             try:
                 yield
             finally:
                 held.append(time.perf_counter() - start)
 
-    _book.DeviceBook.locked = timed  # type: ignore[method-assign]
+    _book.DeviceBook.locked = timed  # type: ignore[method-assign, assignment]
     try:
         yield held
     finally:

@@ -19,7 +19,7 @@ import pytest
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
 from gpubudget.html import ViewModel, model_from_report, model_from_trace, page_html
-from gpubudget.html.model import _TraceState
+from gpubudget.html.tracemodel import _TraceState
 from gpubudget.perfetto import perfetto_events, write_perfetto
 from gpubudget.replay import replay
 from gpubudget.tracefile import Alloc, Enter, writer_for

@@ -3,7 +3,9 @@
 Each device has a small file (in ``/dev/shm/gpubudget-ledger-<uid>/``, or
 ``GPUBUDGET_LEDGER_DIR``) with one fixed-size slot per root budget of a live process: its
 pid and start time, name, limit, reservation, ``used``, ``peak`` and denials, which the
-owning process keeps current with plain stores. A root claims its slot at entry under the
+owning process keeps current with plain stores, and pages of rows for the roots' child
+budgets, kept current in the same way (:mod:`~gpubudget.hostledger.children`). A root claims
+its slot at entry under the
 file's lock (held for microseconds, never across a device call), which is also where a root
 asking for a share of the unclaimed memory (``gpu_budget("50%")``) is sized and where the
 device cap (``GPUBUDGET_DEVICE_CAP``, :func:`set_device_cap`) is enforced; on a GPU a share

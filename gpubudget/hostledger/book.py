@@ -436,10 +436,10 @@ def _shared_lock(fd: int, where: str) -> bool:
 
 def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
     """Read one ledger file without changing it: its header, the slots of processes that
-    still run and their children. ``LedgerError`` for a bad file. It reads under a shared lock; if another
-    process keeps the lock longer than :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while it
-    keeps it), it reads without it (a slot being written then is skipped or read as it
-    was)."""
+    still run and their children. ``LedgerError`` for a bad file. It reads under a shared
+    lock; if another process keeps the lock longer than :data:`LOCK_SECONDS`
+    (:data:`STUCK_SECONDS` while it keeps it), it reads without it (a slot being written
+    then is skipped or read as it was)."""
     where = str(directory.path / name)
     fd, _ = directory.open(name, writable=False)
     try:

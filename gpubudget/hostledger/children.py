@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from .errors import LedgerError
 from .layout import (
+    CHILD,
     CHILD_BYTES,
+    CHILD_FIELDS,
     CHILDREN,
     FREE,
     OPEN,
@@ -37,10 +39,10 @@ from .layout import (
     Entry,
     child_word,
     decode_child,
-    encode_child,
     header_word,
     page_word,
     slot_word,
+    text_field,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +55,9 @@ PAGE_WAIT: Final = 0.02
 or one more than its pages hold); after that it is hidden. The lock is held for
 microseconds: longer means a process stopped while holding it."""
 _PAGES_HIGH: Final = header_word("pages_high")
+_USED: Final = CHILD_FIELDS.index("used")
+_MOST: Final = (1 << 64) - 1
+"""A limit beyond 64 bits (a child may overcommit) is shown as the largest word."""
 _PAGE_WORDS: Final = PAGE_BYTES // 8
 _HEAD: Final = ("pid", "serial", "claimed_at")
 
@@ -88,15 +93,15 @@ class Family:
             return
         row = self.free.pop()
         offset = CHILDREN + row * CHILD_BYTES
-        up, depth = above[0] + 1, above[1] + 1
-        written = encode_child({"parent": up, "depth": depth, "serial": serial,
-                                "limit": account.limit, "reserve": account.reserve,
-                                "used": account.used, "peak": account.peak}, name)
+        depth = above[1] + 1
         book = self.book
-        book.map[offset + 8: offset + CHILD_BYTES] = written[8:]
-        book.words[child_word(row, "state")] = OPEN  # last: readers see it whole
-        at = child_word(row, "used")  # then "peak"
-        account.published = book.words[at: at + 2]
+        CHILD.pack_into(book.map, offset, FREE, above[0] + 1, depth, serial,
+                        min(account.limit, _MOST), min(account.reserve, _MOST), account.used,
+                        account.peak, text_field(name))
+        words = book.words
+        words[offset // 8] = OPEN  # last: readers see it whole
+        at = offset // 8 + _USED  # then "peak"
+        account.published = words[at: at + 2]
         self.rows[account] = (row, depth)
 
     def released(self, account: Any) -> None:
