@@ -319,3 +319,42 @@ def test_a_failure_while_showing_a_child_never_reaches_its_budget(
             assert shown() == ((), 0)  # none shown from then on, the first one included
             block = first.allocate(KiB)
             assert block is not None and first.free(block) and first.used == 0
+
+
+_FORKED = """
+import contextvars, os, sys
+from gpubudget import gpu_budget
+from gpubudget.hostledger import host_view
+
+def rows():
+    (device,) = host_view(nvml=False).devices
+    (entry,) = device.entries
+    return device.children_of(entry)
+
+with gpu_budget("8MiB", name="pool", backend="host"):
+    context = contextvars.copy_context()
+    model = gpu_budget("4MiB", name="model")
+    context.run(model.__enter__)
+    block = model.allocate(1 << 20)
+    before = rows()
+    pid = os.fork()
+    if pid == 0:  # the parent's rows are not the child's: it leaves them alone
+        with gpu_budget("1MiB", name="own") as own:  # a root of its own here
+            pass
+        model.free(block)  # refused here (forked): nothing changes
+        context.run(model.__exit__, None, None, None)
+        sys.exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    print(rows() == before, [child.name for child in before], before[0].used)
+    model.free(block)
+    context.run(model.__exit__, None, None, None)
+    print(rows())
+"""
+
+
+def test_a_forked_process_leaves_its_parents_rows_alone(tmp_path: Path) -> None:
+    found = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True,
+                           env=subprocess_env(GPUBUDGET_LEDGER_DIR=str(tmp_path / "forked")),
+                           timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.splitlines() == ["True ['model'] 1048576", "()"]
