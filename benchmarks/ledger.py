@@ -9,7 +9,9 @@ best-fit, a root budget registered in the ledger and one that is not (``GPUBUDGE
 microseconds to enter and exit a root, registered or not, with 0 and 100 other roots of
 live processes in the ledger; then, with ``--crowd``, what entering and leaving a registered
 root costs with 1, 1,024, 2,048 and 4,095 other roots live on the device (the ledger holds
-4,096), and how long the ledger's lock is held for it.
+4,096), how long the ledger's lock is held for it, and what entering and leaving a child
+budget costs: in a root that is not registered, in a registered one (whose children the
+ledger shows), and a registered root's first child with the root's entry and exit around it.
 
     python -m benchmarks.ledger --crowd [--entries N]
 """
@@ -120,6 +122,29 @@ def table(repeat: int = 5) -> list[str]:
     return rows
 
 
+def child_entries(register: bool, count: int = 200) -> float:
+    """Microseconds to enter and exit a child budget (the median of ``count``), in one root
+    (registered in the ledger or not) that stays entered around them."""
+    costs = []
+    with registered(register), gpu_budget("1MiB", backend="host"):
+        with gpu_budget("64KiB"):  # the root's first child: what is set up once is set up
+            pass
+        for _ in range(count):
+            start = time.perf_counter()
+            with gpu_budget("64KiB"):
+                pass
+            costs.append(time.perf_counter() - start)
+    return statistics.median(costs) * 1e6
+
+
+def first_child() -> float:
+    """Seconds to enter a registered root, enter and exit its first child, and exit it."""
+    start = time.perf_counter()
+    with gpu_budget("1MiB", backend="host"), gpu_budget("64KiB"):
+        pass
+    return time.perf_counter() - start
+
+
 CROWDS = (1, 1024, 2048, 4095)
 """Other roots live on the device while one more enters and leaves (the ledger holds 4,096)."""
 
@@ -131,15 +156,15 @@ def lock_timer() -> Iterator[list[float]]:
     original = _book.DeviceBook.locked
 
     @contextmanager
-    def timed(self: _book.DeviceBook, *args: object, **kwargs: object) -> Iterator[None]:
-        with original(self, *args, **kwargs):
+    def timed(self: _book.DeviceBook, *wait: float | None) -> Iterator[None]:
+        with original(self, *wait):
             start = time.perf_counter()
             try:
                 yield
             finally:
                 held.append(time.perf_counter() - start)
 
-    _book.DeviceBook.locked = timed  # type: ignore[method-assign]
+    _book.DeviceBook.locked = timed  # type: ignore[method-assign, assignment]
     try:
         yield held
     finally:
@@ -149,8 +174,10 @@ def lock_timer() -> Iterator[list[float]]:
 def crowd_table(entries_per_size: int = 50) -> list[str]:
     """Entry+exit of a registered root, and the lock held for it, as the crowd grows."""
     rows = [f"root entry+exit with other roots live, median of {entries_per_size}", "",
-            "| other live roots | entry+exit (us) | lock held per entry+exit (us) |",
-            "| ---: | ---: | ---: |"]
+            "| other live roots | entry+exit (us) | lock held per entry+exit (us) "
+            "| child entry+exit, root not registered (us) | child entry+exit, root registered "
+            "(us) | root+first child entry+exit (us) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     crowd: list[tuple[Budget, contextvars.Context]] = []
     with registered(True):
         for size in CROWDS:
@@ -163,8 +190,11 @@ def crowd_table(entries_per_size: int = 50) -> list[str]:
                         pass
                     costs.append(time.perf_counter() - start)
                 locks.append(sum(held))
+            children = [child_entries(register) for register in (False, True)]
+            first = [first_child() for _ in range(entries_per_size)]
             rows.append(f"| {size:,} | {statistics.median(costs) * 1e6:.1f} | "
-                        f"{statistics.median(locks) * 1e6:.1f} |")
+                        f"{statistics.median(locks) * 1e6:.1f} | {children[0]:.1f} | "
+                        f"{children[1]:.1f} | {statistics.median(first) * 1e6:.1f} |")
     for budget, context in crowd:
         context.run(budget.__exit__, None, None, None)
     return rows

@@ -14,6 +14,11 @@ metric                                 labels                       what
 ``gpubudget_used_bytes``               GPU, process, budget         what its blocks use now
 ``gpubudget_peak_bytes``               GPU, process, budget         the most they used
 ``gpubudget_denials_total``            GPU, process, budget         requests denied in it
+``gpubudget_child_limit_bytes``        GPU, process, budget, child  a child budget's limit
+``gpubudget_child_used_bytes``         GPU, process, budget, child  what it uses now
+``gpubudget_child_peak_bytes``         GPU, process, budget, child  the most it used
+``gpubudget_children_hidden``          GPU, process, budget         its children the ledger
+                                                                    has no room to show
 ``gpubudget_device_memory_bytes``      GPU                          the device's memory
 ``gpubudget_device_cap_bytes``         GPU                          its host-wide cap, if any
 ``gpubudget_device_claimed_bytes``     GPU                          what all roots claimed
@@ -34,7 +39,9 @@ does not answer) and ``modelName`` (``NVIDIA H200``). ``budget`` is the root's n
 default: a restarted process makes new series. ``process_label="command"`` (``gpubudget
 metrics --process-label command``) makes it the process's command line instead, the same
 across restarts (``#2``, ``#3`` for further processes of one command, in order of pid);
-``gpubudget_process_info`` then says which pid each is.
+``gpubudget_process_info`` then says which pid each is. ``child`` is a child budget's path
+under its root, its ancestors' names and its own joined by ``/`` (``detector/backbone``;
+``#2`` after a name that a sibling entered earlier holds too).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .hostledger import DeviceView, HostView, host_view
+from .hostledger.children import ChildBudget
 from .hostledger.devices import HOST_IDENTITY
 
 if TYPE_CHECKING:
@@ -178,6 +186,15 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
                          ("used", "Bytes the blocks of the host's roots use on a device."),
                          ("unclaimed", "Bytes new roots may still claim on a device: its cap, "
                                        "else its memory, less what roots claimed."))}
+    child_labels = [*budget_labels, "child"]
+    child_gauges = {name: GaugeMetricFamily(f"gpubudget_child_{name}_bytes", text,
+                                            labels=child_labels)
+                    for name, text in (("limit", "The limit of a child budget."),
+                                       ("used", "Bytes a child budget's blocks use now, its "
+                                                "children's and unused reserves included."),
+                                       ("peak", "The most bytes a child budget used."))}
+    hidden = GaugeMetricFamily("gpubudget_children_hidden", "Child budgets of a root that the "
+                               "ledger has no room to show.", labels=budget_labels)
     outside = GaugeMetricFamily("gpubudget_outside_bytes", "Bytes a process holds on a device "
                                 "beyond its budgets (NVML).", labels=[*_GPU, "process"])
     info = GaugeMetricFamily("gpubudget_process_info", "A process with budgets.",
@@ -201,6 +218,11 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
                                 ("used", entry.used), ("peak", entry.peak)):
                 gauges[name].add_metric(labels, value)
             denials.add_metric(labels, entry.denials)
+            hidden.add_metric(labels, entry.hidden)
+            for path, child in _paths(device.children_of(entry)):
+                for name, value in (("limit", child.limit), ("used", child.used),
+                                    ("peak", child.peak)):
+                    child_gauges[name].add_metric([*labels, path], value)
             commands[entry.pid] = entry.process
         for pid in device.pids:
             held = device.outside(pid)
@@ -208,7 +230,21 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
                 outside.add_metric([*gpu, names[pid]], held)
     for pid, command in sorted(commands.items()):
         info.add_metric([names[pid], str(pid), command], 1)
-    return [*gauges.values(), denials, *device_gauges.values(), outside, info]
+    return [*gauges.values(), denials, *child_gauges.values(), hidden,
+            *device_gauges.values(), outside, info]
+
+
+def _paths(children: tuple[ChildBudget, ...]) -> Iterator[tuple[str, ChildBudget]]:
+    """Each child (depth first) with its path under the root (see the module docstring)."""
+    path: list[str] = []
+    seen: list[dict[str, int]] = [{}]  # seen[d]: names of the siblings at depth d + 1
+    for child in children:
+        del path[child.depth - 1:]
+        del seen[child.depth:]
+        count = seen[-1][child.name] = seen[-1].get(child.name, 0) + 1
+        path.append(child.name if count == 1 else f"{child.name}#{count}")
+        seen.append({})
+        yield "/".join(path), child
 
 
 class MetricsServer:

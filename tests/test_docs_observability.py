@@ -22,6 +22,19 @@ def test_the_top_shown_is_what_top_prints_at_that_width() -> None:
     assert block[0].startswith("gpubudget top · ") and block[0].endswith(" · sort used ▼")
 
 
+def test_the_tree_of_children_shown_is_what_top_prints() -> None:
+    from tests.test_top import family_view
+
+    block = PAGE.split("$ gpubudget top --once     # a process with two roots", 1)[1]
+    lines = block.split("\n", 1)[1].split("```", 1)[0].splitlines()
+    assert lines[1:] == render(family_view(), TopOptions(), 100)[1:]
+    from gpubudget.hostledger.children import PAGE_WAIT
+    from gpubudget.hostledger.layout import PAGE_ROWS, PAGES
+
+    assert f"room for {PAGES * (PAGE_ROWS - 1):,} children" in PAGE
+    assert f"in pages of {PAGE_ROWS - 1}" in PAGE and f"more than {PAGE_WAIT * 1000:g} ms" in PAGE
+
+
 def test_the_metrics_listed_are_the_collectors() -> None:
     pytest.importorskip("prometheus_client", reason="prometheus_client is not installed")
     from gpubudget.metrics import families

@@ -28,3 +28,9 @@ def test_the_numbers_it_states_are_the_codes() -> None:
     assert f"more than {book.LOCK_SECONDS:g} s" in text
     assert f"later ones {book.STUCK_SECONDS * 1000:g} ms" in text
     assert f"format is version {VERSION}" in text
+    from gpubudget.hostledger.children import PAGE_WAIT
+    from gpubudget.hostledger.layout import PAGE_ROWS, PAGES
+
+    assert f"{PAGES:,} pages of {PAGE_ROWS - 1} rows" in text
+    assert f"({PAGES * (PAGE_ROWS - 1):,} children of live roots" in text
+    assert f"more than {PAGE_WAIT * 1000:g} ms" in text

@@ -35,6 +35,7 @@ from gpubudget.hostledger.layout import (
     CHANGES_WORD,
     HEADER,
     HEADER_BYTES,
+    PAGE_BYTES,
     LOG_LENGTH,
     LOG_WORD,
     SLOT,
@@ -44,6 +45,7 @@ from gpubudget.hostledger.layout import (
     UNLOCKED_WORD,
     header_word,
 )
+from gpubudget.hostledger.layout import CHILD_BYTES, CHILD_FIELDS, CHILDREN, PAGE_FIELDS
 from gpubudget.hostledger.procs import myself
 from gpubudget.metrics import families
 from gpubudget.units import MiB
@@ -249,12 +251,17 @@ def test_a_header_overwritten_while_the_file_is_open_is_a_damaged_ledger() -> No
 
 # Every field of the header, and of a slot, as (offset, length) in the file.
 _HEADER_FIELDS = [(offset, size) for offset, size in zip(
-    (0, 8, 16, 24, 32, 40, 48, 56, 128, 192), (8, 8, 8, 8, 8, 8, 8, 8, 64, 64))]
-assert sum(size for _, size in _HEADER_FIELDS) + 64 == HEADER.size
+    (0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 128, 192),
+    (8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 64, 64))]
+assert sum(size for _, size in _HEADER_FIELDS) + 40 == HEADER.size
 _HEADER_FIELDS += [(CHANGES_WORD * 8, 8), (UNLOCKED_WORD * 8, 8)]
 _LOG = [((LOG_WORD + word) * 8, 8) for word in range(LOG_LENGTH)]
-_SLOT_FIELDS = [(index * 8, 8) for index in range(len(SLOT_FIELDS))] + [(128, 64), (192, 64)]
+_SLOT_FIELDS = [(index * 8, 8) for index in range(len(SLOT_FIELDS))] + [(136, 64), (200, 56)]
 assert SLOT.size == SLOT_BYTES == 256
+# A page's head, and the rows of its first children, as (offset in the page, length).
+_PAGE_FIELDS = [(index * 8, 8) for index in range(len(PAGE_FIELDS))] + [
+    (row * CHILD_BYTES + index * 8, 8) for row in (1, 2) for index in range(len(CHILD_FIELDS))
+] + [(row * CHILD_BYTES + 64, 64) for row in (1, 2)]
 
 
 def _another_holder() -> DeviceBook:
@@ -311,7 +318,8 @@ def _everything_documented(path: Path) -> None:
 @given(where=st.one_of(
     st.tuples(st.just("header"), st.sampled_from(_HEADER_FIELDS), st.just(0)),
     st.tuples(st.just("header"), st.sampled_from(_LOG), st.just(0)),
-    st.tuples(st.just("slot"), st.sampled_from(_SLOT_FIELDS), st.integers(0, 3))),
+    st.tuples(st.just("slot"), st.sampled_from(_SLOT_FIELDS), st.integers(0, 3)),
+    st.tuples(st.just("page"), st.sampled_from(_PAGE_FIELDS), st.integers(0, 1))),
     noise=st.binary(min_size=1, max_size=64), at=st.integers(0, 63))
 @example(where=("header", (header_word("high") * 8, 8), 0),  # the attack as found
          noise=(5000).to_bytes(8, sys.byteorder), at=0)
@@ -326,14 +334,23 @@ def test_random_bytes_in_any_field_give_only_documented_errors(
         claims._warned.clear()
         path = ledger_file()
         kept, context = enter("4MiB", "kept")  # slot 0, this process's own
+        child = gpu_budget("2MiB", name="kid")  # shown in page 0, row 1
+        context.run(child.__enter__)
         other = _another_holder()  # slots 1 (alive) and 2 (ended); 3 is free
-        base = offset if kind == "header" else HEADER_BYTES + slot * SLOT_BYTES + offset
+        base = (offset if kind == "header" else HEADER_BYTES + slot * SLOT_BYTES + offset
+                if kind == "slot" else CHILDREN + slot * PAGE_BYTES + offset)
         started = time.monotonic()
         try:
             overwrite(path, base + at, noise)
             _everything_documented(path)
             works(kept)
+            works(child)
+            another = gpu_budget("1MiB", name="grandkid")  # a row taken after the damage
+            context.run(another.__enter__)
+            works(another)
+            context.run(another.__exit__, None, None, None)
         finally:
+            context.run(child.__exit__, None, None, None)
             leave(kept, context)
         _everything_documented(path)
         assert time.monotonic() - started < HANG

@@ -117,7 +117,7 @@ def test_a_planted_link_or_foreign_file_is_refused_never_written(tmp_path: Path)
     assert victim.read_bytes() == b"precious"
     (tmp_path / "ledger" / "host.ledger").unlink()
     (tmp_path / "ledger" / "host.ledger").write_bytes(b"mine, not a ledger")
-    with pytest.raises(LedgerError, match="is 18 bytes, not 1052672: not a gpubudget ledger, "
+    with pytest.raises(LedgerError, match="is 18 bytes, not 3149824: not a gpubudget ledger, "
                                           "or damaged; remove it"):
         directory.create("host.ledger", *IDENTITY)
     assert (tmp_path / "ledger" / "host.ledger").read_bytes() == b"mine, not a ledger"
@@ -161,3 +161,20 @@ def test_processes_creating_one_file_at_once_all_get_the_same(tmp_path: Path) ->
         assert (tmp_path / "ledger" / name).read_bytes()[:8] == MAGIC
     assert sorted(os.listdir(tmp_path / "ledger")) == sorted(
         f"device{round_}.ledger" for round_ in range(20))  # no temporary file left
+
+
+def test_a_file_of_the_previous_format_is_refused_by_its_format_not_its_size(
+        tmp_path: Path) -> None:
+    """A format-2 file (before child budgets were shown: another size) left in the
+    directory: refused as written in format 2, which says what to do; left as it is."""
+    import struct
+
+    old = struct.pack("=8s7Q64x64s64s", MAGIC, 2, 256, 4096, 0, 0, 2**30, 0, b"host",
+                      b"host memory").ljust(4096 + 4096 * 256, b"\0")  # format 2, whole
+    directory = LedgerDirectory(made(tmp_path / "ledger"), create=False)
+    (tmp_path / "ledger" / "host.ledger").write_bytes(old)
+    with pytest.raises(LedgerError, match="'.*host.ledger': written in ledger format 2; this "
+                                          "gpubudget reads format 3; remove it"):
+        directory.create("host.ledger", *IDENTITY)
+    assert (tmp_path / "ledger" / "host.ledger").read_bytes() == old
+    directory.close()

@@ -54,7 +54,8 @@ def test_budgets_per_device_with_what_processes_hold_outside_them(
         assert data["nvml"] == "ok" and data["devices"][0]["budgets"][0] == {
             "pid": os.getpid(), "process": gpu.entries[0].process, "budget": "detector",
             "state": "reserved", "limit": 2 * GiB, "share": None, "reserved": 2 * GiB,
-            "used": GiB, "peak": GiB, "denials": 0, "cuda_ordinal": None}
+            "used": GiB, "peak": GiB, "free": GiB, "denials": 0, "cuda_ordinal": None,
+            "children": [], "children_hidden": 0}
         assert data["devices"][0]["processes"][1] == {
             "pid": 4242, "process": None, "device_used": GiB, "outside": GiB}
         assert host_root.used == 0 and block is not None and gpu_root.free(block)
@@ -77,5 +78,5 @@ def test_a_bad_ledger_file_is_an_error_naming_it(tmp_path: Path) -> None:
         pass
     (tmp_path / "ledger" / "GPU-x.ledger").write_bytes(b"garbage")
     with pytest.raises(LedgerError, match="the ledger file '.*GPU-x.ledger' is 7 bytes, not "
-                                          "1052672: not a gpubudget ledger"):
+                                          "3149824: not a gpubudget ledger"):
         host_view(nvml=False)

@@ -241,3 +241,43 @@ def test_processes_of_one_command_are_numbered_in_order_of_pid(busy: list[Worker
                   "gpubudget_limit_bytes", samples) > 0
     assert samples[("gpubudget_process_info", (
         ("command", WORKER), ("pid", str(second.pid)), ("process", f"{WORKER}#2")))] == 1
+
+
+def test_child_budgets_are_scraped_by_their_path_under_the_root() -> None:
+    worker = Worker()
+    server = start_metrics_server(0)
+    try:
+        assert worker.ask("enter 2GiB server").startswith("ok")
+        for command in ("child 1GiB model", "allocate 1048576", "child 256MiB cache",
+                        "child 64MiB cache"):  # inside the first cache
+            assert worker.ask(command).startswith("ok"), command
+        samples = scrape(server.port)
+        assert worker.ask("leave").startswith("ok")
+        after = scrape(server.port)
+    finally:
+        server.close()
+        worker.close()
+
+    def child(path: str, metric: str, seen: Samples) -> float | None:
+        labels = (*HOST, ("budget", "server"), ("child", path), ("process", str(worker.pid)))
+        return seen.get((f"gpubudget_child_{metric}_bytes", tuple(sorted(labels))))
+
+    assert child("model", "limit", samples) == GiB and child("model", "used", samples) == MiB
+    assert child("model/cache", "limit", samples) == 256 * MiB
+    assert child("model/cache/cache", "limit", samples) == 64 * MiB
+    assert child("model", "peak", samples) == MiB
+    assert budget("server", worker.pid, "gpubudget_children_hidden", samples) == 0
+    assert child("model/cache/cache", "limit", after) is None  # released: gone
+    assert child("model/cache", "limit", after) == 256 * MiB
+
+
+def test_siblings_of_one_name_are_told_apart_in_their_paths() -> None:
+    from gpubudget.hostledger import ChildBudget
+    from gpubudget.metrics import _paths
+
+    def kid(name: str, depth: int) -> ChildBudget:
+        return ChildBudget(name, depth, 1, 0, 0, 0, 1)
+
+    children = (kid("a", 1), kid("x", 2), kid("x", 2), kid("x", 3), kid("a", 1), kid("x", 2))
+    assert [path for path, _ in _paths(children)] == [
+        "a", "a/x", "a/x#2", "a/x#2/x", "a#2", "a#2/x"]

@@ -21,7 +21,7 @@ import pytest
 
 from gpubudget.cli import main
 from gpubudget.cli.top import SORT_KEYS, TopOptions, render
-from gpubudget.hostledger import DeviceView, Entry, HostView
+from gpubudget.hostledger import ChildBudget, DeviceView, Entry, HostView
 from gpubudget.units import GiB, MiB
 from tests.helpers import subprocess_env
 from tests.test_hostledger_claims import Worker
@@ -250,7 +250,7 @@ def test_a_bad_ledger_in_a_terminal_is_one_line_and_exit_2(tmp_path: Path,
     lines = [line for line in drawn.replace("\r", "").splitlines() if line.strip()]
     assert status == 2 and "Traceback" not in drawn
     assert lines == [f"gpubudget: error: the ledger file "
-                     f"'{tmp_path / 'ledger' / 'GPU-bad.ledger'}' is 12 bytes, not 1052672: "
+                     f"'{tmp_path / 'ledger' / 'GPU-bad.ledger'}' is 12 bytes, not 3149824: "
                      f"not a gpubudget ledger, or damaged; remove it"]
     assert main(["top", "--json"]) == 2
 
@@ -363,3 +363,90 @@ def test_a_narrow_terminal_adapts_and_follows_a_resize_in_tmux(busy: list[Worker
         top.until("the exit", lambda s: "EXIT=0" in s)
     finally:
         top.close()
+
+
+# -- child budgets ---------------------------------------------------------------------------
+
+
+def family_view() -> HostView:
+    """Two roots of one process; the first with a tree of children and two hidden."""
+    kids = (ChildBudget("backbone", 1, 20 * GiB, GiB, 8 * GiB, 9 * GiB, 12 * GiB),
+            ChildBudget("stem", 2, 4 * GiB, 0, GiB, 2 * GiB, 3 * GiB),
+            ChildBudget("blocks", 2, 12 * GiB, 0, 7 * GiB, 7 * GiB, 5 * GiB),
+            ChildBudget("head", 1, 2 * GiB, 0, 0, MiB, 2 * GiB))
+    detector = entry(10, "detector", 40 * GiB, 12 * GiB, 20 * GiB, 3)._replace(slot=0, hidden=2)
+    classifier = entry(10, "classifier", 30 * GiB, 20 * GiB, 21 * GiB, 0)._replace(slot=1)
+    gpu = DeviceView("GPU-8f3c", "NVIDIA H200", 140 * GiB, None, False,
+                     (detector, classifier), 0, None, {0: kids})
+    return HostView("/dev/shm/ledger", view().taken_at, (gpu,), "no NVML")
+
+
+def tree(lines: list[str]) -> list[str]:
+    """The BUDGET column of the table's rows, as drawn (the tree before a child's name)."""
+    start = next(index for index, line in enumerate(lines) if line.split()[:1] == ["PID"])
+    budget_at = lines[start].index("BUDGET")
+    return [row[budget_at:].split("  ")[0] for row in lines[start + 1:]]
+
+
+def test_children_are_drawn_as_a_tree_under_their_root() -> None:
+    lines = render(family_view())
+    assert "2 child budgets hidden (no room in the ledger)" in lines[2]
+    whole = ["detector", "├ backbone", "│ ├ stem", "│ └ blocks", "└ head", "… 2 hidden"]
+    assert tree(lines) == ["classifier", *whole]  # sorted by used: the roots, each with its
+    stem = next(line for line in lines if "stem" in line)  # children under it
+    assert stem.split()[3:] == ["4.00", "GiB", "1.00", "GiB", "3.00", "GiB", "2.00", "GiB",
+                                "-"]  # limit, used, free, peak; no denials of its own
+    assert tree(render(family_view(), TopOptions(reverse=True))) == [*whole, "classifier"]
+    for text in ("STEM", "detector"):  # a child's name keeps its root, with all of its tree
+        assert tree(render(family_view(), TopOptions(filter=text))) == whole, text
+    narrow = render(family_view(), width=50)
+    assert max(map(len, narrow)) <= 50 and any("│ └ blocks" in line for line in narrow)
+
+
+def test_json_nests_the_children_of_another_process(capsys: pytest.CaptureFixture[str]
+                                                   ) -> None:
+    worker = Worker()
+    try:
+        assert worker.ask("enter 2GiB server").startswith("ok")
+        assert worker.ask("child 1GiB model").startswith("ok")
+        assert worker.ask("allocate 1048576").startswith("ok")
+        assert worker.ask("child 256MiB cache").startswith("ok")
+        assert main(["top", "--json"]) == 0
+        (budget,) = json.loads(capsys.readouterr().out)["devices"][0]["budgets"]
+        assert (budget["budget"], budget["used"], budget["children_hidden"]) == (
+            "server", MiB, 0)
+        assert budget["children"] == [{
+            "budget": "model", "limit": GiB, "reserve": 0, "used": MiB, "peak": MiB,
+            "free": GiB - MiB, "children": [{
+                "budget": "cache", "limit": 256 * MiB, "reserve": 0, "used": 0, "peak": 0,
+                "free": 256 * MiB, "children": []}]}]
+        assert worker.ask("leave").startswith("ok")
+        assert main(["top", "--json"]) == 0
+        (budget,) = json.loads(capsys.readouterr().out)["devices"][0]["budgets"]
+        assert [child["budget"] for child in budget["children"]] == ["model"]
+        assert budget["children"][0]["children"] == []
+    finally:
+        worker.close()
+
+
+@needs_tmux
+def test_children_appear_and_vanish_in_tmux(tmp_path: Path) -> None:
+    worker = Worker()
+    top = Tmux(tmp_path / "ledger", 150)
+    try:
+        assert worker.ask("enter 2GiB server").startswith("ok")
+        assert worker.ask("child 1GiB model").startswith("ok")
+        assert worker.ask("child 256MiB cache").startswith("ok")
+        top.until("the tree", lambda s: [row[:2] for row in table(s)] == [
+            [str(worker.pid), "python"], ["└", "model"], ["└", "cache"]])
+        assert worker.ask("leave").startswith("ok")  # cache goes: it was drawn before
+        top.until("cache gone", lambda s: [row[:2] for row in table(s)] == [
+            [str(worker.pid), "python"], ["└", "model"]])
+        assert worker.ask("leave").startswith("ok")
+        top.until("model gone", lambda s: [row[:2] for row in table(s)] == [
+            [str(worker.pid), "python"]])
+        top.keys("q")
+        top.until("the exit", lambda s: "EXIT=0" in s)
+    finally:
+        top.close()
+        worker.close()

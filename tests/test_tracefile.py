@@ -92,7 +92,8 @@ def test_writer_writes_a_versioned_header_and_every_event(tmp_path: Path) -> Non
     granted = trace.events[2]
     assert isinstance(granted, Alloc) and (granted.size, granted.nbytes, granted.tag) == (MiB, MiB, "a")
     assert trace.events[0] == Enter(lines[1]["t"], lines[1]["b"], "pool", None, 16 * MiB, 256,
-                                    0, "host")
+                                    0, "host", lines[1]["base"], None)  # a root's base
+    assert lines[1]["base"] == granted.ptr  # the first block: at the start of its memory
 
 
 def test_writer_flushes_its_header_at_once_and_every_flush_every_events(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
 from gpubudget.html import ViewModel, model_from_report, model_from_trace, page_html
-from gpubudget.html.model import _TraceState
+from gpubudget.html.tracemodel import TraceState
 from gpubudget.perfetto import perfetto_events, write_perfetto
 from gpubudget.replay import replay
 from gpubudget.tracefile import Alloc, Enter, writer_for
@@ -255,7 +255,7 @@ class _AllocWithStack(NamedTuple):
 
 def test_stacks_on_alloc_events_are_interned_frame_by_frame() -> None:
     model = ViewModel("t", "trace")
-    state = _TraceState(model)
+    state = TraceState(model)
     state.enter(Enter(0.0, 1, "pool", None, MiB, 256, 0, "host"))
     outer, inner, other = "app.py:3 in main", "model.py:9 in load", "model.py:12 in warm"
     for index, stack in enumerate([(outer, inner), (outer, inner), (outer, other), None]):

@@ -169,6 +169,57 @@ def test_the_address_view_shows_fragmentation_and_the_largest_free_block(
     assert console_problems(browser) == []
 
 
+def test_the_address_view_draws_a_growable_roots_mapped_granules(
+        browser: Any, tmp_path: Path) -> None:
+    """A growable root's range is pale where only addressed, blue-grey where mapped: A's
+    granules stay mapped after A is freed, and go at the trim; the title says what is
+    mapped at the chosen moment."""
+    from tests.test_trace_mappings import grown
+
+    trace = tmp_path / "grown.jsonl"
+    at = grown(trace)
+    model = model_from_trace(trace)
+    load(browser, page_of(trace, tmp_path))
+    base = at["a"]
+    freed = int(model.block_to[0])  # A's free
+    trim = next(end for _, address, size, _, end in model.mappings
+                if address == base + 2 * MiB)  # A's growth is unmapped by the trim
+    placed = min(start for _, address, size, start, _ in model.mappings
+                 if address == base and size == MiB)  # C's granule mapped
+    legend = dict(js(browser, f"{V}.app.keys.legend.map(e => [e.label, e.rank])"))
+    palette = js(browser, "window.gpubudgetParts.PALETTE")
+    mapped, addressed = [0xBF, 0xD2, 0xE6], [0xF4, 0xF5, 0xF7]
+
+    def look(first: int, last: int) -> tuple[Any, float]:
+        """A view of the time from event ``first`` to ``last``, the moment late in it; the
+        address view's answer, and an x early in it (away from the moment's mark)."""
+        t0, t1 = model.times[first], model.times[last]
+        browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
+                               f"{V}.state.moment = arguments[2]; {V}.draw()",
+                               t0, t1, t0 + 0.8 * (t1 - t0))
+        return js(browser, f"{V}.addresses"), js(browser, f"{V}.xOf(arguments[0])",
+                                                  t0 + 0.3 * (t1 - t0))
+
+    def y(address: int) -> float:
+        return float(js(browser, f"{V}.app.addressY(arguments[0])", address))
+
+    before, x = look(freed, trim)  # A freed, its granules still mapped
+    assert before["free"]["mapped"] == 8 * MiB
+    assert pixel(browser, x, y(base + 3 * MiB), "addresses")[:3] == mapped
+    assert pixel(browser, x, y(base + 7 * MiB), "addresses")[:3] == rgb(palette[legend["b"]])
+    assert pixel(browser, x, y(base + 12 * MiB), "addresses")[:3] == addressed
+    assert "; 8.00 MiB mapped" in browser.find_element(By.ID, "address-title").text
+    shot(browser, tmp_path, "addresses-growable-before-trim")
+    after, x = look(trim, placed)  # trimmed: only B's granules
+    assert after["free"]["mapped"] == 2 * MiB
+    assert after["free"]["held"] == 16 * MiB  # the range's addresses, all of them
+    assert pixel(browser, x, y(base + 3 * MiB), "addresses")[:3] == addressed
+    assert pixel(browser, x, y(base + 7 * MiB), "addresses")[:3] == rgb(palette[legend["b"]])
+    assert "; 2.00 MiB mapped" in browser.find_element(By.ID, "address-title").text
+    shot(browser, tmp_path, "addresses-growable-after-trim")
+    assert console_problems(browser) == []
+
+
 def loading(path: Path, cache: int, extra: int = 0) -> Path:
     """A model that loads weights, then a cache (and more), each by a function of its own."""
     with gpu_budget("64MiB", name="server", backend="host", trace=str(path),

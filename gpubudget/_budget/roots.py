@@ -64,9 +64,9 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
     reservation = tree.reservation
     assert reservation is not None
     held = tree.mapping.mapped_bytes if tree.mapping is not None else reservation.nbytes
-    slot = claim.reserved(reservation, held, lambda: node.publish(None))
+    slot = claim.reserved(reservation, held, lambda: node.publish(None), node.account)
     tree.reservation = slot.reservation
-    node.publish(slot.numbers, slot.mapped)
+    node.publish(slot.numbers, slot.mapped, slot.family)
     return tree
 
 

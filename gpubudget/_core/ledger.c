@@ -196,7 +196,7 @@ void ledger_charge(AccountObject *account, i64 delta) {
         for (AccountObject *link = account; link != NULL; link = link->parent) {
             i64 used = link->used += delta;
             if (used > link->peak) link->peak = used;
-            if (link->parent == NULL) account_publish(link);
+            account_publish(link); /* a store or two where the account has words */
         }
         return;
     }

@@ -8,11 +8,12 @@ used in this order with the tree's lock held:
 1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
    changes nothing and names the first account that refuses;
 2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
-   so a request that is refused, or that the arena cannot place, never moves a peak. A root
-   registered in the host ledger (:mod:`gpubudget.hostledger`) has its ``used`` stored into
-   its slot there each time it changes, and its ``peak`` each time ``used`` is at it (so
-   after ``reset_peak()`` the slot's peak follows once ``used`` reaches the new one): plain
-   stores, nothing else.
+   so a request that is refused, or that the arena cannot place, never moves a peak. An
+   account with words to publish into (``published``: a root registered in the host ledger,
+   :mod:`gpubudget.hostledger`, and each of its children that the ledger shows) has its
+   ``used`` stored there each time it changes, and its ``peak`` each time ``used`` is at it
+   (so after ``reset_peak()`` the published peak follows once ``used`` reaches the new one):
+   plain stores, one or two per level of the chain that has words, nothing else.
 
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Final
 
 from . import native
 
-__all__ = ["Account", "available", "charge", "encloses", "passed_up", "refusal"]
+__all__ = ["Account", "available", "charge", "encloses", "passed_up", "publish", "refusal"]
 
 
 class Account:
@@ -52,8 +53,9 @@ class Account:
         self.parent: Final = parent
         self.depth: Final[int] = 0 if parent is None else parent.depth + 1
         self.plain: Final[bool] = not reserve and (parent is None or parent.plain)
-        # A registered root's words in its host-ledger slot (used, peak, denials), which
-        # every change of ``used`` stores into: plain stores, for other processes to read.
+        # Words in the host ledger (used, peak, ...: a registered root's slot, or a shown
+        # child's row), which every change of ``used`` stores into: plain stores, for other
+        # processes to read.
         self.published: memoryview | None = None
 
 
@@ -90,19 +92,17 @@ def charge(account: Account, delta: int) -> None:
     """Add ``delta`` bytes (negative to give back) to ``account`` and, as reserves pass them
     up, to its ancestors; raise their peaks. Call :func:`refusal` first for ``delta > 0``."""
     if account.plain:
-        link = account
-        while True:
+        link: Account | None = account
+        while link is not None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
-            if link.parent is None:
-                break
+            published = link.published
+            if published is not None:
+                published[0] = used
+                if used == link.peak:  # at its peak: a new one, or the one reset_peak() set
+                    published[1] = used
             link = link.parent
-        published = link.published  # ``link`` is the root now
-        if published is not None:
-            published[0] = used
-            if used == link.peak:  # at its peak: a new one, or the one reset_peak() set
-                published[1] = used
         return
     node: Account | None = account
     while node is not None and delta:
@@ -117,6 +117,16 @@ def charge(account: Account, delta: int) -> None:
         if node.reserve:
             delta = _passed_up(node, used) - _passed_up(node, old)
         node = node.parent
+
+
+def publish(account: Account) -> None:
+    """Store ``account``'s ``used`` (and its ``peak``, if ``used`` is at it) into its
+    published words, as :func:`charge` does: after its numbers were set another way."""
+    published = account.published
+    if published is not None:
+        published[0] = account.used
+        if account.used == account.peak:
+            published[1] = account.used
 
 
 def available(account: Account) -> int:

@@ -58,7 +58,7 @@ class Mapping:
     with the tree's lock held, so both cores see one state."""
 
     __slots__ = ("memory", "address", "nbytes", "granule", "mapped", "count", "high", "asleep",
-                 "errors", "published", "kept", "kept_pinned")
+                 "errors", "published", "kept", "kept_pinned", "watcher")
 
     def __init__(self, memory: VirtualRange) -> None:
         self.memory: Final = memory
@@ -74,6 +74,10 @@ class Mapping:
         self.published: memoryview | None = None
         self.kept: Staging | None = None  # host memory a restore kept for the next offload
         self.kept_pinned = False
+        # told ("map" or "unmap", the granules' indices) after each growth, trim, sleep or
+        # wake that changed what is mapped (the root's recorder, for its trace); never on
+        # the path of a block whose granules are mapped already
+        self.watcher: Callable[[str, list[int]], None] | None = None
 
     @property
     def mapped_bytes(self) -> int:
@@ -105,12 +109,13 @@ class Mapping:
                     self._map(index)
                     done.append(index)
         except Exception as exc:  # noqa: BLE001 - the device cannot back it: undo, say so
-            self._unmap(done)
+            self._undo(done)
             if interrupts.foreign(exc):  # a signal handler's: raised once the call returns
                 interrupts.hold(exc)
                 return "interrupted"
             self._note(f"growth of {format_size(nbytes)} refused: {type(exc).__name__}: {exc}")
             return "device_full"
+        self._tell("map", done)
         return None
 
     def check(self, taken: Iterable[tuple[int, int]]) -> None:
@@ -193,8 +198,9 @@ class Mapping:
                                       nbytes)
                 copied += nbytes
         except BaseException:
-            self._unmap(done)
+            self._undo(done)
             raise
+        self._tell("map", done)
         self.asleep = None
         if keep:
             self.kept = asleep.staging
@@ -232,10 +238,24 @@ class Mapping:
         if self.published is not None:
             self.published[0] = self.count * self.granule
 
-    def _unmap(self, indices: list[int]) -> int:
+    def _undo(self, done: list[int]) -> None:
+        """Unmap ``done``, granules just mapped by a growth (or a wake) that failed: the
+        watcher hears only of those that stay mapped (an unmap that failed)."""
+        self._unmap(done, told=False)
+        self._tell("map", [index for index in done if self.mapped[index]])
+
+    def _tell(self, change: str, indices: list[int]) -> None:
+        """Tell the watcher that ``indices`` were mapped or unmapped (``change``)."""
+        if self.watcher is not None and indices:
+            self.watcher(change, indices)
+
+    def _unmap(self, indices: list[int], told: bool = True) -> int:
         """Unmap ``indices`` (mapped granules); how many were. One that fails stays mapped
-        (and counted), its error kept for the report."""
+        (and counted), its error kept for the report. ``told``: the watcher hears of those
+        unmapped (not for granules mapped a moment ago by a growth that failed, which it
+        never heard of)."""
         unmapped = 0
+        gone: list[int] = []
         landed: Exception | None = None  # a signal handler's, raised once this is done
         for index in indices:
             try:
@@ -249,9 +269,12 @@ class Mapping:
                 continue
             self.mapped[index] = 0
             unmapped += 1
+            gone.append(index)
         self.count -= unmapped
         if self.published is not None:
             self.published[0] = self.count * self.granule
+        if told:
+            self._tell("unmap", gone)
         if landed is not None:
             interrupts.hold(landed)
         return unmapped

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         Budget,  # the public face; only named here, never imported at run time
     )
     from ..tracefile import TraceWriter
+    from .recorder import Family
 
 __all__ = ["KEEP_RELEASED_CHILDREN", "Node", "Probe", "State", "install_fast_path"]
 
@@ -96,18 +97,21 @@ class Node:
         self._opened()
         return tree
 
-    def publish(self, numbers: memoryview | None, mapped: memoryview | None = None) -> None:
+    def publish(self, numbers: memoryview | None, mapped: memoryview | None = None,
+                family: Family | None = None) -> None:
         """An open root: from now on store its ``used`` and ``peak`` in ``numbers[0]`` and
         ``numbers[1]`` (with plain stores, at every change: see ``ledger.charge``), count its
-        tree's denials in ``numbers[2]``, and a growable root's mapped bytes in ``mapped[0]``:
-        its words in its slot of the host ledger, for other processes to read. ``None``: no
-        more (the slot went)."""
+        tree's denials in ``numbers[2]``, a growable root's mapped bytes in ``mapped[0]``,
+        and tell ``family`` as child budgets come and go (each one's numbers are stored in
+        its row the same way): its words in its slot of the host ledger, for other processes
+        to read. ``None``: no more (the slot went)."""
         tree = self.tree
         assert tree is not None and self.parent is None
         account = self.account
         if numbers is not None:
             numbers[0], numbers[1] = account.used, account.peak
         account.published = tree.recorder.published = numbers
+        tree.recorder.family = family if numbers is not None else None
         if tree.mapping is not None:
             tree.mapping.published = mapped
 
@@ -151,6 +155,7 @@ class Node:
         parent.children.append(self)
         parent.unreleased += 1
         self._opened()
+        tree.recorder.child_entered(account, parent.account, self.id, self.name)  # host ledger
 
     def _opened(self) -> None:
         assert self.tree is not None
@@ -207,6 +212,8 @@ class Node:
                 assert node.tree is not None
                 node.tree.release_reservation()
                 return
+            if node.tree is not None:
+                node.tree.recorder.child_released(node.account)  # host ledger
             if node.account.reserve:
                 charge(parent.account, -passed_up(node.account, node.account.used))
             parent.unreleased -= 1

@@ -18,7 +18,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from .. import interrupts
 from ..callers import user_stacklevel
@@ -27,6 +27,8 @@ from . import native
 
 if TYPE_CHECKING:
     from ..tracefile import TraceWriter
+    from .ledger import Account
+    from .memory import Mapping
 
 __all__ = ["EVENT_LOG_LIMIT", "KEEP_ERRORS", "Event", "EventLog", "Recorder", "Stats"]
 
@@ -137,10 +139,22 @@ if native is not None and not TYPE_CHECKING:
     EventLog = native.EventLog
 
 
+class Family(Protocol):
+    """Where a registered root's children are shown in the host ledger
+    (:class:`gpubudget.hostledger.children.Family`)."""
+
+    def opened(self, account: Account, parent: Account, serial: int, name: str) -> None: ...
+
+    def released(self, account: Account) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
-    __slots__ = ("events", "writer", "trace_error", "clock", "published")
+    __slots__ = ("events", "writer", "trace_error", "clock", "published", "family", "base",
+                 "mapping", "root")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -149,6 +163,11 @@ class Recorder:
         self.writer = writer
         self.trace_error: str | None = None  # why tracing stopped, if it did
         self.published: memoryview | None = None  # the root's words in the host ledger
+        # where a registered root's children are shown in the host ledger, if anywhere
+        self.family: Family | None = None
+        self.base = 0  # where the root's blocks sit, and a growable root's granules
+        self.mapping: Mapping | None = None
+        self.root: int | None = None  # the root's budget id, once entered
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
@@ -218,10 +237,74 @@ class Recorder:
         if self.writer is not None:
             self._trace(self.writer.resize, budget, address, size, alignment, nbytes)
 
+    def place(self, base: int, mapping: Mapping | None) -> None:
+        """The root's memory starts at ``base``; a growable root's granules are ``mapping``'s,
+        which tells this recorder each change of them (for the trace)."""
+        self.base = base
+        self.mapping = mapping
+        if mapping is not None:
+            mapping.watcher = self.mapped
+
     def entered(self, budget: int, name: str, parent: int | None, limit: int, align: int,
                 reserve: int, backend: str | None) -> None:
-        if self.writer is not None:
+        if parent is None:
+            self.root = budget
+        if self.writer is None:
+            return
+        if parent is not None:
             self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend)
+            return
+        mapping = self.mapping
+        self._trace(self.writer.enter, budget, name, parent, limit, align, reserve, backend,
+                    self.base, None if mapping is None else mapping.granule)
+        if mapping is not None:  # what it mapped at entry
+            self.mapped("map", [index for index, on in enumerate(mapping.mapped) if on])
+
+    def mapped(self, change: str, indices: list[int]) -> None:
+        """Granules ``indices`` of the root's range were mapped or unmapped (``change``): one
+        trace line per run of them. Called by the :class:`~gpubudget._core.memory.Mapping`,
+        only when what is mapped changes."""
+        writer, mapping, root = self.writer, self.mapping, self.root
+        if writer is None or mapping is None or root is None:
+            return
+        write = writer.map if change == "map" else writer.unmap
+        granule, address = mapping.granule, mapping.address
+        for first, count in _runs(indices):
+            self._trace(write, root, address + first * granule, count * granule)
+
+    # -- the host ledger: a registered root's children, shown as they enter and go ---------
+
+    def child_entered(self, account: Account, parent: Account, budget: int, name: str) -> None:
+        """A child budget entered (its ``account`` under ``parent``'s): shown in the host
+        ledger where the root is registered. Never raises (see :meth:`_shown`)."""
+        if self.family is not None:
+            self._shown(self.family.opened, account, parent, budget, name)
+
+    def child_released(self, account: Account) -> None:
+        """A child budget was released: no longer shown in the host ledger."""
+        if self.family is not None:
+            self._shown(self.family.released, account)
+
+    def _shown(self, change: Callable[..., None], *args: object) -> None:
+        """One change of what the host ledger shows. It is only shown: an exception in it
+        (a bug) stops showing this root's children and is told once as a warning; one from
+        outside (a signal handler's) is held for delivery once the operation is whole."""
+        try:
+            change(*args)
+        except BaseException as exc:  # noqa: BLE001 - the accounting is committed: kept whole
+            if interrupts.foreign(exc):
+                interrupts.hold(exc)
+                return
+            family, self.family = self.family, None
+            try:
+                if family is not None:
+                    family.close()
+                warnings.warn(f"gpubudget: child budgets are no longer shown in the host "
+                              f"ledger: {type(exc).__name__}: {exc}", RuntimeWarning,
+                              stacklevel=user_stacklevel())
+            except Exception as late:  # noqa: BLE001 - warnings turned into errors
+                if interrupts.foreign(late):
+                    interrupts.hold(late)
 
     def exited(self, budget: int, root: bool) -> None:
         if self.writer is not None:
@@ -265,6 +348,20 @@ class Recorder:
         except Exception as late:  # noqa: BLE001 - warnings turned into errors must not escape
             if interrupts.foreign(late):
                 interrupts.hold(late)
+
+
+def _runs(indices: list[int]) -> Iterator[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive numbers in ``indices``.
+
+    >>> list(_runs([7, 2, 3, 4, 9, 8]))
+    [(2, 3), (7, 3)]
+    """
+    ordered = sorted(indices)
+    start = 0
+    for at in range(1, len(ordered) + 1):
+        if at == len(ordered) or ordered[at] != ordered[at - 1] + 1:
+            yield ordered[start], at - start
+            start = at
 
 
 def _clock_failed(exc: BaseException) -> bool:

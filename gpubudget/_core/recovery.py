@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .arena import Arena
-from .ledger import charge, passed_up
+from .ledger import passed_up, publish
 
 if TYPE_CHECKING:
     from .node import Node
@@ -95,7 +95,8 @@ def _ledger(tree: Tree, nodes: list[Node]) -> None:
             account.used = used
             if used > account.peak:
                 account.peak = used
-    charge(tree.root.account, 0)  # what other processes read of the root, as it is now
+    for node in nodes:  # what other processes read of the root and its children, as they are
+        publish(node.account)
 
 
 def _counts(tree: Tree, nodes: list[Node]) -> None:

@@ -98,6 +98,7 @@ class Tree:
         # A backend whose work is always complete (host memory) needs no stream events.
         self.ordered: Final = not getattr(backend, "synchronous", False)
         self.recorder: Final = Recorder(writer, getattr(backend, "clock", time.perf_counter))
+        self.recorder.place(self.arena.base, self.mapping)  # where the root sits, for traces
         # Device memory free just after the reservation, and at the root's exit: what others
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else self.unclaimed()

@@ -3,11 +3,14 @@
 The view is the host ledger (:func:`gpubudget.hostledger.host_view`): one block per device
 (its memory, cap, what the roots claimed, what is left unclaimed, what they use), one row
 per root budget of a live process (pid, process, budget, limit, used, free under its limit,
-peak, denials) and, where NVML answers, the memory each process holds on the device outside
-its budgets, with the processes that hold GPU memory and have no budget at all. On a
-terminal it redraws every second: ``s`` changes the column rows are sorted by, ``r``
-reverses the order, ``/`` filters rows by pid, process or budget (type, then Enter; Esc
-cancels), ``c`` clears the filter, ``q`` quits; ``--device`` keeps the devices whose UUID or
+peak, denials) with its child budgets indented under it as a tree (limit, used, what one
+more block could still be charged to it, peak; a line says how many children the ledger had
+no room to show) and, where NVML answers, the memory each process holds on the device
+outside its budgets, with the processes that hold GPU memory and have no budget at all. On
+a terminal it redraws every second: ``s`` changes the column roots are sorted by (a root's
+children stay under it, in the order they entered), ``r`` reverses the order, ``/`` filters
+roots by pid, process or the name of the root or of one of its children (type, then Enter;
+Esc cancels), ``c`` clears the filter, ``q`` quits; ``--device`` keeps the devices whose UUID or
 name holds some text. The view fits the terminal: header and device lines wrap, the name
 columns shrink, then the least needed columns go (OUTSIDE, PROCESS, PEAK, DENIED, FREE,
 LIMIT, in that order). ``--once`` prints the view once as text (as does ``top`` when its
@@ -27,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from ..hostledger import DeviceView, Entry, HostView, host_view
+from ..hostledger.children import ChildBudget
 from ..text import printable
 from ..units import format_size
 
@@ -82,11 +86,30 @@ class _Row:
     budget: str
     entry: Entry | None
     outside: int | None
+    children: tuple[ChildBudget, ...] = ()
+    """The root's child budgets shown, depth first."""
 
     @property
     def free(self) -> int | None:
         """What the budget has left under its limit."""
         return None if self.entry is None else max(self.entry.limit - self.entry.used, 0)
+
+    def matches(self, wanted: str) -> bool:
+        """Whether ``wanted`` is in the row's pid, process or budget, or a child's name."""
+        return (wanted in f"{self.pid} {self.process} {self.budget}".lower()
+                or any(wanted in child.name.lower() for child in self.children))
+
+    def lines(self) -> list[list[str]]:
+        """The cells of the row, then of each child (indented under it), then a line saying
+        how many children are hidden, if any."""
+        found = [self.cells()]
+        for child, branch in zip(self.children, _branches(self.children)):
+            found.append(["", "", branch + child.name, _size(child.limit), _size(child.used),
+                          _size(child.free), _size(child.peak), "-", ""])
+        hidden = self.entry.hidden if self.entry is not None else 0
+        if hidden:
+            found.append(["", "", f"… {hidden} hidden", "", "", "", "", "", ""])
+        return found
 
     def key(self, sort: str) -> Any:
         entry = self.entry
@@ -107,15 +130,34 @@ class _Row:
                 str(entry.denials) if entry else "-", _size(self.outside)]
 
 
+def _branches(children: tuple[ChildBudget, ...]) -> list[str]:
+    """The tree drawn before each child's name (children depth first, each with its
+    depth): ``├ `` or ``└ `` (its last sibling), after ``│ `` or blanks for each ancestor
+    below the root that has siblings after it."""
+    last = []
+    for index, child in enumerate(children):
+        after = next((other.depth for other in children[index + 1:]
+                      if other.depth <= child.depth), 0)
+        last.append(after < child.depth)
+    drawn: list[str] = []
+    open_levels: list[bool] = []  # open_levels[d]: whether depth d + 1 has siblings to come
+    for child, final in zip(children, last):
+        del open_levels[child.depth - 1:]
+        drawn.append("".join("│ " if more else "  " for more in open_levels)
+                     + ("└ " if final else "├ "))
+        open_levels.append(not final)
+    return drawn
+
+
 def _rows(device: DeviceView, options: TopOptions) -> list[_Row]:
-    rows = [_Row(entry.pid, entry.process, entry.name, entry, device.outside(entry.pid))
-            for entry in device.entries]
+    rows = [_Row(entry.pid, entry.process, entry.name, entry, device.outside(entry.pid),
+                 device.children_of(entry)) for entry in device.entries]
     budgeted = {entry.pid for entry in device.entries}
     rows += [_Row(pid, "?", "(no budget)", None, device.outside(pid))
              for pid in device.pids if pid not in budgeted]
     wanted = options.filter.lower()
     if wanted:  # rows only: a device's name would match all of its rows
-        rows = [row for row in rows if wanted in f"{row.pid} {row.process} {row.budget}".lower()]
+        rows = [row for row in rows if row.matches(wanted)]
     rows.sort(key=lambda row: (row.pid, row.budget))  # ties stay in this order
     rows.sort(key=lambda row: row.key(options.sort),
               reverse=(options.sort in _NUMERIC) != options.reverse)
@@ -193,6 +235,9 @@ def _device_lines(device: DeviceView, width: int | None) -> list[str]:
     room = (device.cap if device.cap is not None else device.total) - device.claimed
     parts.append(f"unclaimed {format_size(max(room, 0))}")
     parts.append(f"used {format_size(device.used)}")
+    if device.hidden:
+        parts.append(f"{device.hidden} child budget{'s' * (device.hidden != 1)} hidden "
+                     f"(no room in the ledger)")
     if device.ended:
         parts.append(f"{device.ended} ended not yet cleared")
     return _wrapped(parts, width)
@@ -230,7 +275,7 @@ def render(view: HostView, options: TopOptions = TopOptions(), width: int | None
         lines += ["", *_device_lines(device, width),
                   _line([column.title for column in _COLUMNS], columns)]
         for row in rows:
-            lines.append(_line(row.cells(), columns))
+            lines.extend(_line(cells, columns) for cells in row.lines())
             shown += 1
     if not shown:
         lines += ["", "no budgets registered on this host"

@@ -3,7 +3,9 @@
 Each device has a small file (in ``/dev/shm/gpubudget-ledger-<uid>/``, or
 ``GPUBUDGET_LEDGER_DIR``) with one fixed-size slot per root budget of a live process: its
 pid and start time, name, limit, reservation, ``used``, ``peak`` and denials, which the
-owning process keeps current with plain stores. A root claims its slot at entry under the
+owning process keeps current with plain stores, and pages of rows for the roots' child
+budgets, kept current in the same way (:mod:`~gpubudget.hostledger.children`). A root claims
+its slot at entry under the
 file's lock (held for microseconds, never across a device call), which is also where a root
 asking for a share of the unclaimed memory (``gpu_budget("50%")``) is sized and where the
 device cap (``GPUBUDGET_DEVICE_CAP``, :func:`set_device_cap`) is enforced; on a GPU a share
@@ -34,6 +36,7 @@ from .claims import LEDGER_ENV, SETTLE_SECONDS, device_claims, ledger_enabled
 from .devices import DEVICE_MEMORY_ENV, LedgerDevice, device_for
 from .errors import LedgerDamaged, LedgerError, LedgerFull, LedgerLocked, LedgerUnusable
 from .files import LEDGER_DIR_ENV, default_directory, ledger_directory
+from .children import ChildBudget
 from .layout import Entry
 from .sizing import CAP_ENV, HEADROOM, HEADROOM_ENV, Share, parse_share
 from .view import DeviceView, HostView, host_view
@@ -46,6 +49,7 @@ __all__ = [
     "LEDGER_DIR_ENV",
     "LEDGER_ENV",
     "SETTLE_SECONDS",
+    "ChildBudget",
     "DeviceView",
     "Entry",
     "HostView",

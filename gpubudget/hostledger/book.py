@@ -33,17 +33,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
 
+from .children import ChildBudget, read_children
 from .errors import LedgerDamaged, LedgerError, LedgerFull, LedgerLocked
 from .files import LedgerDirectory
 from .index import ProcessKey, SlotIndex
 from .layout import (
     CHANGES_WORD,
+    CHILDREN,
     CLAIMED,
     FILE_BYTES,
     FREE,
     HEADER_BYTES,
     LOG_LENGTH,
     LOG_WORD,
+    PAGE_BYTES,
+    PAGES,
     RESERVED,
     SLOT_BYTES,
     SLOTS,
@@ -77,12 +81,13 @@ _STATES: Final = (FREE, CLAIMED, RESERVED)
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A ledger file as read at one moment: its header and the slots of live processes
-    (those that ended are counted in ``ended``, not listed)."""
+    """A ledger file as read at one moment: its header, the slots of live processes (those
+    that ended are counted in ``ended``, not listed) and their children, by root slot."""
 
     header: Header
     entries: tuple[Entry, ...]
     ended: int
+    children: dict[int, tuple[ChildBudget, ...]]
 
 
 def _range_lock(fd: int, command: int, kind: int, slot: int) -> int:
@@ -162,15 +167,23 @@ class DeviceBook:
     # -- the lock --------------------------------------------------------------------------
 
     @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self, wait: float | None = None) -> Iterator[None]:
         """The file's lock, exclusive, for a change of slot owners; :class:`LedgerLocked`
-        after :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while the lock seems stuck)."""
-        with self.threads:
-            self._take()
+        after :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while the lock seems stuck), or
+        after ``wait`` seconds if given (a wait that short says nothing of a stuck lock)."""
+        if wait is None:
+            self.threads.acquire()
+        elif not self.threads.acquire(timeout=wait):
+            raise LedgerLocked(f"the ledger file {str(self.path)!r} is in use by another "
+                               f"thread of this process for more than {wait:g} s")
+        try:
+            self._take(wait)
             try:
                 yield
             finally:
                 self._drop()
+        finally:
+            self.threads.release()
 
     @contextmanager
     def current(self) -> Iterator[SlotIndex]:
@@ -205,15 +218,17 @@ class DeviceBook:
             finally:
                 self._drop()
 
-    def _take(self) -> None:
-        wait = STUCK_SECONDS if self._stuck else LOCK_SECONDS
+    def _take(self, wait: float | None = None) -> None:
+        short = wait is not None
+        if wait is None:
+            wait = STUCK_SECONDS if self._stuck else LOCK_SECONDS
         deadline = time.monotonic() + wait
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    self._stuck = True
+                    self._stuck = self._stuck or not short
                     raise LedgerLocked(_locked_message(self.path, wait)) from None
                 time.sleep(_POLL_SECONDS)
             else:
@@ -420,11 +435,11 @@ def _shared_lock(fd: int, where: str) -> bool:
 
 
 def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
-    """Read one ledger file without changing it: its header and the slots of processes that
-    still run. ``LedgerError`` for a bad file. It reads under a shared lock; if another
-    process keeps the lock longer than :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while it
-    keeps it), it reads without it (a slot being written then is skipped or read as it
-    was)."""
+    """Read one ledger file without changing it: its header, the slots of processes that
+    still run and their children. ``LedgerError`` for a bad file. It reads under a shared
+    lock; if another process keeps the lock longer than :data:`LOCK_SECONDS`
+    (:data:`STUCK_SECONDS` while it keeps it), it reads without it (a slot being written
+    then is skipped or read as it was)."""
     where = str(directory.path / name)
     fd, _ = directory.open(name, writable=False)
     try:
@@ -435,6 +450,7 @@ def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
             except ValueError as exc:
                 raise LedgerError(f"the ledger file {where!r}: {exc}") from None
             data = os.pread(fd, header.high * SLOT_BYTES, HEADER_BYTES)  # the slots in use
+            pages = os.pread(fd, min(header.pages_high, PAGES) * PAGE_BYTES, CHILDREN)
         finally:
             if locked:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -443,6 +459,6 @@ def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
                               f"(cut while it was read?)")
         entries = _entries(data, header.high)
         live = tuple(entry for entry, running in zip(entries, _live(entries, fd)) if running)
-        return Snapshot(header, live, len(entries) - len(live))
+        return Snapshot(header, live, len(entries) - len(live), read_children(pages, live))
     finally:
         os.close(fd)

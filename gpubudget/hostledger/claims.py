@@ -17,8 +17,11 @@ module knows nothing of budgets, trees or the core). In order:
    memory: all or nothing.
 4. :meth:`Claim.reserved` marks the slot ``reserved`` and hands out its words: from then on
    every change of the root's ``used`` (with its ``peak``) and every denial in its tree is
-   stored into them, with plain stores (the core does it).
-5. When the root releases its reservation (or the process exits, or dies), the slot goes.
+   stored into them, with plain stores (the core does it); and its :class:`~gpubudget.
+   hostledger.children.Family`, which gives each child budget that enters a row of the
+   root's pages, its numbers stored there in the same way.
+5. When the root releases its reservation (or the process exits, or dies), its pages and
+   its slot go.
 
 When the ledger cannot be used (a directory or file refused, a file damaged or full, a lock
 that another process keeps: :class:`~gpubudget.hostledger.errors.LedgerUnusable`), a root
@@ -36,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from ..backends import Backend, Reservation
 from ..callers import user_stacklevel
@@ -44,6 +47,7 @@ from ..errors import BudgetError
 from ..text import printable
 from ..units import format_size, round_up
 from .book import DeviceBook
+from .children import Family
 from .devices import LedgerDevice, device_for
 from .errors import LedgerError, LedgerLocked, LedgerUnusable
 from .files import LedgerDirectory, ledger_directory
@@ -130,6 +134,8 @@ class Registered(NamedTuple):
     """The slot's words for the root's ``used``, ``peak`` and denials, in that order."""
     mapped: memoryview
     """The slot's word for the bytes the root has mapped (a growable root keeps it current)."""
+    family: Family
+    """The rows of the root's child budgets (the core tells it as children come and go)."""
 
 
 class Claim:
@@ -143,23 +149,27 @@ class Claim:
         self.limit: Final = limit
         self.pid: Final = os.getpid()
         self._detach: Callable[[], None] | None = None
+        self._family: Family | None = None
 
-    def reserved(self, reservation: Reservation, held: int,
-                 detach: Callable[[], None]) -> Registered:
+    def reserved(self, reservation: Reservation, held: int, detach: Callable[[], None],
+                 root: Any) -> Registered:
         """The root has reserved its memory, ``held`` bytes of it backed now: mark the slot
-        ``reserved``, and hand out its words (see :class:`Registered`). ``detach`` is called
-        when the slot goes while the root may still store into them (the process exits
-        first, or a forked child lets go of its parent's slots): it must stop."""
+        ``reserved``, and hand out its words and its children's rows (see
+        :class:`Registered`); ``root`` is the root's ledger account (its children's rows
+        name it as their parent). ``detach`` is called when the slot goes while the root may
+        still store into them (the process exits first, or a forked child lets go of its
+        parent's slots): it must stop."""
         try:
             with self.book.locked():
                 self.book.reserved(self.slot, held, time.monotonic_ns())
         except LedgerLocked:  # the slot is ours: mark it without the lock
             self.book.reserved_unlocked(self.slot, held, time.monotonic_ns())
         self._detach = detach
+        self._family = family = Family(self.book, self.slot, root)
         used = slot_word(self.slot, "used")  # then "peak" and "denials"
         mapped = slot_word(self.slot, "reserved")
         return Registered(_Released(reservation, self), self.book.words[used: used + 3],
-                          self.book.words[mapped: mapped + 1])
+                          self.book.words[mapped: mapped + 1], family)
 
     def refused(self, exc: BudgetError) -> BudgetError:
         """The root could not reserve its memory: free the slot, and return ``exc`` said
@@ -181,10 +191,16 @@ class Claim:
         except LedgerLocked:  # the slot is ours: free it without the lock
             self.book.release_unlocked(self.slot)
 
-    def _let_go(self) -> None:
+    def _let_go(self, forked: bool = False) -> None:
+        """Stop publishing into the slot (the root's numbers and its children's rows), and
+        free the children's pages, unless this is a forked child, where they are the
+        parent's."""
         detach, self._detach = self._detach, None
+        family, self._family = self._family, None
         if detach is not None:
             detach()
+        if family is not None and not forked:
+            family.close()
 
 
 class _Released:
@@ -337,7 +353,7 @@ def _forked() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork
     for claim in list(_claims):
-        claim._let_go()
+        claim._let_go(forked=True)
     _claims.clear()
     for book in _books.values():
         book.forget()

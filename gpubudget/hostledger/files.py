@@ -197,13 +197,15 @@ class LedgerDirectory:
                               f"file?); remove it")
         if self.mode & 0o022 == 0 and info.st_uid != os.geteuid():
             raise LedgerError(f"{where} belongs to uid {info.st_uid}, not to you; remove it")
-        if info.st_size != FILE_BYTES:
-            raise LedgerError(f"{where} is {info.st_size} bytes, not {FILE_BYTES}: not a "
-                              f"gpubudget ledger, or damaged; remove it")
-        try:
-            return decode_header(os.pread(fd, HEADER_BYTES, 0))
+        try:  # the header first: a file of another format is another size too
+            header = decode_header(os.pread(fd, HEADER_BYTES, 0)) if (
+                info.st_size >= HEADER_BYTES) else None
         except ValueError as exc:
             raise LedgerError(f"{where}: {exc}; remove it") from None
+        if info.st_size != FILE_BYTES or header is None:
+            raise LedgerError(f"{where} is {info.st_size} bytes, not {FILE_BYTES}: not a "
+                              f"gpubudget ledger, or damaged; remove it")
+        return header
 
     def _show(self, name: str) -> str:
         return str(self.path / name)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .book import read_book
+from .children import ChildBudget
 from .files import LedgerDirectory, ledger_directory
 from .layout import Entry
 from .nvml import GpuProcesses, read_nvml
@@ -42,6 +44,18 @@ class DeviceView:
     """Slots of processes that have ended, not yet cleared (they hold nothing)."""
     used_by: dict[int, int] | None
     """NVML: bytes each process holds on this device in all (``None``: not known)."""
+    children: Mapping[int, tuple[ChildBudget, ...]] = field(default_factory=dict)
+    """The child budgets of each root that its pages show, by the root's slot
+    (:attr:`Entry.slot`), depth first; :attr:`Entry.hidden` says how many more it has."""
+
+    def children_of(self, entry: Entry) -> tuple[ChildBudget, ...]:
+        """``entry``'s child budgets shown, depth first (each with its depth)."""
+        return self.children.get(entry.slot, ())
+
+    @property
+    def hidden(self) -> int:
+        """Child budgets that the ledger has no room to show, on this device."""
+        return sum(entry.hidden for entry in self.entries)
 
     @property
     def claimed(self) -> int:
@@ -76,15 +90,32 @@ class DeviceView:
         return {"device": self.identity, "label": self.label, "total": self.total,
                 "cap": self.cap, "simulated": self.hard, "claimed": self.claimed,
                 "used": self.used, "ended_entries": self.ended,
-                "budgets": [_entry_dict(entry) for entry in self.entries],
+                "budgets": [_entry_dict(entry, self.children_of(entry))
+                            for entry in self.entries],
                 "processes": processes}
 
 
-def _entry_dict(entry: Entry) -> dict[str, Any]:
+def _entry_dict(entry: Entry, children: tuple[ChildBudget, ...]) -> dict[str, Any]:
     return {"pid": entry.pid, "process": entry.process, "budget": entry.name,
             "state": entry.state, "limit": entry.limit, "share": entry.share,
             "reserved": entry.reserved, "used": entry.used, "peak": entry.peak,
-            "denials": entry.denials, "cuda_ordinal": entry.ordinal}
+            "free": max(entry.limit - entry.used, 0), "denials": entry.denials,
+            "cuda_ordinal": entry.ordinal, "children": _nested(children),
+            "children_hidden": entry.hidden}
+
+
+def _nested(children: tuple[ChildBudget, ...]) -> list[dict[str, Any]]:
+    """Children listed depth first (each with its depth) as nested dicts."""
+    top: list[dict[str, Any]] = []
+    path: list[list[dict[str, Any]]] = [top]  # path[d]: where a child of depth d + 1 goes
+    for child in children:
+        item: dict[str, Any] = {"budget": child.name, "limit": child.limit,
+                                "reserve": child.reserve, "used": child.used,
+                                "peak": child.peak, "free": child.free, "children": []}
+        del path[child.depth:]
+        path[-1].append(item)
+        path.append(item["children"])
+    return top
 
 
 @dataclass(frozen=True)
@@ -133,7 +164,7 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
                     devices.append(DeviceView(
                         header.identity, header.label, header.total, header.cap, header.hard,
                         snapshot.entries, snapshot.ended,
-                        gpu.used_by if gpu is not None else None))
+                        gpu.used_by if gpu is not None else None, snapshot.children))
         finally:
             opened.close()
     devices.extend(_without_ledger(gpu) for gpu in gpus.values() if idle or gpu.used_by)

@@ -10,9 +10,12 @@ A PyTorch memory snapshot gives its own model (:mod:`~gpubudget.html.torchsnap`)
 Every event that changes something gets an index into :attr:`ViewModel.times` (its time,
 never earlier than the one before: threads may write a trace slightly out of order); points
 and blocks name their events by index as well as by time, which is what the page carries.
-Each root's *region* is the address range its blocks sit in: a trace does not record where
-a root's reservation starts, so it is taken to start at the lowest address any of its blocks
-had (the first block of a fresh arena sits at its start) and to span the root's limit.
+Each root's *region* is the address range its blocks sit in: where a trace records where a
+root's memory starts (its ``enter`` line's ``base``), that and the root's range; else (a
+report, a trace written before roots said so) it is taken to start at the lowest address any
+of its blocks had (the first block of a fresh arena sits at its start) and to span the root's
+limit. A growable root's trace also says which granules it had mapped when (``map`` and
+``unmap`` lines): each run of them mapped is a *mapping* over the events it lasted.
 
 Columns are kept in ``array`` objects (8 bytes a number), so a trace of a million events
 costs tens of megabytes here, not hundreds.
@@ -21,22 +24,20 @@ costs tens of megabytes here, not hundreds.
 from __future__ import annotations
 
 import math
-import os
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..tracefile import MAX_TRACE_BYTES, Alloc, Enter, Exit, Free, Resize, TraceReader
 from ..units import format_size
 
 if TYPE_CHECKING:
     from ..report import BudgetReport
 
-__all__ = ["ViewBudget", "ViewModel", "model_from_report", "model_from_trace"]
+__all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report", "model_from_trace"]
 
 _NO_TAG = -1
-_UNKNOWN = -1
+UNKNOWN = -1  # an event index not known (yet): a block still live, a root still open
 """An event index where there is none: a block allocated before the record began, or one
 still live at its end; a region that spans the whole record."""
 
@@ -97,6 +98,9 @@ class ViewModel:
     regions: list[tuple[int, int, int, int, int]] = field(default_factory=list)
     """``(root, address, bytes, from, to)``: address ranges a root's blocks sit in, from
     event ``from`` to event ``to`` (-1: from the start, to the end)."""
+    mappings: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """``(root, address, bytes, from, to)``: runs of a growable root's granules mapped, as
+    :attr:`regions` (a trace's growable roots only)."""
     tags: list[str] = field(default_factory=list)
     frames: list[str] = field(default_factory=list)
     stacks: list[list[int]] = field(default_factory=list)
@@ -166,7 +170,7 @@ class ViewModel:
         self.block_start.append(self.times[at] if at >= 0 else math.nan)
         self.block_end.append(math.nan)
         self.block_from.append(at)
-        self.block_to.append(_UNKNOWN)
+        self.block_to.append(UNKNOWN)
         self.block_stack.append(stack)
         return len(self.block_budget) - 1
 
@@ -181,8 +185,10 @@ class ViewModel:
         return budget
 
     def infer_regions(self, spans: dict[int, tuple[int, int]]) -> None:
-        """One region per root that has blocks: from its lowest block address, its limit
-        long (or to its highest block end, if further), over ``spans[root]`` (events)."""
+        """One region per root that has blocks and none yet: from its lowest block address,
+        its limit long (or to its highest block end, if further), over ``spans[root]``
+        (events)."""
+        known = {region[0] for region in self.regions}
         low: dict[int, float] = {}
         high: dict[int, float] = {}
         roots = [self.root_of(b) for b in range(len(self.budgets))]
@@ -191,161 +197,21 @@ class ViewModel:
             if address < 0:  # not known (a report's block freed before it was taken)
                 continue
             root = roots[budget]
+            if root in known:
+                continue
             if address < low.get(root, math.inf):
                 low[root] = address
             if address + size > high.get(root, -math.inf):
                 high[root] = address + size
         for root, base in sorted(low.items()):
             size = max(self.budgets[root].limit, int(high[root] - base))
-            first, last = spans.get(root, (_UNKNOWN, _UNKNOWN))
+            first, last = spans.get(root, (UNKNOWN, UNKNOWN))
             self.regions.append((root, int(base), size, first, last))
 
     @property
     def events(self) -> int:
         """Points, blocks and denials together: what the page has to draw."""
         return len(self.point_t) + len(self.block_budget) + len(self.denials)
-
-
-class _TraceState:
-    """Replays a trace's accounting (``used`` with reserves, as the ledger charges it)."""
-
-    def __init__(self, model: ViewModel) -> None:
-        self.model = model
-        self.index: dict[int, int] = {}  # trace budget id -> index in model.budgets
-        self.used: list[int] = []
-        self.own: list[int] = []
-        self.blocks: list[int] = []  # live blocks per budget
-        self.released: list[bool] = []
-        self.unreleased: list[int] = []  # children entered and not yet released
-        self.live: dict[tuple[int, int], int] = {}  # (root index, address) -> block index
-        self.roots: list[int] = []
-        self.spans: dict[int, tuple[int, int]] = {}  # root -> (entered, released) events
-
-    def charge(self, at: int, budget: int | None, delta: int) -> None:
-        """Add ``delta`` to ``budget``'s used, and what it changes to its ancestors'."""
-        model = self.model
-        while budget is not None and delta:
-            member = model.budgets[budget]
-            before = self.used[budget]
-            self.used[budget] = before + delta
-            model.point(at, budget, self.used[budget], self.own[budget])
-            delta = max(self.used[budget], member.reserve) - max(before, member.reserve)
-            budget = member.parent
-
-    def release(self, at: int, budget: int) -> None:
-        """Release exited budgets with no block, from ``budget`` up."""
-        model = self.model
-        current: int | None = budget
-        while current is not None:
-            member = model.budgets[current]
-            if (member.exited is None or self.blocks[current] or self.released[current]
-                    or self.unreleased[current]):
-                return
-            self.released[current] = True
-            if member.parent is None:
-                self.spans[current] = (self.spans[current][0], at)
-            else:
-                self.unreleased[member.parent] -= 1
-            if member.parent is not None and member.reserve:
-                self.charge(at, member.parent, -max(self.used[current], member.reserve))
-            current = member.parent
-
-    def enter(self, event: Enter) -> None:
-        model = self.model
-        at = model.tick(event.t)
-        parent = self.index[event.parent] if event.parent is not None else None
-        self.index[event.budget] = budget = len(model.budgets)
-        model.budgets.append(ViewBudget(event.name, parent, event.limit, event.reserve,
-                                        model.times[at]))
-        self.used.append(0)
-        self.own.append(0)
-        self.blocks.append(0)
-        self.released.append(False)
-        self.unreleased.append(0)
-        if parent is not None:
-            self.unreleased[parent] += 1
-            self.roots.append(self.roots[parent])
-        else:
-            self.roots.append(budget)
-            self.spans[budget] = (at, _UNKNOWN)
-        model.point(at, budget, 0, 0)
-        if parent is not None and event.reserve:
-            self.charge(at, parent, event.reserve)
-
-    def alloc(self, event: Alloc) -> None:
-        model, budget = self.model, self.index[event.budget]
-        member = model.budgets[budget]
-        if event.ptr is None:
-            member.denied += 1
-            model.denials.append((max(event.t, model.times[-1]) if model.times else event.t,
-                                  budget, event.nbytes, event.reason or "",
-                                  model.tag_id(event.tag)))
-            return
-        at = model.tick(event.t)
-        member.allocations += 1
-        stack = model.stack_id(getattr(event, "stack", None))
-        self.live[(self.roots[budget], event.ptr)] = model.block(
-            budget, event.nbytes, model.tag_id(event.tag), event.ptr, at, stack)
-        self.own[budget] += event.nbytes
-        self.blocks[budget] += 1
-        self.charge(at, budget, event.nbytes)
-
-    def free(self, event: Free | Resize) -> None:
-        model, budget = self.model, self.index[event.budget]
-        at = model.tick(event.t)
-        block = self.live.pop((self.roots[budget], event.ptr))
-        model.end_block(block, at)
-        nbytes = int(model.block_size[block])
-        self.own[budget] -= nbytes
-        self.blocks[budget] -= 1
-        if type(event) is Free:
-            model.budgets[budget].frees += 1
-        self.charge(at, budget, -nbytes)
-        if type(event) is Resize:  # the block's new life, same address and stack
-            self.live[(self.roots[budget], event.ptr)] = model.block(
-                budget, event.nbytes, int(model.block_tag[block]), event.ptr, at,
-                int(model.block_stack[block]))
-            self.own[budget] += event.nbytes
-            self.blocks[budget] += 1
-            self.charge(at, budget, event.nbytes)
-        else:
-            self.release(at, budget)
-
-    def exit(self, event: Exit) -> None:
-        at = self.model.tick(event.t)
-        budget = self.index[event.budget]
-        self.model.budgets[budget].exited = self.model.times[at]
-        self.release(at, budget)
-
-
-def model_from_trace(path: str | os.PathLike[str], *, title: str | None = None,
-                     max_bytes: int = MAX_TRACE_BYTES,
-                     progress: Callable[[int, int], None] | None = None) -> ViewModel:
-    """Read the trace file at ``path`` (validated as :class:`~gpubudget.tracefile.TraceReader`
-    does: a :class:`~gpubudget.errors.TraceError` in one line for a bad one) into a model.
-
-    Examples
-    --------
-    >>> import os, tempfile
-    >>> from gpubudget import gpu_budget
-    >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
-    >>> with gpu_budget("1MiB", name="pool", backend="host", trace=path) as pool:
-    ...     block = pool.allocate(1000, tag="weights")
-    >>> model = model_from_trace(path)
-    >>> [b.name for b in model.budgets], list(model.block_size), model.tags
-    (['pool'], [1024.0], ['weights'])
-    """
-    model = ViewModel(title or os.path.basename(os.fspath(path)), "trace")
-    state = _TraceState(model)
-    handlers: dict[type, Any] = {Enter: state.enter, Alloc: state.alloc, Free: state.free,
-                                 Resize: state.free, Exit: state.exit}
-    with TraceReader(path, max_bytes=max_bytes, progress=progress) as reader:
-        for event in reader:
-            handlers[type(event)](event)
-    model.end = max(model.times[-1] if model.times else 0.0,
-                    max((d[0] for d in model.denials), default=0.0))
-    model.infer_regions(state.spans)
-    return model
 
 
 def model_from_report(report: BudgetReport, *, title: str | None = None) -> ViewModel:
@@ -421,3 +287,7 @@ def model_from_report(report: BudgetReport, *, title: str | None = None) -> View
                            f"{format_size(report.limit)} of addresses mapped when the report "
                            f"was taken (at most {format_size(report.mapped_peak or 0)})")
     return model
+
+
+# The trace's half, which needs the classes above (and is imported from here by users).
+from .tracemodel import model_from_trace  # noqa: E402

@@ -103,6 +103,7 @@ def _data(model: ViewModel) -> dict[str, Any]:
                    "stack": _integers(model.block_stack)},
         "denials": [list(d) for d in model.denials],
         "regions": [list(r) for r in model.regions],
+        "mappings": [list(m) for m in model.mappings],
         "tags": model.tags,
         "frames": model.frames,
         "stacks": model.stacks,

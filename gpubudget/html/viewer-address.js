@@ -2,11 +2,14 @@
 // memory over time: time across (the lanes' axis), addresses up from the root's base. The
 // root's memory (its reservation; a PyTorch device's segments, packed with a gap between
 // ranges that do not touch) is grey while held, each block a rectangle in its colour, leaked
-// blocks hatched red after their scope exited. At the chosen moment: the free bytes, in how many
-// pieces, and the largest free block, outlined.
+// blocks hatched red after their scope exited. A growable root's range is pale where only its
+// addresses are held, and blue-grey where its granules are mapped. At the chosen moment: the
+// free bytes, in how many pieces, and the largest free block, outlined; what is mapped.
 (function () {
   const { formatSize, shortSize, lowerBound, RGBA } = GB;
   const GAP_SHARE = 0.03, GRID_T = 2048, GRID_A = 384, HELD = 0xffece7e4 >>> 0, LEAK = (0xff << 24 | 0x20 << 16 | 0x2d << 8 | 0xd9) >>> 0;
+  const ADDRESSED = 0xfff7f5f4 >>> 0, MAPPED = 0xffe6d2bf >>> 0;  // #f4f5f7, #bfd2e6 as ABGR words
+  const growable = (ds, root) => ds.mappings.some(m => m[0] === root);
 
   // The root's address ranges merged, each with its offset in the packed axis (bytes).
   GB.addressLayout = function (ds, root) {
@@ -18,9 +21,10 @@
     }
     let bytes = 0;
     for (const span of spans) { span.offset = bytes; bytes += span.end - span.start; }
-    if (spans.length === 1) {  // one range: up to where blocks ever reached (and a bit more)
+    if (spans.length === 1) {  // one range: up to where blocks (or mappings) ever reached (and a bit more)
       let top = 0;
       for (let k = 0; k < ds.blocks.n; k++) if (ds.blocks.addr[k] >= 0 && ds.within(ds.blocks.b[k], root)) top = Math.max(top, ds.blocks.addr[k] + ds.blocks.size[k]);
+      for (const m of ds.mappings) if (m[0] === root) top = Math.max(top, m[1] + m[2]);
       const reached = top - spans[0].start;
       if (reached > 0 && reached * 4 < bytes) { spans[0].end = spans[0].start + reached * 1.15; spans[0].cut = bytes; bytes = reached * 1.15; }
     }
@@ -36,10 +40,12 @@
     return addr => bottom - layout.pos(addr) * height;
   }
 
-  // Free memory of the root at t: held ranges minus live blocks.
+  const heldAt = (ds, list, root, t) => list.filter(r => r[0] === root && (r[3] < 0 || ds.times[r[3]] <= t) && (r[4] < 0 || ds.times[r[4]] > t));
+
+  // Free memory of the root at t: held ranges minus live blocks; a growable root's mapped bytes.
   GB.freeAt = function (ds, root, t) {
-    const held = ds.regions.filter(r => r[0] === root && (r[3] < 0 || ds.times[r[3]] <= t) && (r[4] < 0 || ds.times[r[4]] > t))
-      .map(r => [r[1], r[1] + r[2]]).sort((a, b) => a[0] - b[0]);
+    const held = heldAt(ds, ds.regions, root, t).map(r => [r[1], r[1] + r[2]]).sort((a, b) => a[0] - b[0]);
+    const mapped = growable(ds, root) ? heldAt(ds, ds.mappings, root, t).reduce((n, m) => n + m[2], 0) : null;
     const live = Array.from(ds.liveAt(root, t)).filter(k => ds.blocks.addr[k] >= 0)
       .sort((a, b) => ds.blocks.addr[a] - ds.blocks.addr[b]);
     let free = 0, pieces = 0, largest = null, j = 0;
@@ -52,7 +58,7 @@
       }
       if (end > at) { const gap = end - at; free += gap; pieces++; if (!largest || gap > largest.size) largest = { addr: at, size: gap }; }
     }
-    return { t, free, pieces, largest, held: held.reduce((n, [a, b]) => n + b - a, 0), live: live.length };
+    return { t, free, pieces, largest, held: held.reduce((n, [a, b]) => n + b - a, 0), live: live.length, mapped };
   };
 
   // The blocks of root's tree live in [v0, v1] (the held ranges grey beneath), painted into a
@@ -70,10 +76,14 @@
         if (hatch) for (let c = c0 + (8 - (c0 + r) % 8) % 8; c < c1; c += 8) px.fill(LEAK, at + c, at + Math.min(c + 3, c1));
       }
     }
-    for (const [r, addr, size, from, to] of ds.regions) {
-      if (r !== root) continue;
-      const t0 = from < 0 ? 0 : ds.times[from], t1 = to < 0 ? ds.end : ds.times[to];
-      if (t1 >= v0 && t0 <= v1) paint(Math.max(t0, v0), Math.min(t1, last), addr, addr + size, HELD);
+    const grows = growable(ds, root);
+    for (const list of grows ? [ds.regions, ds.mappings] : [ds.regions]) {
+      const colour = !grows ? HELD : list === ds.regions ? ADDRESSED : MAPPED;
+      for (const [r, addr, size, from, to] of list) {
+        if (r !== root) continue;
+        const t0 = from < 0 ? 0 : ds.times[from], t1 = to < 0 ? ds.end : ds.times[to];
+        if (t1 >= v0 && t0 <= v1) paint(Math.max(t0, v0), Math.min(t1, last), addr, addr + size, colour);
+      }
     }
     const blocks = ds.blocks, rank = app.keys.rank, events = ds.events(root), times = ds.times;
     const addrs = blocks.addr, sizes = blocks.size, from = blocks.from, to = blocks.to, isLeak = ds.isLeak;
@@ -145,6 +155,10 @@
     const cut = layout.spans[0].cut;
     ctx.fillText(cut ? "the lowest " + formatSize(layout.bytes) + " of " + formatSize(cut) : formatSize(layout.bytes) +
       (layout.spans.length > 1 ? " in " + layout.spans.length + " ranges" : ""), 4, top + 26);
+    if (growable(ds, root)) {  // the key to the two greys
+      ctx.fillStyle = "#bfd2e6"; ctx.fillRect(4, top + 33, 10, 10);
+      ctx.fillStyle = "#667085"; ctx.fillText("mapped", 18, top + 42);
+    }
     ctx.fillText("0x" + layout.spans[0].start.toString(16), 4, bottom - 2);
     ctx.textAlign = "right";
     const step = GB.sizeStep(layout.bytes, 4);
@@ -171,7 +185,8 @@
       const share = free.free ? 100 * (1 - free.largest.size / free.free) : 0;
       title.textContent = "Addresses of " + ds.budgets[root].name + " at " + ds.formatTime(s.moment, ds.end) + ": " +
         formatSize(free.free) + " free of " + formatSize(free.held) + (free.pieces ? " in " + free.pieces + (free.pieces === 1 ? " piece" : " pieces") + ", the largest " +
-        formatSize(free.largest.size) + " at 0x" + free.largest.addr.toString(16) + " (" + share.toFixed(0) + "% of the free bytes are in smaller pieces)" : "");
+        formatSize(free.largest.size) + " at 0x" + free.largest.addr.toString(16) + " (" + share.toFixed(0) + "% of the free bytes are in smaller pieces)" : "") +
+        (free.mapped !== null ? "; " + formatSize(free.mapped) + " mapped" : "");
     } else title.textContent = "Addresses of " + ds.budgets[root].name;
     return { root, blocks: drawn, free };
   };

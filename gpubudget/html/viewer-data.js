@@ -73,7 +73,7 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
   GB.loadDataset = async function (raw) {
     const ds = { raw, title: raw.title, source: raw.source, timeUnit: raw.timeUnit || "s",
       notes: raw.notes || [], tags: raw.tags, frames: raw.frames, stacks: raw.stacks,
-      denials: raw.denials, regions: raw.regions };
+      denials: raw.denials, regions: raw.regions, mappings: raw.mappings || [] };
     let times = (await columns(raw.times, ["t"])).t;
     if (raw.times.t.steps === "ns") {  // nanoseconds from one event to the next: add them up
       const steps = times;

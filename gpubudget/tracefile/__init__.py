@@ -8,7 +8,14 @@ Then one object per line and event, ``t`` in seconds since the header, ``b`` a b
 unique in the file:
 
 - ``{"ev": "enter", "t", "b", "name", "parent": id | null, "limit", "align", "reserve",
-  "backend"}``: a budget was entered (``parent`` null for a root);
+  "backend", "base", "granule"}``: a budget was entered (``parent`` null for a root). A
+  root's line gives ``base``, the address its memory starts at, and a growable root's
+  (``initial=``) its ``granule``: its range is then ``base`` and the limit rounded up to
+  ``align`` and to ``granule``, mapped a granule at a time. Both are absent on a child's
+  line (and on every line of a trace written before they came);
+- ``{"ev": "map", "t", "b", "ptr", "bytes"}`` and ``{"ev": "unmap", ...}``: growable root
+  ``b`` mapped (unmapped) the granules ``[ptr, ptr + bytes)``: at its entry (what
+  ``initial=`` mapped), when a block needed more, at a trim, when it went to sleep or woke;
 - ``{"ev": "alloc", "t", "b", "size", "align", "tag", "ptr", "bytes", "reason"}``: an
   allocation by budget ``b``: ``ptr`` the address handed out and ``bytes`` the aligned size
   charged, or ``ptr`` null and ``reason`` why it was denied;
@@ -52,14 +59,21 @@ and what is wrong:
 - ids: a budget is entered once, under a parent entered earlier and not yet exited (so
   budgets form a tree: no self-parent, no cycle), and exits once; ``alloc``, ``free`` and
   ``resize`` name a budget entered earlier;
+- granules: ``granule`` is a power of two, on a root's line with its ``base`` (>= 0);
+  ``map`` and ``unmap`` name a growable root entered earlier, and whole granules of its
+  range, each not yet mapped (``map``) or mapped (``unmap``);
 - blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
   not live in the same tree (a block still live in another tree is dropped: that tree was
   garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
   limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
 
-Keys not named above are ignored (room for later writers of version 1; frame lines came
-later in version 1: a gpubudget older than them refuses a trace with stacks, naming the
-``frame`` event it does not know). Empty lines are skipped (a run of them a buffer at a
+Keys not named above are ignored (room for later writers of version 1). Frame lines came
+later in version 1, and then ``base``, ``granule``, ``map`` and ``unmap``: a gpubudget older
+than them reads the keys as unknown, and refuses a trace with stacks, or with a growable
+root's granules, naming the ``frame`` or ``map`` event it does not know; this one reads the
+traces those wrote. Iterating a reader (and replaying, and ``fit``) leaves the ``map`` and
+``unmap`` events out, checked: a replay maps its own memory;
+:meth:`TraceReader.events_with_mappings` gives them too (the viewer draws them). Empty lines are skipped (a run of them a buffer at a
 time, so a file of nothing else reads at disk speed; they still count as lines in the
 messages and toward ``max_bytes``). A last line cut short without its newline (the writing
 process was killed mid-line) is skipped, and :attr:`TraceReader.cut_short` says so. The
@@ -79,7 +93,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
+from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
 from .format import (
     FLUSH_EVERY,
     FLUSH_SECONDS,
@@ -131,6 +145,8 @@ __all__ = [
     "MAX_LINE_BYTES",
     "MAX_TEXT",
     "MAX_TRACE_BYTES",
+    "Map",
+    "MappingEvent",
     "PARSERS",
     "PARSER_ENV",
     "Resize",
@@ -141,6 +157,7 @@ __all__ = [
     "TraceEvent",
     "TraceReader",
     "TraceWriter",
+    "Unmap",
     "VERSION",
     "printable",
     "read_trace",

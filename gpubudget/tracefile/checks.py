@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Final
 
-from .events import Alloc, Enter, Exit, Free, Header, Resize, TraceEvent
+from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
 from ..text import quote as _quote
 from .format import FORMAT, LIMIT_REASONS, MAX_FRAMES, VERSION
 
@@ -24,13 +24,42 @@ class Bad(Exception):
 class _Budget:
     """What the validator remembers of one entered budget."""
 
-    __slots__ = ("name", "line", "root", "exited")
+    __slots__ = ("name", "line", "root", "exited", "granules")
 
     def __init__(self, name: str, line: int, root: int) -> None:
         self.name = name
         self.line = line
         self.root = root  # the id of its tree's root
         self.exited = 0  # the line of its exit, 0 while open
+        self.granules: _Granules | None = None  # a growable root's
+
+
+class _Granules:
+    """A growable root's range, and which of its granules are mapped (``map`` lines)."""
+
+    __slots__ = ("base", "granule", "mapped")
+
+    def __init__(self, base: int, granule: int, span: int) -> None:
+        self.base = base
+        self.granule = granule
+        self.mapped = bytearray(span // granule)  # 1 where mapped
+
+    def change(self, ptr: int, nbytes: int, to: int) -> None:
+        """Granules ``[ptr, ptr + nbytes)`` become mapped (``to`` 1) or unmapped (0)."""
+        offset = ptr - self.base
+        if offset < 0 or offset % self.granule or nbytes % self.granule:
+            raise Bad(f"[{ptr:#x}, +{nbytes}) is not whole granules of {self.granule} bytes "
+                      f"from the root's base {self.base:#x}")
+        first, count = offset // self.granule, nbytes // self.granule
+        if first + count > len(self.mapped):
+            raise Bad(f"[{ptr:#x}, +{nbytes}) passes the end of the root's range "
+                      f"({self.base + len(self.mapped) * self.granule:#x})")
+        run = self.mapped[first: first + count]
+        if run.count(1 - to) != count:
+            at = first + run.index(to)
+            raise Bad(f"granule at {self.base + at * self.granule:#x} is "
+                      f"{'mapped' if to else 'not mapped'} already")
+        self.mapped[first: first + count] = bytes([to]) * count
 
 
 def _field(record: dict[str, Any], key: str) -> Any:
@@ -95,9 +124,10 @@ class Validator:
         self.frames: dict[int, str] = {}  # frame id -> its text (``frame`` lines)
         self.frame_lines: dict[int, int] = {}  # frame id -> the line that defined it
         self.line = 0  # the line being checked
-        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent | None]] = {
+        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent | MappingEvent | None]] = {
             "enter": self.enter, "alloc": self.alloc, "free": self.free,
             "resize": self.resize, "exit": self.exit, "frame": self.frame,
+            "map": self.map, "unmap": self.unmap,
         }
 
     def known(self, record: dict[str, Any]) -> int:
@@ -123,6 +153,14 @@ class Validator:
         align = _alignment(record, zero=False)
         reserve = _integer(record, "reserve", 0)
         backend = _text(record, "backend", optional=True)
+        base = _optional_integer(record, "base", 0)
+        granule = None
+        if record.get("granule") is not None:
+            granule = _integer(record, "granule", 1)
+            if granule & (granule - 1):
+                raise Bad(f"'granule' must be a power of two, got {granule}")
+            if parent is not None or base is None:
+                raise Bad("'granule' is for a root's line, with its 'base'")
         earlier = self.budgets.get(budget)
         if earlier is not None:
             raise Bad(f"budget id {budget} was already entered, at line {earlier.line}")
@@ -136,8 +174,33 @@ class Validator:
                 raise Bad(f"parent {self.describe(parent)} had already exited, at line "
                            f"{above.exited}")
         root = budget if parent is None else self.budgets[parent].root
-        self.budgets[budget] = _Budget(name, self.line, root)
-        return Enter(t, budget, name, parent, limit, align, reserve, backend)
+        entered = _Budget(name, self.line, root)
+        event = Enter(t, budget, name, parent, limit, align, reserve, backend, base, granule)
+        if granule is not None and base is not None:
+            entered.granules = _Granules(base, granule, event.span)
+        self.budgets[budget] = entered
+        return event
+
+    def map(self, record: dict[str, Any]) -> Map:
+        t, budget, ptr, nbytes = self._mapping(record, 1)
+        return Map(t, budget, ptr, nbytes)
+
+    def unmap(self, record: dict[str, Any]) -> Unmap:
+        t, budget, ptr, nbytes = self._mapping(record, 0)
+        return Unmap(t, budget, ptr, nbytes)
+
+    def _mapping(self, record: dict[str, Any], to: int) -> tuple[float, int, int, int]:
+        """A ``map`` (``to`` 1) or ``unmap`` line: granules of a growable root."""
+        t = _time(record)
+        budget = self.known(record)
+        granules = self.budgets[budget].granules
+        if granules is None:
+            raise Bad(f"{self.describe(budget)} is not a growable root (its line has no "
+                      f"'granule')")
+        ptr = _integer(record, "ptr", 0)
+        nbytes = _integer(record, "bytes", 1)
+        granules.change(ptr, nbytes, to)
+        return t, budget, ptr, nbytes
 
     def alloc(self, record: dict[str, Any]) -> Alloc:
         """A granted allocation as the writer writes it, checked in one expression; anything

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Union
 
-__all__ = ["Alloc", "Enter", "Exit", "Free", "Header", "Resize", "TraceEvent"]
+__all__ = ["Alloc", "Enter", "Exit", "Free", "Header", "Map", "MappingEvent", "Resize",
+           "TraceEvent", "Unmap"]
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -19,7 +20,10 @@ class Header(NamedTuple):
 
 
 class Enter(NamedTuple):
-    """Budget ``budget`` was entered under ``parent`` (``None`` for a root)."""
+    """Budget ``budget`` was entered under ``parent`` (``None`` for a root). A root's line
+    says where its memory starts (``base``) and, for a growable root, the ``granule`` it
+    maps at a time (``None`` where the trace does not say: a child, a reserved root, or a
+    trace written before they were recorded)."""
 
     t: float
     budget: int
@@ -29,6 +33,15 @@ class Enter(NamedTuple):
     align: int
     reserve: int
     backend: str | None
+    base: int | None = None
+    granule: int | None = None
+
+    @property
+    def span(self) -> int:
+        """Bytes of a root's memory: its limit rounded up to its alignment and, for a
+        growable root, to its granule (the addresses it reserved)."""
+        size = -(-self.limit // self.align) * self.align
+        return size if self.granule is None else -(-size // self.granule) * self.granule
 
 
 class Alloc(NamedTuple):
@@ -67,6 +80,24 @@ class Resize(NamedTuple):
     nbytes: int
 
 
+class Map(NamedTuple):
+    """Growable root ``budget`` mapped the ``nbytes`` at ``ptr`` (whole granules)."""
+
+    t: float
+    budget: int
+    ptr: int
+    nbytes: int
+
+
+class Unmap(NamedTuple):
+    """Growable root ``budget`` unmapped the ``nbytes`` at ``ptr`` (a trim, or sleep)."""
+
+    t: float
+    budget: int
+    ptr: int
+    nbytes: int
+
+
 class Exit(NamedTuple):
     """``budget``'s ``with`` block ended."""
 
@@ -75,4 +106,6 @@ class Exit(NamedTuple):
 
 
 TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]
-"""One validated event of a trace."""
+"""One validated event of a trace (what a reader yields unless asked for mappings)."""
+MappingEvent = Union[Map, Unmap]
+"""A growable root's change of what it has mapped (yielded only when asked for)."""

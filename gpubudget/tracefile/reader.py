@@ -10,11 +10,11 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Final
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, cast
 
 from ..units import format_size
 from .checks import Bad, Validator, header
-from .events import Header, TraceEvent
+from .events import Header, Map, MappingEvent, TraceEvent, Unmap
 from .cscan import NATIVE, Sink, scanner
 from .fastparse import AVAILABLE, fast_lines
 from .format import (
@@ -41,6 +41,7 @@ PARSER_ENV: Final = "GPUBUDGET_TRACE_PARSER"
 there (comparisons, tests): ``json`` is the plain path alone."""
 _NEVER: Final = 1 << 62
 """A line count no trace reaches."""
+_MAPPINGS: Final = (Map, Unmap)
 
 
 def _reject_constant(name: str) -> None:
@@ -199,6 +200,16 @@ class TraceReader:
         ...     [(type(event).__name__, event.t >= 0) for event in reader.events()]
         [('Enter', True), ('Alloc', True), ('Free', True), ('Exit', True)]
         """
+        return cast("Iterator[TraceEvent]", self._events(sink, False))  # none left out
+
+    def events_with_mappings(self) -> Iterator[TraceEvent | MappingEvent]:
+        """The events, with the :class:`~gpubudget.tracefile.Map` and
+        :class:`~gpubudget.tracefile.Unmap` events of growable roots among them (which the
+        other ways of reading check and leave out: a replay maps its own memory)."""
+        return self._events(None, True)
+
+    def _events(self, sink: Sink | None, mappings: bool
+                ) -> Iterator[TraceEvent | MappingEvent]:
         if self._iterated:
             raise RuntimeError(f"{self.name}: a TraceReader is read once; open another")
         self._iterated = True
@@ -243,8 +254,8 @@ class TraceReader:
                 event = handler(record)
             except Bad as exc:
                 raise self._error(f"{kind} event: {exc}") from None
-            if event is not None:  # None: a frame line, kept by the validator
-                yield event
+            if event is not None and (mappings or type(event) not in _MAPPINGS):
+                yield event  # None: a frame line, kept by the validator
 
     def _scanned(self, scan: Scanner, skip: Callable[[int], object], buffered: bytes,
                  position: int) -> list[TraceEvent]:

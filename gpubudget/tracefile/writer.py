@@ -171,8 +171,11 @@ class TraceWriter:
         return written + len(waiting)
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
-              reserve: int, backend: str | None) -> None:
-        """Budget ``budget`` was entered (``parent`` ``None`` for a root)."""
+              reserve: int, backend: str | None, base: int | None = None,
+              granule: int | None = None) -> None:
+        """Budget ``budget`` was entered (``parent`` ``None`` for a root); a root's line says
+        where its memory starts (``base``) and, for a growable root, the ``granule`` it maps
+        at a time."""
         if parent is None:
             lock = self._lock
             try:
@@ -185,9 +188,23 @@ class TraceWriter:
             except BaseException:
                 _unlock(lock)
                 raise
-        self._event("enter", {"b": budget, "name": shortened(name), "parent": parent,
-                              "limit": limit, "align": align, "reserve": reserve,
-                              "backend": None if backend is None else shortened(str(backend))})
+        fields: dict[str, Any] = {
+            "b": budget, "name": shortened(name), "parent": parent, "limit": limit,
+            "align": align, "reserve": reserve,
+            "backend": None if backend is None else shortened(str(backend))}
+        if base is not None:
+            fields["base"] = base
+        if granule is not None:
+            fields["granule"] = granule
+        self._event("enter", fields)
+
+    def map(self, budget: int, address: int, nbytes: int) -> None:
+        """Root ``budget`` (a growable one) mapped ``nbytes`` at ``address``: whole granules."""
+        self._event("map", {"b": budget, "ptr": address, "bytes": nbytes})
+
+    def unmap(self, budget: int, address: int, nbytes: int) -> None:
+        """Root ``budget`` unmapped ``nbytes`` at ``address`` (a trim, or going to sleep)."""
+        self._event("unmap", {"b": budget, "ptr": address, "bytes": nbytes})
 
     def alloc(self, budget: int, size: int, align: int, tag: str | None, address: int,
               nbytes: int, stack: tuple[str, ...] | None = None) -> None:
