@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib
 import io
+import json
 import re
 import subprocess
 import sys
@@ -110,18 +112,31 @@ def _attribute(value: object, name: str) -> object:
     return _MISSING
 
 
+@functools.cache
+def _after_import(name: str) -> frozenset[str]:
+    """What module ``name`` holds right after ``import name`` in a fresh interpreter (this
+    process has imported its submodules since)."""
+    shown = subprocess.run(
+        [sys.executable, "-c", f"import json, {name}; print(json.dumps(dir({name})))"],
+        capture_output=True, text=True, check=True, env=subprocess_env(PYTHONPATH=str(ROOT)))
+    return frozenset(json.loads(shown.stdout))
+
+
 def _unknown_names(code: str) -> list[str]:
     """The names a block takes from gpubudget (imports, and attributes of the modules it
-    imports) that do not exist."""
+    imports) that do not exist, or that are submodules the block never imported."""
     tree = ast.parse(code)
     bound: dict[str, object] = {}
     wrong: list[str] = []
+    imported: set[str] = set()  # modules named by a plain import
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "gpubudget":
                     module = importlib.import_module(alias.name)
                     bound[alias.asname or "gpubudget"] = module if alias.asname else gpubudget
+                    parts = alias.name.split(".")
+                    imported.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpubudget"):
             assert node.module is not None
             module = importlib.import_module(node.module)
@@ -142,11 +157,15 @@ def _unknown_names(code: str) -> list[str]:
         for position, attr in enumerate(chain):
             if not isinstance(value, types.ModuleType):
                 break  # what objects hold is the objects' business
+            parent = value.__name__
             value = _attribute(value, attr)
-            if value is _MISSING:
+            if value is _MISSING or (
+                    isinstance(value, types.ModuleType) and parent in imported
+                    and value.__name__ not in imported
+                    and attr not in _after_import(parent)):  # gpubudget.torch: never imported
                 wrong.append(".".join([inner.id, *chain[:position + 1]]))
                 break
-    return wrong
+    return list(dict.fromkeys(wrong))  # a.b.c and its a.b are walked both
 
 
 def test_a_block_not_run_compiles_and_names_only_what_gpubudget_has() -> None:
@@ -160,11 +179,15 @@ def test_a_block_not_run_compiles_and_names_only_what_gpubudget_has() -> None:
 def test_the_name_check_finds_a_misspelt_name() -> None:
     assert _unknown_names("from gpubudget import torch as gbt\ngbt.alocations()") == [
         "gbt.alocations"]
-    assert _unknown_names("import gpubudget\ngpubudget.cupy.release_cache()") == [
+    assert _unknown_names("import gpubudget.cupy\ngpubudget.cupy.release_cache()") == [
         "gpubudget.cupy.release_cache"]
     assert _unknown_names("from gpubudget.tensorrt import Runtimes") == [
         "gpubudget.tensorrt.Runtimes"]
     assert _unknown_names("from gpubudget import tensorrt as gbt\ngbt.Runtime(x).anything") == []
+    assert _unknown_names("import gpubudget\ngpubudget.torch.allocations()") == [
+        "gpubudget.torch"]  # an AttributeError: nothing imported gpubudget.torch
+    assert _unknown_names("import gpubudget.torch\ngpubudget.torch.allocations()") == []
+    assert _unknown_names("import gpubudget\ngpubudget.units.GiB") == []  # __init__ imports it
 
 
 # -- links -----------------------------------------------------------------------------------
