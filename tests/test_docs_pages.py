@@ -99,16 +99,20 @@ _MISSING = object()
 _UNKNOWN = object()  # a module of gpubudget that needs what is not installed here
 
 
+def _module(name: str) -> object:
+    """Module ``name`` of gpubudget, else a marker: missing, or needing what is not here."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as missing:
+        return _MISSING if (missing.name or "").split(".")[0] == "gpubudget" else _UNKNOWN
+
+
 def _attribute(value: object, name: str) -> object:
     """``value.name``, a submodule if ``value`` is a package, else a marker."""
     if hasattr(value, name):
         return getattr(value, name)
     if isinstance(value, types.ModuleType):
-        try:
-            return importlib.import_module(f"{value.__name__}.{name}")
-        except ModuleNotFoundError as missing:
-            if (missing.name or "").split(".")[0] != "gpubudget":
-                return _UNKNOWN
+        return _module(f"{value.__name__}.{name}")
     return _MISSING
 
 
@@ -139,9 +143,12 @@ def _unknown_names(code: str) -> list[str]:
                     imported.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpubudget"):
             assert node.module is not None
-            module = importlib.import_module(node.module)
+            source = _module(node.module)
+            if not isinstance(source, types.ModuleType):
+                wrong += [] if source is _UNKNOWN else [node.module]
+                continue
             for alias in node.names:
-                value = _attribute(module, alias.name)
+                value = _attribute(source, alias.name)
                 if value is _MISSING:
                     wrong.append(f"{node.module}.{alias.name}")
                 bound[alias.asname or alias.name] = value
@@ -183,6 +190,7 @@ def test_the_name_check_finds_a_misspelt_name() -> None:
         "gpubudget.cupy.release_cache"]
     assert _unknown_names("from gpubudget.tensorrt import Runtimes") == [
         "gpubudget.tensorrt.Runtimes"]
+    assert _unknown_names("from gpubudget.tensorrtx import Runtime") == ["gpubudget.tensorrtx"]
     assert _unknown_names("from gpubudget import tensorrt as gbt\ngbt.Runtime(x).anything") == []
     assert _unknown_names("import gpubudget\ngpubudget.torch.allocations()") == [
         "gpubudget.torch"]  # an AttributeError: nothing imported gpubudget.torch
