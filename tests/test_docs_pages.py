@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import gpubudget
+from gpubudget import gpu_budget
 from gpubudget.cli import main
 from gpubudget.hostledger import SETTLE_SECONDS, book, sizing
 from gpubudget.report import TAGS_SHOWN
@@ -392,3 +393,18 @@ def test_the_numbers_the_pages_state_are_the_codes() -> None:
     timeout = inspect.signature(registry.cluster_report).parameters["timeout"].default
     assert f"within `timeout` ({timeout:g} s)" in ray
     assert "flushed every second" in ray and reporter.FLUSH_SECONDS == 1.0
+
+
+def test_the_json_of_top_has_the_keys_sharing_md_lists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubudget.hostledger import host_view
+
+    monkeypatch.setenv("GPUBUDGET_LEDGER_DIR", str(tmp_path))  # this test's root alone
+
+    shown = _text("sharing.md").split("`--json` as JSON: `", 1)[1].split("`", 1)[0]
+    listed = re.findall(r'"(\w+)"', shown)
+    with gpu_budget("1MiB", name="model", backend="host") as model:
+        view = host_view(nvml=False).as_dict()
+    (device,) = view["devices"]
+    assert model.state == "released"
+    assert listed == [*view][:-1] + ["devices", *device]
