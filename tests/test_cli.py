@@ -615,3 +615,16 @@ def test_the_module_runs_as_a_script() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60,
                             env=subprocess_env())
     assert result.returncode == 0 and result.stdout.startswith(b"gpubudget ")
+
+
+def test_a_warning_of_the_library_names_gpubudget_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's warnings begin with 'gpubudget: ' (a ledger it cannot use, no GPU):
+    the command line prints 'gpubudget: warning: ...', not 'gpubudget: warning: gpubudget:'
+    (what it printed before)."""
+    cli_output.show_warning(RuntimeWarning("gpubudget: root budgets are not registered"),
+                            RuntimeWarning, "x.py", 1)
+    cli_output.show_warning(UserWarning("something else"), UserWarning, "x.py", 1)
+    assert capsys.readouterr().err.splitlines() == [
+        "gpubudget: warning: root budgets are not registered",
+        "gpubudget: warning: something else"]

@@ -86,8 +86,8 @@ class Residency:
     def offload(self, *, pinned: bool = True) -> int:
         """Put the budget to sleep: wait for the stream-ordered frees, copy every live block
         to host memory, unmap all its device memory; the bytes copied. ``pinned``: page-locked
-        host memory (copies at the bus's speed, but locking it costs time too, see the
-        README); ``False``: plain host memory. The addresses
+        host memory (copies at the bus's speed, but locking it costs time too, see
+        docs/growable.md); ``False``: plain host memory. The addresses
         stay reserved, so pointers into the budget (TensorRT engines, CuPy arrays, PyTorch
         tensors) are valid again after :meth:`restore`. All or nothing: if host memory or a
         copy fails, the error is raised and the budget stays awake. Nothing may use the

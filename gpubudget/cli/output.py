@@ -37,7 +37,8 @@ def say(message: str) -> None:
 
 def show_warning(message: Warning | str, category: type[Warning], filename: str,
                   lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
-    say(f"warning: {message}")
+    text = str(message)  # the library's warnings name gpubudget already: say it once
+    say(f"warning: {text.removeprefix('gpubudget: ')}")
 
 
 # -- progress ------------------------------------------------------------------------------
