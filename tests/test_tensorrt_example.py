@@ -63,9 +63,10 @@ def test_after_deserialization_on_a_fake_engine() -> None:
         del context, outputs
 
 
-def test_the_page_shows_the_examples_own_code() -> None:
-    page = (ROOT / "docs" / "tensorrt.md").read_text()
-    listings = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
+@pytest.mark.parametrize("page", ["docs/tensorrt.md", "README.md"])
+def test_the_page_shows_the_examples_own_code(page: str) -> None:
+    text = (ROOT / page).read_text()
+    listings = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
     shown = [block for block in listings if "def prepare" in block]
-    assert len(shown) == 1, "docs/tensorrt.md shows the full example once"
+    assert len(shown) == 1, f"{page} shows the full example once"
     assert shown[0] in EXAMPLE.read_text()
