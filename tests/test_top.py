@@ -191,7 +191,7 @@ def test_once_and_json_show_the_budgets_of_several_processes(
 
 
 def run_in_pty(args: list[str], keys: list[tuple[str, str]], *, rows: int = 24,
-               cols: int = 150, timeout: float = 30.0) -> tuple[int, str]:
+               cols: int = 150, timeout: float = 120.0) -> tuple[int, str]:
     """Run ``gpubudget ARGS`` in a pseudo-terminal of ``rows`` x ``cols``; for each ``(text,
     key)`` of ``keys``, wait for ``text`` to be drawn, then type ``key``. Return the exit
     status and everything the program wrote to the terminal."""
@@ -275,7 +275,7 @@ class Tmux:
         env = subprocess_env()
         command = " ".join([f"env PYTHONPATH={env['PYTHONPATH']}",
                             f"GPUBUDGET_LEDGER_DIR={ledger}", sys.executable,
-                            "-m gpubudget top; echo EXIT=$?; sleep 30"])
+                            "-m gpubudget top; echo EXIT=$?; sleep 600"])
         subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", str(width),
                         "-y", str(height), command], check=True)
 
@@ -285,9 +285,9 @@ class Tmux:
 
     def until(self, what: str, state: Callable[[list[str]], bool]) -> list[str]:
         """The screen once ``state`` holds of it: each key's test waits for what only that
-        key can bring about (polling, as nothing else tells when tmux has drawn); 30 s
+        key can bring about (polling, as nothing else tells when tmux has drawn); 120 s
         without it fails the test, showing the screen."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while True:
             shown = self.lines()
             try:

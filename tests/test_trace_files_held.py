@@ -63,9 +63,12 @@ def _fds() -> int:
 
 
 def test_a_path_named_again_appends_to_the_same_trace(tmp_path: Path) -> None:
+    import gc
+
     path = tmp_path / "again.jsonl"
-    with gpu_budget("1MiB", name="warm", backend="host", trace=False):
-        pass  # what the first root opens for good (the host ledger)
+    with gpu_budget("1MiB", name="warm", backend="host", trace=str(tmp_path / "warm.jsonl")):
+        pass  # what the first root opens for good (the host ledger); a writer that an
+    gc.collect()  # earlier test left open is closed, and its garbage's descriptors too
     before = _fds()
     kept = None
     for name in ("first", "second", "third"):

@@ -423,7 +423,7 @@ def test_a_moving_resize_is_whole_for_other_threads() -> None:
 
         def copy(self, dst: int, src: int, nbytes: int) -> None:
             self.copying.set()
-            assert self.go.wait(10)
+            assert self.go.wait(120)
             super().copy(dst, src, nbytes)
 
     backend = SlowCopy()
@@ -434,14 +434,15 @@ def test_a_moving_resize_is_whole_for_other_threads() -> None:
         moved: list[int | None] = []
         mover = threading.Thread(target=lambda: moved.append(budget.resize(block, "300KiB")))
         mover.start()
-        assert backend.copying.wait(10)
+        assert backend.copying.wait(120)
         freed: list[bool] = []
         other = threading.Thread(target=lambda: freed.append(budget.free(block)))
         other.start()
         other.join(0.5)  # time for a free that did not wait to happen
         backend.go.set()
-        mover.join(10)
-        other.join(10)
+        mover.join(120)
+        other.join(120)
+        assert not mover.is_alive() and not other.is_alive()
         assert freed == [False] and moved[0] not in (None, block)
         assert budget.used == 400 * 1024  # the moved block and the neighbour
         budget.check()
