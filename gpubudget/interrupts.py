@@ -26,11 +26,12 @@ The operation then finishes, and what was noted or held is delivered where it is
   is raised again once control is back in Python (:func:`pass_on`): a Ctrl-C, or an
   exception of a signal handler (they run in the main thread), in the main thread; another
   in the thread it landed in (the main thread when that is not a Python thread). If the
-  program ends before that (within a millisecond or so), it is delivered at interpreter
-  exit, once gpubudget's own exit handlers have run (traces flushed, ledger slots freed): a
-  Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt" on stderr, the
-  process ended by SIGINT: a shell sees exit status 130), any other exception with its
-  traceback on stderr and exit status 1.
+  program ends before that (within a millisecond or so; or the callback ran in an exit
+  handler, where Python would print an exception raised and go on), it is delivered at
+  interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
+  slots freed): a Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt"
+  on stderr, the process ended by SIGINT: a shell sees exit status 130), any other
+  exception with its traceback on stderr and exit status 1.
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
