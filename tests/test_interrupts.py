@@ -39,12 +39,12 @@ def _ledger_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def _handler_installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(interrupts.STATE, "installed", False)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal
     interrupts.install()
     assert signal.getsignal(signal.SIGINT) is interrupts._handler
     yield
     interrupts.take()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, previous)  # as it was: later tests set what they need
 
 
 @contextmanager

@@ -129,12 +129,17 @@ def test_a_finalizer_run_by_the_collector_inside_allocate_cannot_overrun_the_lim
 
 def test_a_ctrl_c_landing_in_a_python_clock_is_not_lost() -> None:
     backend = _ClockBackend()
-    with gpu_budget(64 * KiB, name="root", backend=backend) as pool:
-        backend.interrupt = True
-        with pytest.raises(KeyboardInterrupt):
-            pool.allocate(KiB)
-        assert pool.used == 0 and len(pool._node.tree.live) == 0  # type: ignore[union-attr]
-        pool.check()
+    # Ctrl-C as from a terminal (a background job of a script inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with gpu_budget(64 * KiB, name="root", backend=backend) as pool:
+            backend.interrupt = True
+            with pytest.raises(KeyboardInterrupt):
+                pool.allocate(KiB)
+            assert pool.used == 0 and len(pool._node.tree.live) == 0  # type: ignore[union-attr]
+            pool.check()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_the_timeline_stays_in_time_order_with_a_python_clock_and_threads() -> None:
