@@ -268,19 +268,21 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
 
 
 class Tmux:
-    """``gpubudget top`` in a tmux session of its own, read with ``capture-pane``."""
+    """``gpubudget top`` in a tmux session of its own, on a tmux server of its own (whatever
+    else runs tmux on the machine), read with ``capture-pane``."""
 
     def __init__(self, ledger: Path, width: int, height: int = 20) -> None:
         self.session = f"gpubudget-top-{uuid.uuid4().hex[:8]}"
+        self.tmux = ["tmux", "-L", self.session]  # the server's socket
         env = subprocess_env()
         command = " ".join([f"env PYTHONPATH={env['PYTHONPATH']}",
                             f"GPUBUDGET_LEDGER_DIR={ledger}", sys.executable,
                             "-m gpubudget top; echo EXIT=$?; sleep 600"])
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", str(width),
+        subprocess.run([*self.tmux, "new-session", "-d", "-s", self.session, "-x", str(width),
                         "-y", str(height), command], check=True)
 
     def lines(self) -> list[str]:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session],
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", self.session],
                               capture_output=True, text=True).stdout.splitlines()
 
     def until(self, what: str, state: Callable[[list[str]], bool]) -> list[str]:
@@ -300,10 +302,10 @@ class Tmux:
             time.sleep(0.05)
 
     def keys(self, *typed: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.session, *typed], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.session, *typed], check=True)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True)
 
 
 def header(lines: list[str]) -> str:
@@ -356,7 +358,7 @@ def test_a_narrow_terminal_adapts_and_follows_a_resize_in_tmux(busy: list[Worker
                                                          "FREE"]])
         assert all(len(line) <= 60 for line in narrow) and "…" not in "".join(
             line for line in narrow if line.split()[:1] == ["PID"])
-        subprocess.run(["tmux", "resize-window", "-t", top.session, "-x", "150"], check=True)
+        subprocess.run([*top.tmux, "resize-window", "-t", top.session, "-x", "150"], check=True)
         top.until("all the columns after the resize", lambda s: "OUTSIDE" in next(
             line for line in s if line.split()[:1] == ["PID"]))
         top.keys("q")
