@@ -26,11 +26,12 @@ The operation then finishes, and what was noted or held is delivered where it is
   is raised again once control is back in Python (:func:`pass_on`): a Ctrl-C, or an
   exception of a signal handler (they run in the main thread), in the main thread; another
   in the thread it landed in (the main thread when that is not a Python thread). If the
-  program ends before that (within a millisecond or so), it is delivered at interpreter
-  exit, once gpubudget's own exit handlers have run (traces flushed, ledger slots freed): a
-  Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt" on stderr, the
-  process ended by SIGINT: a shell sees exit status 130), any other exception with its
-  traceback on stderr and exit status 1.
+  program ends before that (within a millisecond or so; or the callback ran in an exit
+  handler, where Python would print an exception raised and go on), it is delivered at
+  interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
+  slots freed): a Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt"
+  on stderr, the process ended by SIGINT: a shell sees exit status 130), any other
+  exception with its traceback on stderr and exit status 1.
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
@@ -73,7 +74,8 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 class _State:
-    __slots__ = ("pending", "interrupted", "installed", "redelivering", "exiting")
+    __slots__ = ("pending", "interrupted", "installed", "redelivering", "sent", "sent_interrupts",
+                 "exiting")
 
     def __init__(self) -> None:
         # something is due: a Ctrl-C, or an exception held for some thread (what the checks
@@ -82,6 +84,8 @@ class _State:
         self.interrupted = False  # a Ctrl-C arrived inside protected code, not yet delivered
         self.installed = False
         self.redelivering = 0  # interrupts passed on to the main thread, not yet sent to it
+        self.sent = 0  # SIGINTs sent to the main thread for what is passed on, not yet handled
+        self.sent_interrupts = 0  # of them, those for interrupts
         self.exiting = False  # the interpreter exits: what is passed on is delivered then
 
 
@@ -127,6 +131,8 @@ def _within(frame: FrameType | None, codes: set[CodeType]) -> bool:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
+    sent, interrupts_sent = STATE.sent, STATE.sent_interrupts
+    STATE.sent = STATE.sent_interrupts = 0
     if _within(frame, _PROTECTED):
         if _to_main:  # passed on to the main thread, which is back in gpubudget: held there
             defer(_to_main.pop(0))
@@ -134,9 +140,28 @@ def _handler(signum: int, frame: FrameType | None) -> None:
             STATE.interrupted = True
             STATE.pending = True
         return
+    if sent and _ended(frame):  # raised here, Python would print it and go on
+        STATE.redelivering += interrupts_sent  # delivered at exit, with what is passed on
+        return
     if _to_main:
         raise _to_main.pop(0)
     signal.default_int_handler(signum, frame)
+
+
+_SHUTDOWN: Final = getattr(getattr(threading, "_shutdown", None), "__code__", None)
+
+
+def _ended(frame: FrameType | None) -> bool:
+    """Whether the main thread, at ``frame``, has left the program: the interpreter shuts
+    down (it waits for the program's threads, or runs the exit handlers), where an exception
+    raised is printed and dropped."""
+    if STATE.exiting or not threading.main_thread().is_alive():
+        return True  # the exit handlers run
+    while frame is not None:
+        if frame.f_code is _SHUTDOWN:  # threading's exit: it waits for the threads
+            return True
+        frame = frame.f_back
+    return False
 
 
 def install() -> None:
@@ -334,6 +359,7 @@ def _deliver_when_out(exc: BaseException, target: int | None) -> None:
             if STATE.exiting or not any(exc is waiting for waiting in _to_main):
                 return  # delivered meanwhile (the SIGINT handler took it), or at exit
             if STATE.installed and signal.getsignal(signal.SIGINT) is _handler and main:
+                STATE.sent += 1
                 signal.pthread_kill(main, signal.SIGINT)  # the handler raises it there
                 return
             _to_main.remove(exc)
@@ -369,9 +395,10 @@ def _set_async(target: int, exc: BaseException) -> None:
 def _wait_until_out(target: int | None) -> bool:
     """Wait until thread ``target``'s Python stack holds no protected function; ``False`` if
     it ended, or the interpreter exits, first."""
+    main = threading.main_thread().ident
     for _ in range(_POLLS):
         frame = sys._current_frames().get(target) if target is not None else None
-        if frame is None or STATE.exiting:
+        if frame is None or STATE.exiting or target == main and _ended(frame):
             return False
         if not _within(frame, _PROTECTED):
             return True
@@ -387,6 +414,9 @@ def _interrupt_main_when_out() -> None:
         if STATE.exiting or not STATE.redelivering:
             return
         STATE.redelivering -= 1
+        if STATE.installed and signal.getsignal(signal.SIGINT) is _handler:
+            STATE.sent += 1
+            STATE.sent_interrupts += 1
         if hasattr(signal, "pthread_kill") and main is not None:
             signal.pthread_kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C
         else:  # pragma: no cover - Windows
@@ -402,7 +432,8 @@ def _deliver_at_exit() -> None:
     runs the last registered first)."""
     with _delivery:
         STATE.exiting = True
-        due_now = STATE.redelivering
+        # passed on (sent, perhaps, its handler not run yet), or noted in an exit handler
+        due_now = STATE.redelivering or STATE.sent_interrupts or STATE.interrupted
         left = [*_to_main, *filter(None, [_held.get(threading.get_ident())])]
     if (not due_now and not left) or os.getpid() != _PID:
         return
@@ -434,6 +465,7 @@ def _forked() -> None:
     global _PID
     _PID = os.getpid()
     STATE.redelivering = 0
+    STATE.sent = STATE.sent_interrupts = 0
     STATE.exiting = False
     STATE.interrupted = False
     STATE.pending = False

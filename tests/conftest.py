@@ -10,6 +10,7 @@ import pytest
 
 from gpubudget._budget import roots, snapshot
 from gpubudget.context import ACTIVE
+from tests.helpers import forget_stale_handled_exception
 
 
 @pytest.fixture(autouse=True)
@@ -42,3 +43,15 @@ def _leaks_stay_in_their_test() -> Iterator[None]:
     for budget in list(snapshot._watched):
         if budget not in before:
             snapshot._watched.discard(budget)
+
+
+@pytest.fixture(autouse=True)
+def _no_exception_left_handled(request: pytest.FixtureRequest) -> None:
+    """A test that leaves an exception "being handled" fails, rather than some later test
+    whose exceptions it would chain itself to."""
+
+    def check() -> None:
+        stale = forget_stale_handled_exception()
+        assert stale is None, f"the test left {stale!r} as the exception being handled"
+
+    request.addfinalizer(check)

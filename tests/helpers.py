@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -133,3 +134,16 @@ def python_paths(budget: Budget) -> None:
     tree = budget._node.tree
     assert tree is not None
     tree.fast = False
+
+
+def forget_stale_handled_exception() -> BaseException | None:
+    """An exception that a trace function raises at the very end of an ``except`` block (the
+    tests that inject one before every instruction) can leave CPython believing that the
+    caught exception is still being handled, in this thread, after its handler is gone:
+    every exception raised later names it as its ``__context__``. Clear it (from a plain
+    function: in a generator this would clear the generator's own) and return it."""
+    stale = sys.exc_info()[1]
+    if stale is not None:
+        ctypes.pythonapi.PyErr_SetExcInfo(None, None, None)
+    return stale
+

@@ -330,6 +330,8 @@ _CALLBACK = """
     from tests.trampoline import Trampoline
 
     where, then = sys.argv[1], sys.argv[2]
+    # as from a terminal: a background job of a script (a CI's) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def timeout(signum, frame):
         raise TimeoutError("the program's timeout")

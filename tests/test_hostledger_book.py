@@ -148,13 +148,20 @@ def test_a_lock_held_too_long_is_an_error_and_then_waited_for_briefly(
     ledger = open_book(tmp_path)
     monkeypatch.setattr(book, "LOCK_SECONDS", 0.2)
     waits: list[float] = []
-    sleep = time.sleep
 
-    def polling(seconds: float) -> None:
-        waits.append(seconds)
-        sleep(seconds)
+    class Clock:  # the lock's clock, moved by its polls alone: a loaded machine's pauses
+        now = 0.0  # would make the counts below vary
 
-    monkeypatch.setattr("gpubudget.hostledger.book.time.sleep", polling)
+        @classmethod
+        def monotonic(cls) -> float:
+            return cls.now
+
+        @classmethod
+        def sleep(cls, seconds: float) -> None:
+            waits.append(seconds)
+            cls.now += seconds
+
+    monkeypatch.setattr(book, "time", Clock)
     other = os.open(tmp_path / "host.ledger", os.O_RDONLY)  # another open file: a conflict
     fcntl.flock(other, fcntl.LOCK_EX)
     try:
@@ -170,8 +177,8 @@ def test_a_lock_held_too_long_is_an_error_and_then_waited_for_briefly(
         second = len(waits) - first
     finally:
         os.close(other)
-    assert 0 < second < first  # polls: STUCK_SECONDS' worth, not LOCK_SECONDS'
-    assert second <= book.STUCK_SECONDS / book._POLL_SECONDS + 1
+    assert first >= 0.2 / book._POLL_SECONDS  # polls: LOCK_SECONDS' worth, then
+    assert 0 < second <= book.STUCK_SECONDS / book._POLL_SECONDS + 1  # STUCK_SECONDS' worth
     with ledger.locked():
         pass
     assert issubclass(LedgerLocked, LedgerError)

@@ -39,12 +39,12 @@ def _ledger_of_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture(autouse=True)
 def _handler_installed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(interrupts.STATE, "installed", False)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal
     interrupts.install()
     assert signal.getsignal(signal.SIGINT) is interrupts._handler
     yield
     interrupts.take()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, previous)  # as it was: later tests set what they need
 
 
 @contextmanager
@@ -80,6 +80,14 @@ def raised_inside_gpubudget(exc: BaseException) -> bool:
     if frames and frames[-1].f_code is interrupts._handler.__code__:
         frames.pop()  # the handler raised it in the frame below: that is where it landed
     return bool(frames) and frames[-1].f_code.co_filename.startswith(PACKAGE)
+
+
+def as_at_a_terminal(script: str) -> str:
+    """``script`` run as from a terminal, where Ctrl-C raises ``KeyboardInterrupt``: a
+    process started in the background by a non-interactive shell (a CI job's ``&``)
+    inherits SIGINT ignored, and then Python installs no handler for it."""
+    return ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            + textwrap.dedent(script))
 
 
 def every_step(operation: Callable[[], object], after: Callable[[bool, bool], None]) -> int:
@@ -189,7 +197,7 @@ def test_entering_and_leaving_under_ctrl_c() -> None:
 def test_a_ctrl_c_in_a_callback_is_answered_and_raised_again_in_python(tmp_path: Path) -> None:
     pytest.importorskip("tensorrt_rtx_bindings")
     script = tmp_path / "callback.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(as_at_a_terminal("""
         import signal, sys, time
         import tensorrt_rtx_bindings as trt
         from gpubudget import gpu_budget
@@ -210,7 +218,7 @@ def test_a_ctrl_c_in_a_callback_is_answered_and_raised_again_in_python(tmp_path:
             sys.settrace(None)
             print("callback answered", block is not None, flush=True)
             try:
-                time.sleep(5)
+                time.sleep(60)  # it ends at the delivery
                 print("no interrupt")
             except KeyboardInterrupt:
                 print("interrupt raised again in python")
@@ -219,7 +227,7 @@ def test_a_ctrl_c_in_a_callback_is_answered_and_raised_again_in_python(tmp_path:
     """))
     env = subprocess_env(GPUBUDGET_BACKEND="host")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            env=env, timeout=60)
+                            env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "callback answered True"  # the allocation itself completed
@@ -268,13 +276,65 @@ def test_a_ctrl_c_in_a_callback_is_not_lost_when_the_program_ends_at_once(caller
     if caller == "tensorrt":
         pytest.importorskip("tensorrt_rtx_bindings")
     for _ in range(5):
-        result = subprocess.run([sys.executable, "-c", textwrap.dedent(_ENDS_AT_ONCE), caller],
+        result = subprocess.run([sys.executable, "-c", as_at_a_terminal(_ENDS_AT_ONCE), caller],
                                 capture_output=True, text=True, timeout=60,
                                 env=subprocess_env(GPUBUDGET_BACKEND="host"))
         assert result.returncode in (-signal.SIGINT, 130), (result.returncode, result.stderr)
         # raised again in Python code (perhaps inside the print), or delivered at exit
         assert result.stdout.startswith("callback answered")
         assert "KeyboardInterrupt" in result.stderr
+
+
+_IN_AN_EXIT_HANDLER = """
+    import atexit, signal, sys, threading
+    from gpubudget import gpu_budget, interrupts
+
+    @interrupts.callback
+    def allocate_async(pool, size):  # called as C code would: nothing can raise out of it
+        try:
+            return pool.allocate(size)
+        finally:
+            if interrupts.STATE.pending:
+                interrupts.pass_on()
+
+    def ctrl_c(frame, event, arg):  # a Ctrl-C as the callback starts
+        if event == "call" and frame.f_code.co_name == "allocate_async":
+            signal.raise_signal(signal.SIGINT)
+        return None
+
+    def exit_handler():  # the program has ended: its exit handler frees, say, an engine
+        with gpu_budget("1MiB", name="pool", backend="host") as pool:
+            sys.settrace(ctrl_c)
+            block = allocate_async(pool, 4096)
+            sys.settrace(None)
+            print("callback answered", block is not None, flush=True)
+            pool.free(block)
+        for thread in threading.enumerate():  # what gpubudget started to pass it on
+            if thread is not threading.current_thread():
+                thread.join(60)
+        print("the exit handler ends", flush=True)
+
+    if sys.argv[1] == "atexit":
+        atexit.register(exit_handler)  # runs before gpubudget's own exit handlers
+    else:  # as the interpreter waits for the program's threads
+        threading._register_atexit(exit_handler)
+    print("the program ends", flush=True)
+"""
+
+
+@pytest.mark.parametrize("phase", ["atexit", "threading"])
+def test_a_ctrl_c_taken_by_a_callback_in_an_exit_handler_ends_the_process(phase: str) -> None:
+    """Raised in an exit handler (or as the interpreter waits for the program's threads),
+    Python would print the interrupt and go on: it is delivered once the exit handlers ran."""
+    if phase == "threading" and not hasattr(__import__("threading"), "_register_atexit"):
+        pytest.skip("this Python's threading has no exit hooks")
+    result = subprocess.run([sys.executable, "-c", as_at_a_terminal(_IN_AN_EXIT_HANDLER), phase],
+                            capture_output=True, text=True, timeout=120,
+                            env=subprocess_env(GPUBUDGET_BACKEND="host"))
+    assert result.stdout.splitlines() == ["the program ends", "callback answered True",
+                                          "the exit handler ends"], result.stderr
+    assert result.returncode in (-signal.SIGINT, 130), (result.returncode, result.stderr)
+    assert "KeyboardInterrupt" in result.stderr and "Exception ignored" not in result.stderr
 
 
 def test_a_handler_of_the_programs_own_is_left_alone() -> None:

@@ -23,7 +23,7 @@ from tests.fake_torch import assert_nothing_would_have_aborted, install
 from tests.fakes import DeviceHostBackend, fake_cupy
 from tests.helpers import consistent, finishes, subprocess_env
 
-WAIT = 60.0  # seconds a thread waits for a cue before the test fails
+WAIT = 120.0  # seconds a thread waits for a cue before the test fails
 
 
 @pytest.fixture

@@ -665,8 +665,10 @@ def ray_cluster() -> Iterator[None]:
         pytest.skip(NO_RAY)
     import ray
 
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False, runtime_env={"env_vars": {
+    # a cluster of its own: without address="local", Ray joins the one another program
+    # started last on this machine (and refuses num_cpus and num_gpus for it)
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": {
                  "GPUBUDGET_DEVICE_MEMORY": DEVICE_MEMORY, "GPUBUDGET_BACKEND": "host"}})
     yield
     ray.shutdown()

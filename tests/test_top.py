@@ -191,7 +191,7 @@ def test_once_and_json_show_the_budgets_of_several_processes(
 
 
 def run_in_pty(args: list[str], keys: list[tuple[str, str]], *, rows: int = 24,
-               cols: int = 150, timeout: float = 30.0) -> tuple[int, str]:
+               cols: int = 150, timeout: float = 120.0) -> tuple[int, str]:
     """Run ``gpubudget ARGS`` in a pseudo-terminal of ``rows`` x ``cols``; for each ``(text,
     key)`` of ``keys``, wait for ``text`` to be drawn, then type ``key``. Return the exit
     status and everything the program wrote to the terminal."""
@@ -268,26 +268,28 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
 
 
 class Tmux:
-    """``gpubudget top`` in a tmux session of its own, read with ``capture-pane``."""
+    """``gpubudget top`` in a tmux session of its own, on a tmux server of its own (whatever
+    else runs tmux on the machine), read with ``capture-pane``."""
 
     def __init__(self, ledger: Path, width: int, height: int = 20) -> None:
         self.session = f"gpubudget-top-{uuid.uuid4().hex[:8]}"
+        self.tmux = ["tmux", "-L", self.session]  # the server's socket
         env = subprocess_env()
         command = " ".join([f"env PYTHONPATH={env['PYTHONPATH']}",
                             f"GPUBUDGET_LEDGER_DIR={ledger}", sys.executable,
-                            "-m gpubudget top; echo EXIT=$?; sleep 30"])
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.session, "-x", str(width),
+                            "-m gpubudget top; echo EXIT=$?; sleep 600"])
+        subprocess.run([*self.tmux, "new-session", "-d", "-s", self.session, "-x", str(width),
                         "-y", str(height), command], check=True)
 
     def lines(self) -> list[str]:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.session],
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", self.session],
                               capture_output=True, text=True).stdout.splitlines()
 
     def until(self, what: str, state: Callable[[list[str]], bool]) -> list[str]:
         """The screen once ``state`` holds of it: each key's test waits for what only that
-        key can bring about (polling, as nothing else tells when tmux has drawn); 30 s
+        key can bring about (polling, as nothing else tells when tmux has drawn); 120 s
         without it fails the test, showing the screen."""
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while True:
             shown = self.lines()
             try:
@@ -300,10 +302,10 @@ class Tmux:
             time.sleep(0.05)
 
     def keys(self, *typed: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.session, *typed], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.session, *typed], check=True)
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True)
 
 
 def header(lines: list[str]) -> str:
@@ -356,7 +358,7 @@ def test_a_narrow_terminal_adapts_and_follows_a_resize_in_tmux(busy: list[Worker
                                                          "FREE"]])
         assert all(len(line) <= 60 for line in narrow) and "…" not in "".join(
             line for line in narrow if line.split()[:1] == ["PID"])
-        subprocess.run(["tmux", "resize-window", "-t", top.session, "-x", "150"], check=True)
+        subprocess.run([*top.tmux, "resize-window", "-t", top.session, "-x", "150"], check=True)
         top.until("all the columns after the resize", lambda s: "OUTSIDE" in next(
             line for line in s if line.split()[:1] == ["PID"]))
         top.keys("q")

@@ -96,7 +96,10 @@ def test_writer_writes_a_versioned_header_and_every_event(tmp_path: Path) -> Non
     assert lines[1]["base"] == granted.ptr  # the first block: at the start of its memory
 
 
-def test_writer_flushes_its_header_at_once_and_every_flush_every_events(tmp_path: Path) -> None:
+def test_writer_flushes_its_header_at_once_and_every_flush_every_events(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # no quiet spell flushes early: a loaded machine can pause the loop for FLUSH_SECONDS
+    monkeypatch.setattr("gpubudget.tracefile.writer.FLUSH_SECONDS", 3600.0)
     path = tmp_path / "w.jsonl"
     writer = TraceWriter(str(path))
     try:

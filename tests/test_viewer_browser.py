@@ -207,6 +207,9 @@ def test_the_demo_trace_loads_draws_and_answers_clicks(browser: Any, tmp_path: P
                  lane_top(browser, 1) + 30)
     search = browser.find_element(By.ID, "search")
     search.send_keys("activations")
+    WebDriverWait(browser, 120).until(  # the page's input handler has listed the blocks
+        lambda d: d.execute_script(f"return {V}.state.query") == "activations",
+        "the search never reached the page")
     listed = js(browser, f"{V}.listed")
     assert active in listed
     assert all(model.tags[model.block_tag[k]] == "detector/activations" for k in listed)
