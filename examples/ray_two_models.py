@@ -53,8 +53,10 @@ def main() -> None:
               "GPU less 1 GiB.")
         return
     os.environ.setdefault("GPUBUDGET_DEVICE_MEMORY", "8GiB")  # read by the actors' processes
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+    # a cluster of its own (address="local"): without it, ray.init joins the cluster another
+    # program on this machine started last, which refuses num_cpus and num_gpus
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False,
+             logging_level="ERROR", log_to_driver=False)
     try:
         actor = ray.remote(num_cpus=0, num_gpus=0.5)(Model)
         detector = actor.options(name="detector").remote(GiB)

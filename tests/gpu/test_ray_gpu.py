@@ -51,7 +51,7 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(ledger: Path) -> Iterator[None]:
     import ray
 
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"GPUBUDGET_LEDGER_DIR": str(ledger),
                                        "GPUBUDGET_BACKEND": "pycuda"}})
     yield
