@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from gpubudget import Budget
 from gpubudget.backends.host import HostBackend, HostReservation
@@ -147,3 +148,20 @@ def forget_stale_handled_exception() -> BaseException | None:
         ctypes.pythonapi.PyErr_SetExcInfo(None, None, None)
     return stale
 
+
+
+def free_elsewhere(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (a re-entrant lock: this one always
+    could)."""
+    taken: list[bool] = []
+
+    def probe() -> None:
+        got = lock.acquire(blocking=False)
+        if got:
+            lock.release()
+        taken.append(got)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return taken == [True]

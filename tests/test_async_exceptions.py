@@ -38,7 +38,7 @@ from gpubudget.backends import Backend
 from gpubudget.backends.host import HostBackend
 from gpubudget.tracefile import files, read_trace, writer
 from gpubudget.units import KiB
-from tests.helpers import consistent, subprocess_env
+from tests.helpers import consistent, free_elsewhere, subprocess_env
 from tests.test_tree import _scenarios as tree_scenarios
 
 PACKAGE = os.path.dirname(gpubudget.__file__)
@@ -166,22 +166,6 @@ def _unraisable(frame: FrameType) -> bool:
             or any(code is getattr(hook, "__code__", None) for hook in gc.callbacks))
 
 
-def _lock_free(lock: Any) -> bool:
-    """Whether another thread can take ``lock`` now."""
-    taken: list[bool] = []
-
-    def probe() -> None:
-        got = lock.acquire(blocking=False)
-        if got:
-            lock.release()
-        taken.append(got)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    thread.join()
-    return taken == [True]
-
-
 # -- the scenarios: an operation, and what must hold after it ------------------------------
 
 Run = Callable[[Callable[[Callable[[], object]], None]], None]
@@ -297,7 +281,7 @@ def test_an_exception_at_any_instruction_of_the_clock_or_the_writer_is_never_los
             _outcomes.append((fired, isinstance(raised, expected)))
             assert raised is None or fired, f"{name}: {raised!r} raised with no injection"
             for each in list(writer._every):
-                if not _lock_free(each._lock):
+                if not free_elsewhere(each._lock):
                     held_locks.append(index)
         return inject
 
@@ -432,7 +416,7 @@ def test_an_exception_at_any_instruction_of_the_core_leaves_the_tree_whole(name:
             fired, raised = _raise_at(index, zone, "async", operation, True)
             if fired and raised is None:
                 lost.append(index)
-            if not _lock_free(lock):
+            if not free_elsewhere(lock):
                 lock.release()
                 broken.append(f"{index}: the lock is held")
             try:

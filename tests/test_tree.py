@@ -25,7 +25,7 @@ from gpubudget import (
 from gpubudget._core import LiveEntry
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
-from tests.helpers import consistent, fill, holds, python_paths
+from tests.helpers import consistent, fill, free_elsewhere, holds, python_paths
 
 
 def test_a_trace_that_fails_stops_with_one_warning_and_the_budget_goes_on(tmp_path: Any) -> None:
@@ -342,22 +342,6 @@ def _raise_at(index: int, codes: set[Any], operation: Any) -> bool:
     return seen > index
 
 
-def _free_elsewhere(lock: Any) -> bool:
-    """Whether another thread can take ``lock`` now (it is re-entrant: this one always could)."""
-    taken: list[bool] = []
-
-    def probe() -> None:
-        got = lock.acquire(blocking=False)
-        if got:
-            lock.release()
-        taken.append(got)
-
-    thread = threading.Thread(target=probe)
-    thread.start()
-    thread.join()
-    return taken == [True]
-
-
 def _exit_with_failing_hook() -> None:
     def fail() -> None:
         raise RuntimeError("adapter hook")
@@ -427,7 +411,7 @@ def test_an_exception_at_any_instruction_leaves_the_lock_free(name: str) -> None
             assert budget is not None
             lock = budget._node.tree.lock  # type: ignore[union-attr]
             fired = _raise_at(index, codes, operation)
-            free = _free_elsewhere(lock)
+            free = free_elsewhere(lock)
             if not free:
                 lock.release()  # so that the test fails instead of hanging at the exit
             assert free, f"{name}: the lock is held after a fault at instruction {index}"
