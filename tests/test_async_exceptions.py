@@ -36,7 +36,7 @@ import gpubudget
 from gpubudget import Budget, gpu_budget, interrupts
 from gpubudget.backends import Backend
 from gpubudget.backends.host import HostBackend
-from gpubudget.tracefile import files, read_trace, writer
+from gpubudget.tracefile import files, perpath, read_trace, writer
 from gpubudget.units import KiB
 from tests.helpers import consistent, free_elsewhere, subprocess_env
 from tests.test_tree import _scenarios as tree_scenarios
@@ -79,7 +79,7 @@ def _codes_of(module: Any) -> set[CodeType]:
     return found
 
 
-WRITER_CODE = _codes_of(writer) | _codes_of(files)
+WRITER_CODE = _codes_of(writer) | _codes_of(perpath) | _codes_of(files)
 CLOCK_CODE = {PythonClock.clock.__code__}
 
 

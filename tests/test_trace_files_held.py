@@ -15,7 +15,7 @@ import pytest
 
 from gpubudget import BudgetError, TraceError, gpu_budget
 from gpubudget.errors import TraceWriteError
-from gpubudget.tracefile import Enter, Exit, Free, read_trace, writer, writer_for
+from gpubudget.tracefile import Enter, Exit, Free, perpath, read_trace, writer_for
 from gpubudget.tracefile.files import TraceBusy
 from tests.helpers import subprocess_env
 
@@ -84,7 +84,7 @@ def test_a_path_named_again_appends_to_the_same_trace(tmp_path: Path) -> None:
                 kept = (pool, block)  # freed after the root's exit: appended later
             else:
                 pool.free(block)
-        assert _open_on(path) == 0 and not writer._writers[writer._key(str(path))].is_open
+        assert _open_on(path) == 0 and not perpath._writers[perpath._key(str(path))].is_open
     assert kept is not None
     kept[0].free(kept[1])
     writer_for(path).flush()  # opens, appends; open until the next root or writer_for()
@@ -161,12 +161,12 @@ def test_a_path_named_again_after_hundreds_of_others_is_still_appended_to(tmp_pa
     first = tmp_path / "first.jsonl"
     with gpu_budget("1MiB", name="early", backend="host", trace=str(first)):
         pass
-    for job in range(2 * writer._IDLE_KEPT):  # the writer of `first` is dropped meanwhile
+    for job in range(2 * perpath._IDLE_KEPT):  # the writer of `first` is dropped meanwhile
         with gpu_budget("1MiB", name=f"job{job}", backend="host",
                         trace=str(tmp_path / f"job{job}.jsonl")):
             pass
-    assert len(writer._writers) <= 2 * writer._IDLE_KEPT
-    assert writer._key(str(first)) not in writer._writers
+    assert len(perpath._writers) <= 2 * perpath._IDLE_KEPT
+    assert perpath._key(str(first)) not in perpath._writers
     with gpu_budget("1MiB", name="late", backend="host", trace=str(first)):
         pass
     trace = read_trace(first)

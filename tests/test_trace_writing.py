@@ -121,13 +121,13 @@ def test_an_explicit_trace_another_process_writes_is_refused_at_entry(tmp_path: 
 _FORKED = textwrap.dedent("""
     import os, sys
     from gpubudget import gpu_budget
-    from gpubudget.tracefile import writer
+    from gpubudget.tracefile import perpath
     with gpu_budget("1MiB", name="parent", backend="host", trace=sys.argv[1]) as pool:
         blocks = [pool.allocate(1024) for _ in range(3)]  # buffered, not yet written
         child = os.fork()
         if child == 0:  # uses the parent's budget and flushes as at exit: writes nothing
             pool.allocate(1024)
-            writer._close_all()
+            perpath._close_all()
             os._exit(0)
         os.waitpid(child, 0)
 """)

@@ -16,7 +16,7 @@ its copy the parent never sees. So, from :func:`os.register_at_fork`, in the chi
   that the fork left behind;
 - its trees write no trace and publish nothing in the host ledger: the parent's trace
   files and ledger slots are the parent's (the trace writers drop the inherited buffer, see
-  :mod:`gpubudget.tracefile.writer`, and the ledger's own handler lets go of its slots, see
+  :mod:`gpubudget.tracefile.perpath`, and the ledger's own handler lets go of its slots, see
   :mod:`gpubudget.hostledger.claims`);
 - the parent's budgets are not listed as leaks at the child's exit.
 

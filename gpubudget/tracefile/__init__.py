@@ -108,7 +108,8 @@ from .format import (
 )
 from ..text import printable  # kept here too: gpubudget.tracefile.printable was public
 from .files import TraceBusy
-from .writer import TraceWriter, writer_for, writer_from_env
+from .writer import TraceWriter
+from .perpath import writer_for, writer_from_env
 
 if TYPE_CHECKING:
     from .cscan import Sink
