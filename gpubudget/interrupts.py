@@ -35,8 +35,9 @@ The operation then finishes, and what was noted or held is delivered where it is
   on stderr, the process ended by SIGINT: a shell sees exit status 130), any other
   exception with its traceback on stderr and exit status 1. While the interpreter waits for
   the program's threads, a Ctrl-C passed on stops the wait, as one pressed there does, and
-  the process still ends by SIGINT. A SIGINT sent while the program's own handler was
-  installed reaches that handler: a Ctrl-C is then the program's, and nothing is left of it.
+  the process still ends by SIGINT. A SIGINT that gpubudget sent and a SIGINT handler the
+  program installed meanwhile took: a Ctrl-C is then the program's, and nothing of it is
+  left for the exit; an exception is sent again.
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
@@ -349,8 +350,10 @@ def redeliver() -> None:
 
 def undelivered() -> bool:
     """Whether a Ctrl-C or an exception passed on to the main thread is yet to be raised
-    there (or, the program having ended, to be delivered at exit)."""
-    return bool(_to_main) or STATE.interrupt_at_exit
+    there (or, the program having ended, at exit)."""
+    sent = 0 if signal.getsignal(signal.SIGINT) is _handler else STATE.sent
+    return (STATE.interrupt_at_exit or len(_to_main) > sent
+            or any(item is not None for item in _to_main[:sent]))
 
 
 def _helper(target: Callable[[], None]) -> None:
@@ -365,14 +368,12 @@ def _pass_exception(exc: BaseException) -> None:
     into the callback here and no signal handler raised it, else in the main thread; there
     through the SIGINT handler when it is installed (which wakes a sleeping main thread),
     else as ``PyThreadState_SetAsyncExc`` does (at the thread's next Python instruction)."""
-    main = threading.main_thread().ident
-    target = (threading.get_ident() if _python_below() and not _interrupting(exc)
-              else main)
+    here = threading.get_ident()
     _carried[id(exc)] = exc
     for old in list(_carried)[:-_CARRIED_KEPT]:
         del _carried[old]
-    if target != main:
-        _helper(lambda: _deliver_when_out(exc, target))
+    if here != threading.main_thread().ident and _python_below() and not _interrupting(exc):
+        _helper(lambda: _deliver_when_out(exc, here))
         return
     with _delivery:
         _to_main.append(exc)  # delivered at exit if the helper thread cannot
@@ -394,11 +395,9 @@ def _python_below() -> bool:
     return False
 
 
-def _deliver_when_out(exc: BaseException, target: int | None) -> None:
+def _deliver_when_out(exc: BaseException, target: int) -> None:
     """A helper thread's: raise ``exc`` in thread ``target`` (not the main thread) once it
     is out of gpubudget's code."""
-    if target is None:
-        return
     if not _wait_until_out(target):
         if not STATE.exiting:  # a thread that ended first: said, as Python would
             _print(exc, f"in thread {target}, which ended before it could be raised there")
@@ -504,14 +503,17 @@ def _wait_until_out(target: int) -> bool:
     gpubudget's SIGINT handler (a SIGINT sent while it runs would run it again inside
     itself); ``False`` if it ended, or the interpreter exits, first. The main thread has
     ended when it runs the exit handlers, not while it waits in ``threading._shutdown``
-    for the program's threads (a SIGINT stops that wait)."""
+    for the program's threads (a SIGINT stops that wait), nor on its way there, when it
+    runs no Python code."""
     main = threading.main_thread().ident
     for _ in range(_POLLS):
         frame = sys._current_frames().get(target)
-        if frame is None or STATE.exiting or (
-                target == main and frame.f_code is not _SHUTDOWN and _ended(frame)):
+        if STATE.exiting or (frame is None and target != main) or (
+                frame is not None and target == main and frame.f_code is not _SHUTDOWN
+                and _ended(frame)):
             return False
-        if not _within(frame, _PROTECTED) and not _within(frame, _HANDLING):
+        if frame is not None and not _within(frame, _PROTECTED) and not _within(
+                frame, _HANDLING):
             return True
         time.sleep(_POLL_SECONDS)
     return True
@@ -521,9 +523,9 @@ def _deliver_at_exit() -> None:
     """Interpreter exit: an interrupt passed on to the main thread and not yet raised (the
     program ended first) ends the process by SIGINT, as an uncaught ``KeyboardInterrupt``
     does; another exception passed on to it, or still held for it, is printed as Python
-    prints an uncaught one, and the process ends with status 1. A SIGINT sent while the
-    program's own handler is installed was the program's to answer: what it was sent for
-    counts only if it is an exception. Registered when this module is imported, before
+    prints an uncaught one, and the process ends with status 1. A SIGINT sent that the
+    program's own handler (installed now) took has reached the program: a Ctrl-C it was sent
+    for is no longer due. Registered when this module is imported, before
     gpubudget's other exit handlers, so it runs after them (``atexit`` runs the last
     registered first)."""
     with _delivery:
