@@ -25,13 +25,19 @@ The operation then finishes, and what was noted or held is delivered where it is
   answers as if the request were denied (``None``; frees still complete) and the exception
   is raised again once control is back in Python (:func:`pass_on`): a Ctrl-C, or an
   exception of a signal handler (they run in the main thread), in the main thread; another
-  in the thread it landed in (the main thread when that is not a Python thread). If the
-  program ends before that (within a millisecond or so; or the callback ran in an exit
-  handler, where Python would print an exception raised and go on), it is delivered at
-  interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
+  in the thread it landed in (the main thread when that is not a Python thread). What is
+  passed on to the main thread is raised there one at a time, oldest first, each by a
+  SIGINT of its own (a Ctrl-C the user presses meanwhile is raised as well, not in place of
+  it). If the program ends before that (within a millisecond or so; or the callback ran in
+  an exit handler, where Python would print an exception raised and go on), it is delivered
+  at interpreter exit, once gpubudget's own exit handlers have run (traces flushed, ledger
   slots freed): a Ctrl-C as Python ends on an interrupt nobody caught ("KeyboardInterrupt"
   on stderr, the process ended by SIGINT: a shell sees exit status 130), any other
-  exception with its traceback on stderr and exit status 1.
+  exception with its traceback on stderr and exit status 1. While the interpreter waits for
+  the program's threads, a Ctrl-C passed on stops the wait, as one pressed there does, and
+  the process still ends by SIGINT. A SIGINT that gpubudget sent and a SIGINT handler the
+  program installed meanwhile took: a Ctrl-C is then the program's, and nothing of it is
+  left for the exit; an exception is sent again.
 
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
@@ -67,6 +73,7 @@ __all__ = [
     "raise_here",
     "redeliver",
     "take",
+    "undelivered",
     "undone",
 ]
 
@@ -74,8 +81,8 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 class _State:
-    __slots__ = ("pending", "interrupted", "installed", "redelivering", "sent", "sent_interrupts",
-                 "exiting")
+    __slots__ = ("pending", "interrupted", "installed", "sent", "answers", "exiting",
+                 "interrupt_at_exit")
 
     def __init__(self) -> None:
         # something is due: a Ctrl-C, or an exception held for some thread (what the checks
@@ -83,10 +90,10 @@ class _State:
         self.pending = False
         self.interrupted = False  # a Ctrl-C arrived inside protected code, not yet delivered
         self.installed = False
-        self.redelivering = 0  # interrupts passed on to the main thread, not yet sent to it
-        self.sent = 0  # SIGINTs sent to the main thread for what is passed on, not yet handled
-        self.sent_interrupts = 0  # of them, those for interrupts
+        self.sent = 0  # of what is passed on to the main thread, the first ones sent a SIGINT
+        self.answers = 0  # runs of the handler for SIGINTs that gpubudget sent
         self.exiting = False  # the interpreter exits: what is passed on is delivered then
+        self.interrupt_at_exit = False  # raised where Python dropped it: the exit ends by SIGINT
 
 
 STATE: Final = _State()
@@ -94,9 +101,12 @@ _PROTECTED: Final[set[CodeType]] = set()
 _CALLBACKS: Final[set[CodeType]] = set()
 _POLL_SECONDS: Final = 0.001
 _POLLS: Final = 10_000  # give up waiting after about 10 s: deliver anyway
+_POLL_LONGEST: Final = 0.05  # a SIGINT's answer is waited for as long as it takes
 _delivery: Final = threading.Lock()  # the helper thread's sending, or the exit's, not both
 _held: Final[dict[int, BaseException]] = {}  # thread ident -> exception held for it
-_to_main: Final[list[BaseException]] = []  # passed on to the main thread, not yet raised
+# passed on to the main thread, not yet raised, oldest first (None: a Ctrl-C); a SIGINT has
+# been sent for each of the first STATE.sent of them, which the handler has not answered yet
+_to_main: Final[list[BaseException | None]] = []
 _carried: Final[dict[int, BaseException]] = {}  # id -> an exception gpubudget passes on
 _CARRIED_KEPT: Final = 64  # the most recent ones
 _CO_VARARGS: Final = 0x04
@@ -131,24 +141,48 @@ def _within(frame: FrameType | None, codes: set[CodeType]) -> bool:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    sent, interrupts_sent = STATE.sent, STATE.sent_interrupts
-    STATE.sent = STATE.sent_interrupts = 0
-    if _within(frame, _PROTECTED):
-        if _to_main:  # passed on to the main thread, which is back in gpubudget: held there
-            defer(_to_main.pop(0))
-        else:
+    # SIGINTs merge: one run answers every SIGINT sent since the last (read and reset with no
+    # call between: no other thread runs meanwhile); one that nobody sent is the user's
+    sent, STATE.sent = STATE.sent, 0
+    if not sent or not _to_main:  # a Ctrl-C: what is passed on waits for its own SIGINT
+        if _within(frame, _PROTECTED):
             STATE.interrupted = True
             STATE.pending = True
+            return
+        signal.default_int_handler(signum, frame)
+    STATE.answers += 1  # one thing is delivered; the helper threads send the rest again
+    if _within(frame, _PROTECTED):  # back in gpubudget's code: raised on its way out
+        _note_first()
         return
-    if sent and _ended(frame):  # raised here, Python would print it and go on
-        STATE.redelivering += interrupts_sent  # delivered at exit, with what is passed on
+    if _ended(frame):  # raised here, Python would print it and go on: delivered at exit
+        if frame is not None and frame.f_code is _SHUTDOWN and None in _to_main:
+            # but waiting for the program's threads, a Ctrl-C stops the wait (Python prints
+            # it there and goes on; the exit then ends by SIGINT)
+            _to_main.remove(None)
+            STATE.interrupt_at_exit = True
+            signal.default_int_handler(signum, frame)
         return
-    if _to_main:
-        raise _to_main.pop(0)
-    signal.default_int_handler(signum, frame)
+    first = _to_main.pop(0)
+    if first is None:
+        signal.default_int_handler(signum, frame)
+    raise first
+
+
+def _note_first() -> None:
+    """The handler's, in protected code: the first thing passed on to the main thread is
+    noted (a Ctrl-C) or held for it (an exception, while none is: an operation raises one
+    exception, and the next one is sent again once the main thread is out)."""
+    first = _to_main[0]
+    if first is None:
+        del _to_main[0]
+        defer()
+    elif threading.get_ident() not in _held:
+        del _to_main[0]
+        defer(first)
 
 
 _SHUTDOWN: Final = getattr(getattr(threading, "_shutdown", None), "__code__", None)
+_HANDLING: Final = {_handler.__code__}
 
 
 def _ended(frame: FrameType | None) -> bool:
@@ -189,8 +223,13 @@ def _refresh() -> None:
 
 def defer(exc: BaseException | None = None) -> None:
     """Note an exception caught where it could not be raised: a Ctrl-C (``None`` or a
-    ``KeyboardInterrupt``), or ``exc``, held for this thread (the first one held, when two
-    land in one operation)."""
+    ``KeyboardInterrupt``), or ``exc``, held for this thread.
+
+    One exception is held per thread, the first: the operation it cut short raises it on its
+    way out, and another landing in the same operation (a second signal handler's, while
+    the first is held) is dropped, as :func:`undone` drops one its undoing caught. Those
+    passed on to the main thread are never dropped: one that arrives while another is held
+    there waits to be sent again (see :func:`pass_on`)."""
     if exc is None or isinstance(exc, KeyboardInterrupt):
         STATE.interrupted = True
     else:
@@ -305,8 +344,16 @@ def redeliver() -> None:
     back in a callback by then, which then passes it on again.
     """
     with _delivery:
-        STATE.redelivering += 1  # delivered at exit if the helper thread cannot
-    _helper(_interrupt_main_when_out)
+        _to_main.append(None)  # delivered at exit if the helper thread cannot
+    _helper(_send_to_main)
+
+
+def undelivered() -> bool:
+    """Whether a Ctrl-C or an exception passed on to the main thread is yet to be raised
+    there (or, the program having ended, at exit)."""
+    sent = 0 if signal.getsignal(signal.SIGINT) is _handler else STATE.sent
+    return (STATE.interrupt_at_exit or len(_to_main) > sent
+            or any(item is not None for item in _to_main[:sent]))
 
 
 def _helper(target: Callable[[], None]) -> None:
@@ -321,16 +368,16 @@ def _pass_exception(exc: BaseException) -> None:
     into the callback here and no signal handler raised it, else in the main thread; there
     through the SIGINT handler when it is installed (which wakes a sleeping main thread),
     else as ``PyThreadState_SetAsyncExc`` does (at the thread's next Python instruction)."""
-    main = threading.main_thread().ident
-    target = (threading.get_ident() if _python_below() and not _interrupting(exc)
-              else main)
+    here = threading.get_ident()
     _carried[id(exc)] = exc
     for old in list(_carried)[:-_CARRIED_KEPT]:
         del _carried[old]
-    if target == main:
-        with _delivery:
-            _to_main.append(exc)  # delivered at exit if the helper thread cannot
-    _helper(lambda: _deliver_when_out(exc, target))
+    if here != threading.main_thread().ident and _python_below() and not _interrupting(exc):
+        _helper(lambda: _deliver_when_out(exc, here))
+        return
+    with _delivery:
+        _to_main.append(exc)  # delivered at exit if the helper thread cannot
+    _helper(_send_to_main)
 
 
 def _python_below() -> bool:
@@ -348,23 +395,82 @@ def _python_below() -> bool:
     return False
 
 
-def _deliver_when_out(exc: BaseException, target: int | None) -> None:
-    main = threading.main_thread().ident
+def _deliver_when_out(exc: BaseException, target: int) -> None:
+    """A helper thread's: raise ``exc`` in thread ``target`` (not the main thread) once it
+    is out of gpubudget's code."""
     if not _wait_until_out(target):
-        if target != main and not STATE.exiting:  # a thread that ended first: said, as
+        if not STATE.exiting:  # a thread that ended first: said, as Python would
             _print(exc, f"in thread {target}, which ended before it could be raised there")
-        return  # the main thread's: delivered at exit
-    if target == main:
+        return
+    _set_async(target, exc)
+
+
+def _send_to_main() -> None:
+    """A helper thread's: once the main thread is out of gpubudget's code, send it a SIGINT
+    for the next thing passed on to it; when the handler has answered it, again while
+    something waits (SIGINTs merge: one run of the handler raises one thing, and leaves
+    the rest to be sent again)."""
+    main = threading.main_thread().ident
+    while main is not None and _wait_until_out(main):
         with _delivery:
-            if STATE.exiting or not any(exc is waiting for waiting in _to_main):
-                return  # delivered meanwhile (the SIGINT handler took it), or at exit
-            if STATE.installed and signal.getsignal(signal.SIGINT) is _handler and main:
-                STATE.sent += 1
-                signal.pthread_kill(main, signal.SIGINT)  # the handler raises it there
+            if STATE.exiting:
                 return
-            _to_main.remove(exc)
-    if target is not None:
-        _set_async(target, exc)
+            if signal.getsignal(signal.SIGINT) is not _handler:
+                _answered_elsewhere()
+            if STATE.sent == len(_to_main):
+                return  # nothing waits: what is sent has a helper waiting for its answer
+            frame = sys._current_frames().get(main)
+            if frame is not None and frame.f_code is _SHUTDOWN and None not in _to_main:
+                return  # waiting for the program's threads: an exception is raised at exit
+            answers = STATE.answers
+            if not _send(main):
+                continue
+        if not _answered(answers):
+            return
+
+
+def _send(main: int) -> bool:
+    """Under ``_delivery``: send the next thing passed on to the main thread; ``True`` if it
+    went as a SIGINT to gpubudget's handler, which will answer it."""
+    kill = getattr(signal, "pthread_kill", None)
+    if STATE.installed and signal.getsignal(signal.SIGINT) is _handler:
+        # the count and the signal with no call between: the interpreter switches threads
+        # at calls, so the handler never counts a SIGINT that is yet to come
+        STATE.sent += 1
+        if kill is not None:
+            kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C does
+        else:  # pragma: no cover - Windows
+            _thread.interrupt_main()
+        return True
+    item = _to_main.pop(STATE.sent)
+    if item is not None:
+        _set_async(main, item)
+    elif kill is not None:
+        kill(main, signal.SIGINT)  # the program's own handler: a Ctrl-C, as from a terminal
+    else:  # pragma: no cover - Windows
+        _thread.interrupt_main()
+    return False
+
+
+def _answered(answers: int) -> bool:
+    """Wait until the handler has answered a SIGINT sent (its runs no longer ``answers``);
+    ``False`` if the interpreter exits first. Also ``True`` when the program has replaced
+    the handler: its own then takes the SIGINT."""
+    delay = _POLL_SECONDS
+    while STATE.answers == answers and signal.getsignal(signal.SIGINT) is _handler:
+        if STATE.exiting:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_LONGEST)
+    return True
+
+
+def _answered_elsewhere() -> None:
+    """Under ``_delivery``, when gpubudget's handler is no longer installed: the SIGINTs it
+    was sent went to the program's own handler. A Ctrl-C among what they were sent for
+    reached the program: done; an exception did not: it waits to be sent again."""
+    sent, STATE.sent = STATE.sent, 0
+    _to_main[:sent] = [item for item in _to_main[:sent] if item is not None]
 
 
 def _print(exc: BaseException, where: str) -> None:
@@ -392,50 +498,45 @@ def _set_async(target: int, exc: BaseException) -> None:
     set_async(target, carrier)
 
 
-def _wait_until_out(target: int | None) -> bool:
-    """Wait until thread ``target``'s Python stack holds no protected function; ``False`` if
-    it ended, or the interpreter exits, first."""
+def _wait_until_out(target: int) -> bool:
+    """Wait until thread ``target``'s Python stack holds no protected function, nor
+    gpubudget's SIGINT handler (a SIGINT sent while it runs would run it again inside
+    itself); ``False`` if it ended, or the interpreter exits, first. The main thread has
+    ended when it runs the exit handlers, not while it waits in ``threading._shutdown``
+    for the program's threads (a SIGINT stops that wait), nor on its way there, when it
+    runs no Python code."""
     main = threading.main_thread().ident
     for _ in range(_POLLS):
-        frame = sys._current_frames().get(target) if target is not None else None
-        if frame is None or STATE.exiting or target == main and _ended(frame):
+        frame = sys._current_frames().get(target)
+        if STATE.exiting or (frame is None and target != main) or (
+                frame is not None and target == main and frame.f_code is not _SHUTDOWN
+                and _ended(frame)):
             return False
-        if not _within(frame, _PROTECTED):
+        if frame is not None and not _within(frame, _PROTECTED) and not _within(
+                frame, _HANDLING):
             return True
         time.sleep(_POLL_SECONDS)
     return True
 
 
-def _interrupt_main_when_out() -> None:
-    main = threading.main_thread().ident
-    if not _wait_until_out(main):
-        return  # the main thread's program has ended: delivered at exit
-    with _delivery:
-        if STATE.exiting or not STATE.redelivering:
-            return
-        STATE.redelivering -= 1
-        if STATE.installed and signal.getsignal(signal.SIGINT) is _handler:
-            STATE.sent += 1
-            STATE.sent_interrupts += 1
-        if hasattr(signal, "pthread_kill") and main is not None:
-            signal.pthread_kill(main, signal.SIGINT)  # wakes a sleeping main thread, as Ctrl-C
-        else:  # pragma: no cover - Windows
-            _thread.interrupt_main()
-
-
 def _deliver_at_exit() -> None:
-    """Interpreter exit: an interrupt passed on to the main thread and not yet sent (the
+    """Interpreter exit: an interrupt passed on to the main thread and not yet raised (the
     program ended first) ends the process by SIGINT, as an uncaught ``KeyboardInterrupt``
     does; another exception passed on to it, or still held for it, is printed as Python
-    prints an uncaught one, and the process ends with status 1. Registered when this module
-    is imported, before gpubudget's other exit handlers, so it runs after them (``atexit``
-    runs the last registered first)."""
+    prints an uncaught one, and the process ends with status 1. A SIGINT sent that the
+    program's own handler (installed now) took has reached the program: a Ctrl-C it was sent
+    for is no longer due. Registered when this module is imported, before
+    gpubudget's other exit handlers, so it runs after them (``atexit`` runs the last
+    registered first)."""
     with _delivery:
         STATE.exiting = True
-        # passed on (sent, perhaps, its handler not run yet), or noted in an exit handler
-        due_now = STATE.redelivering or STATE.sent_interrupts or STATE.interrupted
-        left = [*_to_main, *filter(None, [_held.get(threading.get_ident())])]
-    if (not due_now and not left) or os.getpid() != _PID:
+        if signal.getsignal(signal.SIGINT) is not _handler:
+            _answered_elsewhere()
+        # passed on, raised where Python dropped it, or noted in an exit handler
+        shown = None in _to_main or STATE.interrupted
+        interrupted = shown or STATE.interrupt_at_exit
+        left = [*filter(None, _to_main), *filter(None, [_held.get(threading.get_ident())])]
+    if (not interrupted and not left) or os.getpid() != _PID:
         return
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -445,12 +546,12 @@ def _deliver_at_exit() -> None:
     try:
         for exc in left:
             _print(exc, "in the main thread, which ended before it could be raised there")
-        if due_now:
+        if shown:  # (raised where Python dropped it, Python has printed it)
             sys.stderr.write("KeyboardInterrupt\n")
         sys.stderr.flush()
     except (AttributeError, OSError, ValueError):
         pass
-    if not due_now:
+    if not interrupted:
         os._exit(1)
     try:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -464,9 +565,8 @@ def _forked() -> None:
     """In a forked child: the parent's interrupts are the parent's."""
     global _PID
     _PID = os.getpid()
-    STATE.redelivering = 0
-    STATE.sent = STATE.sent_interrupts = 0
-    STATE.exiting = False
+    STATE.sent = STATE.answers = 0
+    STATE.exiting = STATE.interrupt_at_exit = False
     STATE.interrupted = False
     STATE.pending = False
     _held.clear()

@@ -149,7 +149,6 @@ def forget_stale_handled_exception() -> BaseException | None:
     return stale
 
 
-
 def free_elsewhere(lock: Any) -> bool:
     """Whether another thread can take ``lock`` now (a re-entrant lock: this one always
     could)."""

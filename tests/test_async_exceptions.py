@@ -16,7 +16,6 @@ raised again once control is back in Python.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import signal
@@ -38,7 +37,8 @@ from gpubudget.backends import Backend
 from gpubudget.backends.host import HostBackend
 from gpubudget.tracefile import files, perpath, read_trace, writer
 from gpubudget.units import KiB
-from tests.helpers import consistent, free_elsewhere, subprocess_env
+from tests.helpers import (consistent, forget_stale_handled_exception, free_elsewhere,
+                           subprocess_env)
 from tests.test_tree import _scenarios as tree_scenarios
 
 PACKAGE = os.path.dirname(gpubudget.__file__)
@@ -143,17 +143,8 @@ def _raise_at(index: int, zone: set[CodeType], kind: str, operation: Callable[[]
         sys.settrace(previous)
         if collecting:
             gc.enable()
-    _forget_stale_handled_exception()
+    forget_stale_handled_exception()  # (a tracer's fault at the end of an except block)
     return seen > index, raised
-
-
-def _forget_stale_handled_exception() -> None:
-    """Raised before a handler's last instructions (``POP_EXCEPT``: no signal, no
-    ``PyThreadState_SetAsyncExc`` lands there, a trace function does), an exception leaves
-    CPython's record of the exception being handled set after the handler's frame is gone:
-    every exception raised later in this thread would name it as its context. Cleared."""
-    if sys.exc_info()[1] is not None:  # here, in a test, nothing is being handled
-        ctypes.pythonapi.PyErr_SetExcInfo(None, None, None)
 
 
 def _unraisable(frame: FrameType) -> bool:

@@ -243,7 +243,7 @@ def leaks_at_exit(budget: Budget) -> str | None:
 @atexit.register
 @protect  # a Ctrl-C meanwhile waits for gpubudget's exit handler, which delivers it
 def _report_leaks_at_exit() -> None:
-    if STATE.pending or STATE.redelivering:
+    if STATE.pending or interrupts.undelivered():
         return  # the program was interrupted: its exit says so, and nothing else
     watched = list(_watched)
     for budget in watched:
