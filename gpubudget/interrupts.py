@@ -39,6 +39,16 @@ The operation then finishes, and what was noted or held is delivered where it is
   program installed meanwhile took: a Ctrl-C is then the program's, and nothing of it is
   left for the exit; an exception is sent again.
 
+A handler that the program installs for a while and then swaps back (``old =
+signal.signal(SIGINT, mine)`` ... ``signal.signal(SIGINT, old)``) must call ``old`` for a
+SIGINT it takes, as chained handlers do. gpubudget cannot tell a SIGINT it sent that such a
+handler took from one that is only late (the main thread blocks SIGINT, or runs a long call
+in C), and a guess would, when wrong, raise a Ctrl-C nobody pressed or an exception twice.
+If the handler does not call ``old``, a Ctrl-C it took is not delivered again at exit (a
+SIGINT sent, neither answered nor pending, went to someone else), but an exception passed on
+waits: the next SIGINT raises it (the user's next Ctrl-C would raise it in its place), else
+the exit prints it.
+
 The handler is installed when the first root budget is entered in the main thread, and only
 over Python's default SIGINT handler: a program with a handler of its own (a server that
 stops gracefully, ``asyncio.run`` while it runs) keeps it, and gpubudget then relies on
@@ -107,6 +117,8 @@ _held: Final[dict[int, BaseException]] = {}  # thread ident -> exception held fo
 # passed on to the main thread, not yet raised, oldest first (None: a Ctrl-C); a SIGINT has
 # been sent for each of the first STATE.sent of them, which the handler has not answered yet
 _to_main: Final[list[BaseException | None]] = []
+# passed on to other threads, each raised there by a helper thread that takes it
+_to_threads: Final[list[tuple[BaseException, int]]] = []
 _carried: Final[dict[int, BaseException]] = {}  # id -> an exception gpubudget passes on
 _CARRIED_KEPT: Final = 64  # the most recent ones
 _CO_VARARGS: Final = 0x04
@@ -155,7 +167,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         _note_first()
         return
     if _ended(frame):  # raised here, Python would print it and go on: delivered at exit
-        if frame is not None and frame.f_code is _SHUTDOWN and None in _to_main:
+        if _waiting_for_threads(frame) and None in _to_main:
             # but waiting for the program's threads, a Ctrl-C stops the wait (Python prints
             # it there and goes on; the exit then ends by SIGINT)
             _to_main.remove(None)
@@ -196,6 +208,15 @@ def _ended(frame: FrameType | None) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _waiting_for_threads(frame: FrameType | None) -> bool:
+    """Whether the main thread, at ``frame``, is in threading's exit: it waits for the
+    program's threads, in ``threading._shutdown`` itself or in an exit hook that it runs
+    (``concurrent.futures`` joins its workers there), before the exit handlers. A SIGINT
+    there stops the wait. (A callback that runs in such a hook, in the main thread, passes
+    on what it took for the exit: see :func:`_start_helpers`.)"""
+    return not STATE.exiting and _SHUTDOWN is not None and _within(frame, {_SHUTDOWN})
 
 
 def install() -> None:
@@ -281,7 +302,10 @@ def _interrupting(exc: BaseException, signals: bool = True) -> bool:
 
 
 def take() -> bool:
-    """Whether a Ctrl-C is pending, clearing it."""
+    """Whether a Ctrl-C is pending, clearing it: in the main thread only (``False`` in any
+    other, which leaves it to the main thread: see :func:`due`)."""
+    if threading.get_ident() != threading.main_thread().ident:
+        return False
     interrupted, STATE.interrupted = STATE.interrupted, False
     _refresh()
     return interrupted
@@ -289,23 +313,39 @@ def take() -> bool:
 
 def raise_here() -> bool:
     """For a public method on its way out: ``True`` (and the interrupt taken) when it should
-    raise ``KeyboardInterrupt`` now, ``False`` when no Ctrl-C is pending or it runs inside
-    an allocator callback, which delivers it instead. (:func:`due` answers for every
-    exception held, not only a Ctrl-C.)"""
+    raise ``KeyboardInterrupt`` now, ``False`` when no Ctrl-C is pending, or it runs inside
+    an allocator callback, which delivers it instead, or in a thread other than the main
+    thread, which passes it on to the main thread (:func:`redeliver`). (:func:`due` answers
+    for every exception held, not only a Ctrl-C.)"""
     if _within(sys._getframe(1), _CALLBACKS):
+        return False
+    if threading.get_ident() != threading.main_thread().ident:
+        if STATE.interrupted:
+            redeliver()
         return False
     return take()
 
 
 def due() -> BaseException | None:
     """For a public method on its way out: the exception to raise now, taken (an exception
-    held for this thread first, else a pending Ctrl-C as ``KeyboardInterrupt``); ``None``
-    when nothing is due, or inside an allocator callback, which passes it on instead."""
+    held for this thread first, else, in the main thread, a pending Ctrl-C as
+    ``KeyboardInterrupt``); ``None`` when nothing is due, or inside an allocator callback,
+    which passes it on instead.
+
+    A Ctrl-C is the main thread's: another thread's method never raises it (it may have
+    landed in an operation of the main thread, which raises it itself), and passes on one
+    that waits to the main thread (:func:`redeliver`; a ``KeyboardInterrupt`` given to this
+    thread by ``PyThreadState_SetAsyncExc`` is taken for a Ctrl-C, as everywhere here)."""
     if _within(sys._getframe(1), _CALLBACKS):
         return None
-    exc = _held.pop(threading.get_ident(), None)
-    if exc is None and take():
-        return KeyboardInterrupt()
+    here = threading.get_ident()
+    exc = _held.pop(here, None)
+    if exc is None:
+        if here != threading.main_thread().ident:
+            if STATE.interrupted:
+                redeliver()
+        elif take():
+            return KeyboardInterrupt()
     _refresh()
     if exc is not None:
         _carried.pop(id(exc), None)
@@ -325,27 +365,60 @@ def undone() -> None:
 
 def pass_on() -> None:
     """For a callback on its way out: what was deferred or held while it ran goes on to be
-    raised once control is back in Python (see :func:`redeliver`)."""
-    exc = _held.pop(threading.get_ident(), None)
+    raised once control is back in Python (a Ctrl-C in the main thread, see
+    :func:`redeliver`; an exception held for this thread where :func:`_pass_exception`
+    says).
+
+    Never raises, and loses nothing: an exception raised into it while it works (a signal
+    handler's, one given to ``PyThreadState_SetAsyncExc``, a trace function's) is deferred
+    in turn and passed on with the rest; each thing is queued for delivery before it stops
+    being held, so one raised in between is passed on again rather than lost (at worst
+    delivered twice, where one lands between the two steps). After ``_RETRIES`` such
+    exceptions in one call, what is left stays due: this thread's next operation or
+    callback delivers it."""
+    for _ in range(_RETRIES):
+        try:
+            if STATE.pending:
+                _pass_on()
+            return
+        except BaseException as late:  # noqa: BLE001 - nothing may leave a callback
+            defer(late)
+
+
+_RETRIES: Final = 8
+
+
+def _pass_on() -> None:
+    here = threading.get_ident()
+    exc = _held.get(here)
     if exc is not None:
+        _pass_exception(exc, here)  # queued first, ...
+        if _held.get(here) is exc:
+            del _held[here]  # ... then no longer held
         _refresh()
-        _pass_exception(exc)
-    if STATE.interrupted and take():
+        _start_helpers()  # (one thing, one helper: what is passed on goes at once)
+    if STATE.interrupted:
         redeliver()
+    elif exc is None:  # (called again, after an exception landed: perhaps none started)
+        _start_helpers()
 
 
 def redeliver() -> None:
-    """Raise a taken interrupt again in the main thread, once it is out of gpubudget's code.
+    """Pass a Ctrl-C noted for the main thread on to it: raise it there once the main
+    thread is out of gpubudget's code.
 
     A helper thread waits until the main thread's Python stack holds no protected function
     (the callback that took the interrupt has returned to its C++ caller, or that caller has
     returned to Python), then sends SIGINT to the main thread, as a Ctrl-C would: the
     handler raises ``KeyboardInterrupt`` there, or defers it again if the main thread is
-    back in a callback by then, which then passes it on again.
+    back in a callback by then, which then passes it on again. Called in the main thread
+    when it has left the program (an exit handler), it is delivered at exit.
     """
     with _delivery:
-        _to_main.append(None)  # delivered at exit if the helper thread cannot
-    _helper(_send_to_main)
+        _to_main.append(None)  # queued first (delivered at exit if no helper thread can) ...
+        STATE.interrupted = False  # ... then no longer noted
+    _refresh()
+    _start_helpers()
 
 
 def undelivered() -> bool:
@@ -356,6 +429,17 @@ def undelivered() -> bool:
             or any(item is not None for item in _to_main[:sent]))
 
 
+def _start_helpers() -> None:
+    """Start the helper threads that deliver what waits: to the main thread, unless this is
+    the main thread and it has left the program (what it passes on then is delivered at
+    exit); to other threads, one helper for each (a helper finding nothing left is done)."""
+    if _to_main and not (threading.current_thread() is threading.main_thread()
+                         and _ended(sys._getframe())):
+        _helper(_send_to_main)
+    for _ in _to_threads:
+        _helper(_deliver_to_thread)
+
+
 def _helper(target: Callable[[], None]) -> None:
     try:
         threading.Thread(target=target, name="gpubudget-interrupt", daemon=True).start()
@@ -363,21 +447,23 @@ def _helper(target: Callable[[], None]) -> None:
         pass
 
 
-def _pass_exception(exc: BaseException) -> None:
-    """Raise ``exc`` again once out of gpubudget's code: in this thread if Python code called
-    into the callback here and no signal handler raised it, else in the main thread; there
-    through the SIGINT handler when it is installed (which wakes a sleeping main thread),
-    else as ``PyThreadState_SetAsyncExc`` does (at the thread's next Python instruction)."""
-    here = threading.get_ident()
+def _pass_exception(exc: BaseException, here: int) -> None:
+    """Queue ``exc`` (once: again for the same exception does nothing) to be raised once out
+    of gpubudget's code: in this thread if Python code called into the callback here and no
+    signal handler raised it, else in the main thread; there through the SIGINT handler when
+    it is installed (which wakes a sleeping main thread), else as
+    ``PyThreadState_SetAsyncExc`` does (at the thread's next Python instruction)."""
     _carried[id(exc)] = exc
     for old in list(_carried)[:-_CARRIED_KEPT]:
         del _carried[old]
     if here != threading.main_thread().ident and _python_below() and not _interrupting(exc):
-        _helper(lambda: _deliver_when_out(exc, here))
+        with _delivery:
+            if not any(item is exc for item, _ in _to_threads):
+                _to_threads.append((exc, here))
         return
     with _delivery:
-        _to_main.append(exc)  # delivered at exit if the helper thread cannot
-    _helper(_send_to_main)
+        if not any(item is exc for item in _to_main):
+            _to_main.append(exc)  # delivered at exit if the helper thread cannot
 
 
 def _python_below() -> bool:
@@ -395,9 +481,13 @@ def _python_below() -> bool:
     return False
 
 
-def _deliver_when_out(exc: BaseException, target: int) -> None:
-    """A helper thread's: raise ``exc`` in thread ``target`` (not the main thread) once it
-    is out of gpubudget's code."""
+def _deliver_to_thread() -> None:
+    """A helper thread's: raise the oldest exception queued for a thread other than the main
+    thread in that thread, once it is out of gpubudget's code."""
+    with _delivery:
+        if not _to_threads:
+            return
+        exc, target = _to_threads.pop(0)
     if not _wait_until_out(target):
         if not STATE.exiting:  # a thread that ended first: said, as Python would
             _print(exc, f"in thread {target}, which ended before it could be raised there")
@@ -420,7 +510,7 @@ def _send_to_main() -> None:
             if STATE.sent == len(_to_main):
                 return  # nothing waits: what is sent has a helper waiting for its answer
             frame = sys._current_frames().get(main)
-            if frame is not None and frame.f_code is _SHUTDOWN and None not in _to_main:
+            if _waiting_for_threads(frame) and None not in _to_main:
                 return  # waiting for the program's threads: an exception is raised at exit
             answers = STATE.answers
             if not _send(main):
@@ -502,14 +592,14 @@ def _wait_until_out(target: int) -> bool:
     """Wait until thread ``target``'s Python stack holds no protected function, nor
     gpubudget's SIGINT handler (a SIGINT sent while it runs would run it again inside
     itself); ``False`` if it ended, or the interpreter exits, first. The main thread has
-    ended when it runs the exit handlers, not while it waits in ``threading._shutdown``
-    for the program's threads (a SIGINT stops that wait), nor on its way there, when it
+    ended when it runs the exit handlers, not while it waits for the program's threads
+    (:func:`_waiting_for_threads`: a SIGINT stops that wait), nor on its way there, when it
     runs no Python code."""
     main = threading.main_thread().ident
     for _ in range(_POLLS):
         frame = sys._current_frames().get(target)
         if STATE.exiting or (frame is None and target != main) or (
-                frame is not None and target == main and frame.f_code is not _SHUTDOWN
+                frame is not None and target == main and not _waiting_for_threads(frame)
                 and _ended(frame)):
             return False
         if frame is not None and not _within(frame, _PROTECTED) and not _within(
@@ -524,13 +614,17 @@ def _deliver_at_exit() -> None:
     program ended first) ends the process by SIGINT, as an uncaught ``KeyboardInterrupt``
     does; another exception passed on to it, or still held for it, is printed as Python
     prints an uncaught one, and the process ends with status 1. A SIGINT sent that the
-    program's own handler (installed now) took has reached the program: a Ctrl-C it was sent
-    for is no longer due. Registered when this module is imported, before
+    program's own handler took has reached the program: a Ctrl-C it was sent for is no
+    longer due. That handler may be installed now, or have been for a while and put
+    gpubudget's back (``old = signal.signal(SIGINT, mine)``, then ``signal.signal(SIGINT,
+    old)``): a SIGINT sent that gpubudget's handler has not answered and that is not
+    pending (blocked) in this thread went to someone else. Registered when this module is imported, before
     gpubudget's other exit handlers, so it runs after them (``atexit`` runs the last
     registered first)."""
+    waiting = _sigint_pending()  # (a call: a SIGINT already arrived is answered first)
     with _delivery:
         STATE.exiting = True
-        if signal.getsignal(signal.SIGINT) is not _handler:
+        if signal.getsignal(signal.SIGINT) is not _handler or (STATE.sent and not waiting):
             _answered_elsewhere()
         # passed on, raised where Python dropped it, or noted in an exit handler
         shown = None in _to_main or STATE.interrupted
@@ -561,6 +655,14 @@ def _deliver_at_exit() -> None:
     os._exit(130)  # pragma: no cover - SIGINT blocked: the same status a shell would show
 
 
+def _sigint_pending() -> bool:
+    """Whether a SIGINT waits, blocked, for this thread (or the process)."""
+    try:
+        return signal.SIGINT in signal.sigpending()
+    except (AttributeError, OSError):  # pragma: no cover - Windows: no signal masks
+        return False
+
+
 def _forked() -> None:
     """In a forked child: the parent's interrupts are the parent's."""
     global _PID
@@ -571,6 +673,7 @@ def _forked() -> None:
     STATE.pending = False
     _held.clear()
     _to_main.clear()
+    _to_threads.clear()
     _carried.clear()
     getattr(_delivery, "_at_fork_reinit")()
 

@@ -244,3 +244,194 @@ def test_two_things_passed_on_whose_sigints_merge_are_both_raised() -> None:
     assert result.stdout.splitlines() == ["['TimeoutError', 'KeyboardInterrupt']"], (
         result.stdout, result.stderr)
     assert result.returncode == 0, (result.returncode, result.stderr)
+
+
+_INTERRUPTED_WHILE_PASSING_ON = _PRELUDE + """
+    import tensorrt_rtx_bindings as trt
+    from gpubudget import tensorrt as gbt
+    from tests.trampoline import Trampoline
+
+    first, where = sys.argv[1], sys.argv[2]
+
+    def timeout(signum, frame):
+        raise TimeoutError("the program's timeout")
+
+    signal.signal(signal.SIGALRM, timeout)
+    state = []
+    asked = gbt.callbacks.current_budget
+
+    def current_budget():  # inside the callback's try: the first thing lands
+        if not state:
+            state.append(first)
+            signal.raise_signal(signal.SIGINT if first == "ctrl-c" else signal.SIGALRM)
+        return asked()
+
+    gbt.callbacks.current_budget = current_budget
+
+    def tracer(frame, event, arg):  # the second lands as the callback passes on the first
+        code = frame.f_code
+        if (event == "call" and len(state) == 1 and code.co_name == where
+                and code.co_filename.endswith(("interrupts.py", "threading.py"))):
+            state.append(where)
+            if first == "ctrl-c":
+                signal.raise_signal(signal.SIGALRM)  # the program's timeout fires there
+            raise KeyboardInterrupt  # as PyThreadState_SetAsyncExc would
+        return tracer
+
+    def caught(got, step):
+        try:
+            step()
+            time.sleep(60)
+            got.append("nothing")
+        except TimeoutError:
+            got.append("TimeoutError")
+        except KeyboardInterrupt:
+            got.append("KeyboardInterrupt")
+
+    got, addresses = [], []
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        cpp = Trampoline(gbt.allocator(trt_module=trt))
+
+        @interrupts.protect
+        def in_gpubudget():  # gpubudget sends nothing while the main thread is here
+            sys.settrace(tracer)
+            try:
+                addresses.append(cpp.allocate(4096))
+            finally:
+                sys.settrace(None)
+
+        caught(got, in_gpubudget)
+        caught(got, lambda: None)
+        print(state, sorted(got), "answered", addresses != [None], flush=True)
+        for address in addresses:
+            if address is not None:
+                cpp.deallocate(address)
+"""
+
+
+@pytest.mark.parametrize(("first", "where"), [
+    ("ctrl-c", "redeliver"), ("ctrl-c", "_helper"), ("ctrl-c", "start"),
+    ("timeout", "_pass_exception"), ("timeout", "_helper")])
+def test_an_exception_raised_while_a_callback_passes_on_is_passed_on_too(
+        first: str, where: str) -> None:
+    """A Ctrl-C, or a signal handler's exception, taken by a TensorRT callback; as the
+    callback passes it on (queues it, starts the thread that sends it), a second exception
+    lands: both reach the program, the callback still answers with its block (denied, when
+    the first ended the allocation), and nothing crosses into C++ (before: the second escaped into TensorRT's caller, which printed it,
+    and the first, or the block, was lost)."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    result = _run(_INTERRUPTED_WHILE_PASSING_ON, first, where)
+    assert result.stdout.splitlines() == [
+        f"['{first}', '{where}'] ['KeyboardInterrupt', 'TimeoutError'] answered "
+        f"{first == 'ctrl-c'}"], (
+        result.stdout, result.stderr)
+    assert "Exception caught" not in result.stderr and "still live" not in result.stderr, (
+        result.stderr)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+
+
+_WAITING_FOR_A_POOL_WORKER = _WAITING_FOR_A_THREAD.replace("""
+        return frame is not None and frame.f_code is threading._shutdown.__code__
+""", """
+        while frame is not None:  # concurrent.futures joins its workers in an exit hook
+            if frame.f_code is threading._shutdown.__code__:
+                return True
+            frame = frame.f_back
+        return False
+""").replace("""
+    threading.Thread(target=worker).start()  # not a daemon: the interpreter waits for it
+""", """
+    from concurrent.futures import ThreadPoolExecutor
+
+    ThreadPoolExecutor(1).submit(worker)  # the interpreter waits for its worker
+""")
+
+
+def test_a_ctrl_c_passed_on_while_the_interpreter_waits_for_an_executors_worker_stops_it(
+        ) -> None:
+    """As the above, the thread waited for being a ``ThreadPoolExecutor``'s worker, which
+    the interpreter joins in an exit hook (before: not taken for a wait, the Ctrl-C held
+    until the worker ended, here 120 s)."""
+    assert _WAITING_FOR_A_POOL_WORKER.count("ThreadPoolExecutor") == 2
+    result = _run(_WAITING_FOR_A_POOL_WORKER, timeout=300)
+    assert result.stdout.splitlines() == ["the program ends",
+                                          "worker: a Ctrl-C lands in a callback"], (
+        result.stdout, result.stderr)
+    assert result.returncode in (-signal.SIGINT, 130), (result.returncode, result.stderr)
+    assert "KeyboardInterrupt" in result.stderr
+
+
+_TEMPORARY_HANDLER = _PRELUDE + _PYTHON_CALLBACK + """
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        @interrupts.protect
+        def in_gpubudget():
+            sys.settrace(ctrl_c)
+            block = allocate_async(pool, 4096)
+            sys.settrace(None)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a critical section
+            return block
+
+        block = in_gpubudget()
+        within(60, lambda: signal.SIGINT in signal.sigpending(), "the Ctrl-C sent")
+        got = []
+        old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # the program takes it
+        signal.signal(signal.SIGINT, old)  # and puts gpubudget's handler back
+        print("the program's handler ran:", got == [signal.SIGINT], flush=True)
+        pool.free(block)
+    print("the program ends", flush=True)
+"""
+
+
+def test_a_ctrl_c_a_temporary_handler_took_is_not_delivered_again_at_exit() -> None:
+    """The SIGINT sent for a Ctrl-C passed on reaches a handler the program installs for a
+    while and then swaps gpubudget's back: the program handled it, and ends normally
+    (before: ended by SIGINT at exit, as if the Ctrl-C had not reached it)."""
+    result = _run(_TEMPORARY_HANDLER)
+    assert result.stdout.splitlines() == ["the program's handler ran: True",
+                                          "the program ends"], (result.stdout, result.stderr)
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert "KeyboardInterrupt" not in result.stderr
+
+
+_ANOTHER_THREADS_OPERATION = _PRELUDE + """
+    go, done = threading.Event(), threading.Event()
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        def worker():
+            go.wait(60)
+            try:
+                pool.free(pool.allocate(1024))
+                print("worker: nothing raised", flush=True)
+            except KeyboardInterrupt:
+                print("worker: KeyboardInterrupt", flush=True)
+            done.set()
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+
+        @interrupts.protect
+        def in_gpubudget():  # a long operation of the main thread
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C: noted
+            go.set()
+            print("worker done:", done.wait(60), flush=True)
+            return pool.allocate(1024)  # the main thread's operation ends
+
+        try:
+            pool.free(in_gpubudget())
+            time.sleep(60)
+            print("main: nothing raised", flush=True)
+        except KeyboardInterrupt:
+            print("main: KeyboardInterrupt", flush=True)
+        thread.join(60)
+"""
+
+
+def test_a_ctrl_c_noted_for_the_main_thread_is_not_raised_in_another_thread() -> None:
+    """A Ctrl-C lands in an operation of the main thread; another thread's operation ends
+    first: the main thread raises it, not the other thread (before: the other thread's
+    method raised the main thread's Ctrl-C)."""
+    result = _run(_ANOTHER_THREADS_OPERATION)
+    assert result.stdout.splitlines() == ["worker: nothing raised", "worker done: True",
+                                          "main: KeyboardInterrupt"], (
+        result.stdout, result.stderr)
+    assert result.returncode == 0, (result.returncode, result.stderr)
