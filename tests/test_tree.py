@@ -462,3 +462,48 @@ def test_a_moving_resize_is_whole_for_other_threads() -> None:
         assert freed == [False] and moved[0] not in (None, block)
         assert budget.used == 400 * 1024  # the moved block and the neighbour
         budget.check()
+
+
+# -- a finalizer that frees a block while the same thread walks the registry ----------------
+
+
+class _Cycle:
+    """An object in a reference cycle whose finalizer frees a block (the collector runs it
+    wherever an allocation of a Python object happens to trigger a collection)."""
+
+    def __init__(self, budget: Any, block: int, freed: list[bool]) -> None:
+        self.budget, self.block, self.freed, self.me = budget, block, freed, self
+
+    def __del__(self) -> None:
+        self.freed.append(self.budget.free(self.block))
+
+
+@pytest.mark.parametrize("walk", ["report", "check"])
+def test_a_finalizer_freeing_a_block_during_a_walk_waits_for_the_walk(walk: str) -> None:
+    import gc
+
+    thresholds = gc.get_threshold()
+    freed: list[bool] = []
+    with gpu_budget("4MiB", name="pool", backend="host") as pool:
+        with gpu_budget("2MiB", name="child") as child:
+            keep = [child.allocate(256, tag="kept") for _ in range(200)]
+            gc.collect()
+            gc.set_threshold(1, 1, 1)  # a collection at (nearly) every allocation
+            try:
+                for round_ in range(30):
+                    for _ in range(20):
+                        block = child.allocate(256)
+                        assert block is not None
+                        _Cycle(child, block, freed)  # garbage at once, freed by the collector
+                    if walk == "report":
+                        report = pool.report()
+                        assert report.used == sum(b.size for r in report.walk()
+                                                  for b in r.live_blocks)
+                    else:
+                        pool.check()
+            finally:
+                gc.set_threshold(*thresholds)
+            gc.collect()
+            assert freed and all(freed)
+            assert child.used == 256 * len(keep)
+            consistent(pool)

@@ -49,8 +49,8 @@ def snapshot(node: Node) -> BudgetReport:
     outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
     with node.lock:
         probed = [(member, tuple(member.probes.items())) for member in node.subtree()]
-    usage = {member: _usage(member, probes) for member, probes in probed}  # adapters' code:
-    with node.lock:  # outside the lock
+    usage = {member: _usage(member, probes) for member, probes in probed}
+    with node.lock if tree is None else tree.read():  # adapters' code ran outside it
         nodes = node.subtree()
         own: dict[Node, list[LiveBlock]] = {}
         free_bytes = largest_free = 0

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, Literal
 
 from .arena import Arena
@@ -79,7 +80,7 @@ class Tree:
 
     __slots__ = ("root", "lock", "turns", "backend", "device", "reservation", "mapping", "arena",
                  "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
-                 "fast", "closed")
+                 "fast", "closed", "reading", "deferred")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None, limit: int,
                  initial: int | None = None) -> None:
@@ -108,6 +109,10 @@ class Tree:
         # sends every call through the methods below (tests compare the two).
         self.fast = native is not None
         self.closed: str | None = None  # why no block of it may change any more (close_to)
+        # walks of the registry under way in the thread holding the lock (see ``read``), and
+        # the frees that arrived meanwhile (a finalizer the collector ran inside the walk)
+        self.reading = 0
+        self.deferred: list[tuple[Node, int, int | None]] = []
         _unreleased.add(self)
 
     # -- the three operations --------------------------------------------------------------
@@ -196,6 +201,9 @@ class Tree:
                 if record is None or not (record[0] is node or node.encloses(record[0])):
                     node.stats.invalid_frees += 1
                     return False
+                if self.reading:  # a finalizer inside a walk of this thread's: freed after it
+                    self.deferred.append((node, address, stream))
+                    return True
                 owner, nbytes, tag, _ = record
                 event: Event | None | Literal[False] = None
                 if stream is not None and self.ordered and (
@@ -234,6 +242,25 @@ class Tree:
         except BaseException:
             self.fault()
             raise
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Hold the lock for a walk of the registry and the arena (a report, ``check()``):
+        a block freed meanwhile by this thread (a finalizer that the collector runs at an
+        allocation inside the walk; the lock is re-entrant) is freed as the walk ends, so
+        that the walk sees one state, and nothing changes under its loops."""
+        with self.lock:
+            self.reading += 1
+            fast, self.fast = self.fast, False  # every free through ``free`` meanwhile
+            try:
+                yield
+            finally:
+                self.reading -= 1
+                if not self.reading:
+                    self.fast = fast if self.closed is None else False
+                    deferred, self.deferred = self.deferred, []
+                    for node, address, stream in deferred:
+                        self.free(node, address, stream)
 
     def fault(self, granted: int | None = None) -> None:
         """In the ``except`` of an operation cut short by an exception that landed inside it
@@ -418,7 +445,7 @@ class Tree:
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""
-        with self.lock:
+        with self.read():
             self._check_locked()
 
     def _check_locked(self) -> None:
