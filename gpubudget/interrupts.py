@@ -88,23 +88,23 @@ def pass_on(exc: BaseException, where: str, answer: int) -> int:
     return answer
 
 
-def _interrupting_signal() -> int | None:
+def _interrupting_signal() -> signal.Signals | None:
     """The signal whose Python handler raises the Ctrl-C again: SIGINT when Python handles
     it, else one whose handler is ``signal.default_int_handler`` (``SIGTERM`` made to stop
     like a Ctrl-C, with SIGINT ignored in a background job); ``None`` if none."""
     if callable(signal.getsignal(signal.SIGINT)):
-        return int(signal.SIGINT)
+        return signal.SIGINT
     for signum in sorted(signal.valid_signals()):
         try:
             if signal.getsignal(signum) is signal.default_int_handler:
-                return int(signum)
+                return signal.Signals(signum)
         except ValueError:  # pragma: no cover - a number the platform cannot ask about
             continue
     return None
 
 
 @functools.cache
-def _carrier(signum: int) -> type[int]:
+def _carrier(signum: signal.Signals) -> type[int]:
     """An ``int`` type whose instances arm ``signum`` as they are destroyed: by C code
     (``functools.partial`` over ``_thread.interrupt_main``), so that no Python instruction
     of the callback can run the handler before the framework has its answer."""

@@ -339,7 +339,9 @@ def test_pass_on_answers_and_arms_the_interrupt_only_as_the_answer_is_dropped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     armed: list[int] = []
     monkeypatch.setattr(interrupts, "_carrier", interrupts._carrier.__wrapped__)
-    monkeypatch.setattr(interrupts._thread, "interrupt_main", armed.append)
+    import _thread
+
+    monkeypatch.setattr(_thread, "interrupt_main", armed.append)
     monkeypatch.setattr(signal, "getsignal", lambda signum: (
         signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL))
     answer = interrupts.pass_on(KeyboardInterrupt(), "test", 0)
@@ -363,5 +365,5 @@ def test_an_exception_that_cannot_propagate_is_printed_as_python_prints_it(
 def test_a_budget_leaves_the_signal_handlers_alone() -> None:
     before: dict[int, Any] = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
     with gpu_budget("1MiB", backend="host") as pool:
-        pool.free(pool.allocate(256))
+        pool.free(pool.allocate(256, raise_on_denial=True))
     assert {n: signal.getsignal(n) for n in before} == before
