@@ -41,7 +41,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol
 
 from ..errors import InvariantError
-from . import native
+from ..extensions import extension
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 __all__ = ["Arena", "Block", "check", "walk"]
 

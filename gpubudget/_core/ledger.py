@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from . import native
+from ..extensions import extension
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 __all__ = ["Account", "available", "charge", "encloses", "passed_up", "publish", "refusal"]
 

@@ -14,7 +14,9 @@ import threading
 import time
 from typing import Final, cast
 
-from . import native
+from ..extensions import extension
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 __all__ = ["Turns", "let_in", "new_lock"]
 

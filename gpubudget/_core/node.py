@@ -22,11 +22,13 @@ from ..context import LABEL
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
 from .memory import Mapping
-from . import native
+from ..extensions import extension
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
 from .tree import Tree, new_lock
 from ..units import format_size, round_up
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
     from ..budget import (

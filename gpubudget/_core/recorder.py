@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 from ..callers import user_stacklevel
 from ..errors import TraceError
-from . import native
+from ..extensions import extension
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
     from ..tracefile import TraceWriter

@@ -12,9 +12,11 @@ by name, made only when asked for (``Tree.owner``, ``Tree.entries``).
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple
 
-from . import native
+from ..extensions import extension
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
     from .node import Node

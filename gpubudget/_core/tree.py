@@ -49,9 +49,11 @@ from .recorder import Recorder
 from .registry import LiveEntry, Record, new_registry
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
-from . import native
+from ..extensions import extension
 from .locks import Turns, new_lock
 from .recovery import recover
+
+native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
