@@ -27,6 +27,7 @@ from typing import Any
 
 from gpubudget import EVENT_LOG_LIMIT, gpu_budget
 from gpubudget.backends.host import HostBackend
+from gpubudget.adapter import hooks
 
 from . import baseline
 from .traces import Trace, churn
@@ -210,9 +211,9 @@ def threads_table(steps: int = 20_000, counts: tuple[int, ...] = (1, 8)) -> list
             def child(i: int) -> tuple[Any, Callable[[], None]]:
                 budget = gpu_budget(CAPACITY // count, name=f"t{i}", parent=root)
                 budget.__enter__()
-                budget.pin()  # keeps serving after this thread left its scope
+                hooks(budget).pin()  # keeps serving after this thread left its scope
                 budget.__exit__(None, None, None)
-                return budget, budget.unpin
+                return budget, hooks(budget).unpin
 
             shared = _threaded(count, steps, child)
         alone = _threaded(count, steps, lambda i: (TextbookBestFit(CAPACITY), lambda: None))

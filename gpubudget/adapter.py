@@ -21,8 +21,10 @@ Devices, threads, contexts:
 - :func:`hand_clock`: a clock set by hand (a replay's, on the recorded times), which the C
   core reads without calling Python.
 
-Usage probes (what an adapter holds of a budget, for its report) are methods of ``Budget``
-itself: ``report_usage``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
+What an adapter does to a budget besides allocating (its pins, its own denials and errors,
+its usage for the report, a hook at the end of the scope) goes through :func:`hooks`: a
+:class:`Hooks` with ``pin``/``unpin``, ``record_denial``, ``record_error``, ``report_usage``,
+``call_on_exit``; these are not methods of the user's ``Budget``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import interrupts
-from ._budget import holder
+from ._budget import Hooks, holder
 from ._core import native
 from .backends import current_device
 from .context import SEPARATE_ROOTS
@@ -39,10 +41,22 @@ from .context import SEPARATE_ROOTS
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["HandClock", "by_device", "callback_failed", "current_device", "hand_clock",
-           "holder", "separate_roots"]
+__all__ = ["HandClock", "Hooks", "by_device", "callback_failed", "current_device",
+           "hand_clock", "holder", "hooks", "separate_roots"]
 
 R = TypeVar("R")
+
+
+def hooks(budget: Budget) -> Hooks:
+    """What an adapter may do to ``budget`` besides allocating (see :class:`Hooks`).
+
+    >>> from gpubudget import gpu_budget
+    >>> with gpu_budget("1MiB", backend="host") as pool:
+    ...     hooks(pool).record_denial(256, "wrong_device")
+    ...     pool.report().denied
+    1
+    """
+    return Hooks(budget)
 
 
 def callback_failed(budget: Budget, where: str, exc: BaseException, answer: int = 0) -> int:
@@ -55,9 +69,9 @@ def callback_failed(budget: Budget, where: str, exc: BaseException, answer: int 
     callback's last step. Never raises."""
     try:
         if isinstance(exc, KeyboardInterrupt):
-            budget.record_denial(0, "interrupted")
+            hooks(budget).record_denial(0, "interrupted")
         else:
-            budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
+            hooks(budget).record_error(f"{where}: {type(exc).__name__}: {exc}")
     except BaseException as late:  # noqa: BLE001 - nothing may leave a callback
         interrupts.unraisable(late, f"Exception ignored in gpubudget's {where} (recording "
                                     f"{type(exc).__name__})")

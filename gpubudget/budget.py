@@ -22,7 +22,6 @@ from . import context
 from ._budget import (
     FORKED,
     THREAD_ROOT,
-    AdapterHooks,
     BudgetView,
     Residency,
     checked,
@@ -54,7 +53,7 @@ ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-bloc
 
 
 @final
-class Budget(BudgetView, AdapterHooks, Residency):
+class Budget(BudgetView, Residency):
     """A scoped limit on device memory; use it as a context manager.
 
     ``gpu_budget`` is another name for this class, the one the examples use. Entering a

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from .budget import Budget
 from .errors import BudgetError
 from .scope import current_budget
+from .adapter import hooks
 
 __all__ = ["RoutedPool", "Routing", "target_budget"]
 
@@ -70,8 +71,8 @@ class RoutedPool(ABC):
 
     def install(self) -> None:
         """The pool is now the budget's: report its usage, retire it when the scope ends."""
-        self.budget.report_usage(self.source, self.usage)
-        self.budget.call_on_exit(self.retire_if_unused)
+        hooks(self.budget).report_usage(self.source, self.usage)
+        hooks(self.budget).call_on_exit(self.retire_if_unused)
 
     def join(self) -> None:
         """One more block uses the pool (called with the class lock held)."""
@@ -98,7 +99,7 @@ class RoutedPool(ABC):
 
     @abstractmethod
     def usage(self) -> tuple[int, ...]:
-        """What the pool holds of the budget (see ``AdapterHooks.report_usage``)."""
+        """What the pool holds of the budget (see ``adapter.Hooks.report_usage``)."""
 
     @abstractmethod
     def retire(self) -> None:

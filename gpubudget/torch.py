@@ -57,7 +57,7 @@ import threading
 import weakref
 from typing import Any, ClassVar, Final, NamedTuple
 
-from .adapter import callback_failed
+from .adapter import callback_failed, hooks
 from .budget import Budget
 from .errors import AllocationDenied
 from .routing import RoutedPool, Routing
@@ -148,7 +148,7 @@ class _Pool(RoutedPool):
             with self.lock:
                 self.segments[address] = segment
             if segment.mempool is None:  # it returns only when the process ends
-                self.budget.record_error("torch alloc: a segment asked by a thread that "
+                hooks(self.budget).record_error("torch alloc: a segment asked by a thread that "
                                          "routes into none of the budget's pools")
             with _lock:
                 _kept.add(self)
@@ -235,7 +235,7 @@ class _Pool(RoutedPool):
                 continue
             self.torch.cuda.synchronize(self.device)  # no event on its stream: wait for all
             if not self.budget.free(address):
-                self.budget.record_error(f"torch free: segment {address:#x} was not the "
+                hooks(self.budget).record_error(f"torch free: segment {address:#x} was not the "
                                          f"budget's")
         self.forget_if_done()
 

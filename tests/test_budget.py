@@ -8,6 +8,7 @@ import pytest
 
 from gpubudget import Budget, BudgetError, BudgetNestingError, gpu_budget
 from gpubudget.backends.host import HostBackend
+from gpubudget.adapter import hooks
 
 from tests.helpers import RecordingBackend, fill, holds
 
@@ -302,24 +303,24 @@ def test_blocks_outlive_the_scope_and_reservation_returns_after_last_free() -> N
 
 def test_pins_keep_the_reservation_after_exit() -> None:
     with gpu_budget("1MiB") as root:
-        root.pin()
+        hooks(root).pin()
     assert root.state == "exited"  # pinned: still serving
     block = root.allocate(100)
     assert block is not None
-    root.unpin()
+    hooks(root).unpin()
     assert root.state == "exited"  # the live block still holds it
     assert root.free(block)
     assert root.report().state == "released"
     with pytest.raises(BudgetError, match="released"):
-        root.pin()
+        hooks(root).pin()
 
 
 def test_unpin_alone_releases_an_exited_budget() -> None:
     with gpu_budget("1MiB", name="p") as parent:
         with gpu_budget("1KiB", name="c") as child:
-            child.pin()
+            hooks(child).pin()
     assert (parent.state, child.state) == ("exited", "exited")  # the child holds the parent
-    child.unpin()
+    hooks(child).unpin()
     assert (parent.state, child.state) == ("released", "released")
 
 

@@ -61,12 +61,13 @@ def test_memory_something_still_holds_for_the_program_says_nothing() -> None:
     # registers what it holds: keeping memory to the end is their normal life
     assert _stderr("""
         from gpubudget import gpu_budget
+        from gpubudget.adapter import hooks
         with gpu_budget("1MiB", name="engine") as engine:
             engine.allocate(4096)
-            engine.pin()
+            hooks(engine).pin()
         with gpu_budget("1MiB", name="tensors") as tensors:
             tensors.allocate(4096)
-            tensors.report_usage("torch", lambda: (4096, 4096))
+            hooks(tensors).report_usage("torch", lambda: (4096, 4096))
     """) == []
 
 

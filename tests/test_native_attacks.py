@@ -46,6 +46,7 @@ from gpubudget._core import ledger, native
 from gpubudget.backends.host import HostBackend
 from gpubudget.context import LABEL
 from gpubudget.units import KiB, MiB
+from gpubudget.adapter import hooks
 from tests.helpers import StreamBackend, consistent, finishes, python_paths
 from tests.test_native import Trees
 
@@ -297,7 +298,7 @@ class MoreTrees(Trees):
         outcomes = []
         for budget in pair:
             try:
-                budget.pin()
+                hooks(budget).pin()
                 outcomes.append("pinned")
             except Exception as exc:  # noqa: BLE001 - both must fail alike
                 outcomes.append(f"{type(exc).__name__}: {exc}")
@@ -310,7 +311,7 @@ class MoreTrees(Trees):
     def unpin(self, which: int) -> None:
         pair = self.pinned.pop(which % len(self.pinned))
         for budget in pair:
-            budget.unpin()
+            hooks(budget).unpin()
 
     @rule(limit=st.integers(1, 300), stacks=st.booleans())
     def enter_stacks(self, limit: int, stacks: bool) -> None:
@@ -340,7 +341,7 @@ class MoreTrees(Trees):
     def teardown(self) -> None:
         for pair in getattr(self, "pinned", []):
             for budget in pair:
-                budget.unpin()
+                hooks(budget).unpin()
         super().teardown()
 
 

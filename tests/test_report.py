@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 from gpubudget import BudgetReport, gpu_budget
+from gpubudget.adapter import hooks
 
 
 def _tree() -> BudgetReport:
@@ -63,7 +64,7 @@ def test_report_works_before_entry_and_after_release() -> None:
 
 def test_record_error_shows_in_report() -> None:
     with gpu_budget("1MiB", name="cb") as budget:
-        budget.record_error("allocate callback: ValueError: bad")
+        hooks(budget).record_error("allocate callback: ValueError: bad")
     report = budget.report()
     assert report.callback_errors == ("allocate callback: ValueError: bad",)
     assert report.denials[0].reason == "internal_error"

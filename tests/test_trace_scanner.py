@@ -27,6 +27,7 @@ from gpubudget.replay.run import Replayer
 from gpubudget.tracefile import MAX_LINE_BYTES, TraceError, TraceReader, writer_for
 from gpubudget.tracefile.checks import Validator
 from gpubudget.tracefile.cscan import NATIVE, scanner
+from gpubudget.adapter import hooks
 
 from .helpers import subprocess_env
 from .test_core_choice import _copy, _env
@@ -269,12 +270,12 @@ def recorded_programs(folder: Path) -> list[Path]:
             assert block is not None and model.free(block)  # the last one releases it
         engine = gpu_budget("8MiB", name="engine")
         with engine:
-            engine.pin()  # as a TensorRT engine keeps its budget: not in the trace
+            hooks(engine).pin()  # as a TensorRT engine keeps its budget: not in the trace
             first = engine.allocate(4096, tag="weights")
         assert first is not None and engine.free(first)  # released here in a replay
         again = engine.allocate(8192, tag="context")  # so replayed after its release
         assert again is not None and engine.free(again)
-        engine.unpin()
+        hooks(engine).unpin()
         assert pool.allocate(MiB, tag="leak") is not None
     writer_for(str(path)).flush()
     paths.append(path)

@@ -25,6 +25,7 @@ from gpubudget import (
 from gpubudget._core import LiveEntry
 from gpubudget.backends.host import HostBackend, HostReservation
 from gpubudget.units import KiB, MiB
+from gpubudget.adapter import hooks
 from tests.helpers import consistent, fill, free_elsewhere, holds, python_paths
 
 
@@ -80,7 +81,7 @@ def test_peaks_count_only_granted_bytes() -> None:
         x, y = gpu_budget("64KiB", name="x"), gpu_budget("64KiB", name="y")
         for child in (x, y):  # siblings, both entered and exited here; pinned to stay usable
             with child:
-                child.pin()
+                hooks(child).pin()
         mine, theirs = [], []
         for _ in range(4):  # x and y interleave 8 KiB blocks over the whole arena
             mine.append(x.allocate(8 * KiB))
@@ -96,8 +97,8 @@ def test_peaks_count_only_granted_bytes() -> None:
         consistent(pool)
         for block in mine:
             assert block is not None and x.free(block)
-        x.unpin()
-        y.unpin()
+        hooks(x).unpin()
+        hooks(y).unpin()
     assert pool.state == "released"
 
 
@@ -343,7 +344,7 @@ def _exit_with_failing_hook() -> None:
         raise RuntimeError("adapter hook")
 
     budget = gpu_budget("1KiB").__enter__()
-    budget.call_on_exit(fail)
+    hooks(budget).call_on_exit(fail)
     budget.__exit__(None, None, None)
 
 

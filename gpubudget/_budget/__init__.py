@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from .arguments import checked
 from .forks import FORKED
-from .hooks import AdapterHooks
+from .hooks import Hooks
 from .residency import Residency
 from .roots import THREAD_ROOT, holder, open_root, opened, warn_if_thread_trap
 from .snapshot import watch_leaks
 from .view import BudgetView
 
-__all__ = ["FORKED", "THREAD_ROOT", "AdapterHooks", "BudgetView", "Residency", "checked",
+__all__ = ["FORKED", "THREAD_ROOT", "Hooks", "BudgetView", "Residency", "checked",
            "holder", "open_root", "opened", "warn_if_thread_trap", "watch_leaks"]

@@ -1,27 +1,33 @@
 """What adapters call on a budget: lifetime pins, their own denials and errors, their usage,
 and a hook at the end of the scope.
 
-:class:`AdapterHooks` is a part of :class:`~gpubudget.budget.Budget` (its base): the
-TensorRT, CuPy, PyTorch and Ray adapters use these methods, and code of your own that wraps
-another allocator can too.
+:class:`Hooks` is what :func:`gpubudget.adapter.hooks` gives for a budget: the TensorRT,
+CuPy, PyTorch and Ray adapters use its methods, and code of your own that wraps another
+allocator can too. They are not on the budget itself, which is the user's object.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import BudgetError
 from .._core import Node
 from ..units import as_int
 
-__all__ = ["AdapterHooks"]
+if TYPE_CHECKING:
+    from ..budget import Budget
+
+__all__ = ["Hooks"]
 
 
-class AdapterHooks:
-    """Methods for adapters; see the module docstring."""
+class Hooks:
+    """A budget's methods for adapters; see the module docstring."""
 
-    __slots__ = ()
-    _node: Node
+    __slots__ = ("_node",)
+
+    def __init__(self, budget: Budget) -> None:
+        self._node: Node = budget._node
 
     def pin(self) -> None:
         """Keep this budget's memory alive for an object that may allocate through it later

@@ -171,9 +171,16 @@ class Recorder:
         self.root: int | None = None  # the root's budget id, once entered
 
     def _now(self) -> float:
-        """The clock's time for an event being recorded (the backend's clock, or
-        ``time.perf_counter``)."""
-        return float(self.clock())
+        """The clock's time for an event being recorded (the operation is already committed):
+        ``time.perf_counter``'s, or the backend's clock's, ``nan`` if that one fails (its
+        error is the backend's, and only leaves this event without a time)."""
+        clock = self.clock
+        if clock is time.perf_counter:
+            return clock()
+        try:
+            return float(clock())
+        except Exception:  # noqa: BLE001 - the backend's failure
+            return float("nan")
 
     @property
     def logged(self) -> int:

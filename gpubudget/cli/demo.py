@@ -13,6 +13,7 @@ from ..plot import plot_format
 from ..scope import label
 from ..text import printable
 from ..units import MiB, format_size
+from ..adapter import hooks
 
 __all__ = ["demo"]
 
@@ -74,7 +75,7 @@ def demo(plot: str | None, backend_name: str | None) -> None:
                     model.free(block)
         assert weights is not None
         for model in (detector, classifier):  # loaded until the program ends, as an engine
-            model.pin()  # would be: their memory is not a leak, and exit says nothing of it
+            hooks(model).pin()  # would be: their memory is not a leak, and exit says nothing of it
     print(f"\npool: {format_size(pool.used)} used of {format_size(pool.limit)}, "
           f"{format_size(pool.available)} left\n")
     report = pool.report()

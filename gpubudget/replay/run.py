@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from ..budget import Budget
-from ..adapter import separate_roots
+from ..adapter import hooks, separate_roots
 from ..errors import BudgetError, GpuBudgetError
 from ..report import BudgetReport
 from ..tracefile import (
@@ -181,7 +181,7 @@ class Replayer:
                     self.resize(event)
             if unpins and index in unpins:
                 for budget in unpins.pop(index):
-                    budget.unpin()
+                    hooks(budget).unpin()
 
     def deny(self, member: _Member, nbytes: int = 0) -> None:
         """Count a refusal of ``nbytes`` (0: an entry) by ``member``; stop the replay there
@@ -234,7 +234,7 @@ class Replayer:
         """Give the host mappings back: unpin, free what is live, exit what is open."""
         for budgets in self.unpins.values():
             for budget in budgets:
-                budget.unpin()
+                hooks(budget).unpin()
         self.unpins.clear()
         for member, address, _ in self.blocks.values():
             if member.budget is not None:
@@ -278,7 +278,7 @@ class Replayer:
             parent.note_granted()  # its reserve, set aside in its ancestors
         last = self.last_uses.get(event.budget, -1)
         if last > self.index:  # see replay(): kept from release until its last use
-            budget.pin()
+            hooks(budget).pin()
             self.unpins.setdefault(last, []).append(budget)
 
     def refused_or_released(self, member: _Member) -> None:

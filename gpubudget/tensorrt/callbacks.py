@@ -31,7 +31,7 @@ import threading
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
-from ..adapter import callback_failed, current_device
+from ..adapter import callback_failed, current_device, hooks
 from ..budget import Budget
 from ..scope import current_budget, current_label
 from .order import AllocatorOrder, allocator_order
@@ -82,7 +82,7 @@ class AllocatorMethods:
             if current is not None and current is not target and target.encloses(current):
                 target = current
             if self.device is not None and current_device() != self.device:
-                target.record_denial(size, "wrong_device")  # never another device's memory
+                hooks(target).record_denial(size, "wrong_device")  # never another device's memory
                 return None
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)

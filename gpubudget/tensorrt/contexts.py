@@ -33,6 +33,7 @@ from ..errors import AllocationDenied, BudgetError
 from ..units import format_size
 from .lifetime import make, require_budget
 from .module import load_module, module_of
+from ..adapter import hooks
 
 __all__ = ["ContextMemory", "context_memory", "execution_context", "fit_shapes"]
 
@@ -136,7 +137,7 @@ class ContextMemory:
                 self._contexts[key] = weakref.ref(context)
                 self._keys[context] = key
                 self._needs[key] = size
-                self.budget.pin()
+                hooks(self.budget).pin()
                 weakref.finalize(context, self._died, key).atexit = False
         finally:
             self._reap_later()
@@ -237,7 +238,7 @@ class ContextMemory:
             self._needs.pop(key, None)
             if not self._contexts:
                 self._release()
-            self.budget.unpin()
+            hooks(self.budget).unpin()
 
     def _release(self) -> None:
         if self._address is not None:

@@ -23,6 +23,7 @@ from ..errors import BudgetError
 from ..scope import current_budget
 from .callbacks import AllocatorMethods, allocator_class
 from .module import load_module, module_of
+from ..adapter import hooks
 
 __all__ = ["allocator", "allocator_of", "attach", "require_budget"]
 
@@ -125,10 +126,10 @@ def attach(obj: Attachable, budget: Budget | None = None) -> Attachable:
         obj.gpu_allocator = alloc
     except (AttributeError, TypeError) as exc:
         raise TypeError(f"{obj!r} does not take a gpu_allocator: {exc}") from exc
-    target.pin()
+    hooks(target).pin()
     with _lock:
         _attached[obj] = alloc
-    weakref.finalize(obj, target.unpin)
+    weakref.finalize(obj, hooks(target).unpin)
     return obj
 
 

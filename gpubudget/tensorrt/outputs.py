@@ -27,7 +27,7 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from ..adapter import callback_failed
+from ..adapter import callback_failed, hooks
 from ..budget import Budget
 from .lifetime import require_budget
 from .module import load_module, module_of
@@ -204,11 +204,11 @@ def output_allocator(context: Any, names: list[str] | tuple[str, ...] | None = N
         raise ValueError(f"{[n for n in names if n not in outputs]} are not outputs of the "
                          f"context's engine (its outputs: {outputs})")
     made = output_allocator_class(module)(target)
-    target.pin()
+    hooks(target).pin()
 
     def finished(alloc: Any = made) -> None:
         alloc.close()
-        target.unpin()
+        hooks(target).unpin()
 
     # before TensorRT holds a pointer to it: it now lives as long as the context, and is
     # made inert at interpreter exit
