@@ -30,7 +30,7 @@ its usage for the report, a hook at the end of the scope) goes through :func:`ho
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from . import interrupts
 from ._budget import Hooks, holder
@@ -45,6 +45,7 @@ __all__ = ["HandClock", "Hooks", "by_device", "callback_failed", "current_device
            "hand_clock", "holder", "hooks", "separate_roots"]
 
 R = TypeVar("R")
+A = TypeVar("A", bound="int | None")
 
 
 def hooks(budget: Budget) -> Hooks:
@@ -59,8 +60,18 @@ def hooks(budget: Budget) -> Hooks:
     return Hooks(budget)
 
 
-def callback_failed(budget: Budget, where: str, exc: BaseException, answer: int = 0) -> int:
-    """Inside a callback that caught ``exc``: what it returns (``answer``, its denial).
+@overload
+def callback_failed(budget: Budget, where: str, exc: BaseException) -> None: ...
+
+
+@overload
+def callback_failed(budget: Budget, where: str, exc: BaseException, answer: A) -> A: ...
+
+
+def callback_failed(budget: Budget, where: str, exc: BaseException,
+                    answer: int | None = None) -> int | None:
+    """Inside a callback that caught ``exc``: what it returns (``answer``, its denial:
+    ``None``, ``0``, ``False``).
 
     A ``KeyboardInterrupt`` counts as a denial with reason ``interrupted`` and is armed again
     for the main thread; anything else is kept for ``budget``'s report as an error naming

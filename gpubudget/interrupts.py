@@ -38,9 +38,11 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeVar, cast
 
 __all__ = ["pass_on", "unraisable"]
+
+A = TypeVar("A", bound="int | None")
 
 
 class _Unraisable(NamedTuple):
@@ -71,16 +73,17 @@ def unraisable(exc: BaseException, message: str, obj: object = None) -> None:
     stderr.flush()
 
 
-def pass_on(exc: BaseException, where: str, answer: int) -> int:
-    """In a callback that caught ``exc`` and answers ``answer`` (a denial): arm a
-    ``KeyboardInterrupt`` again for the main thread, or send anything else to
-    :func:`unraisable` naming ``where``; what the callback returns (``answer``, or in the
-    main thread an equal ``int`` that arms the interrupt once the caller drops it)."""
+def pass_on(exc: BaseException, where: str, answer: A) -> A:
+    """In a callback that caught ``exc`` and answers ``answer`` (a denial: ``None``, ``0``,
+    ``False``): arm a ``KeyboardInterrupt`` again for the main thread, or send anything else
+    to :func:`unraisable` naming ``where``; what the callback returns (``answer``, or in the
+    main thread an ``int`` equal to it, ``0`` for ``None``, that arms the interrupt once the
+    caller drops it)."""
     if isinstance(exc, KeyboardInterrupt):
         signum = _interrupting_signal()
         if signum is not None:
             if threading.get_ident() == threading.main_thread().ident:
-                return _carrier(signum)(answer)
+                return cast(A, _carrier(signum)(answer if isinstance(answer, int) else 0))
             _thread.interrupt_main(signum)
             return answer
         where = f"{where} (no signal handler left to raise it)"

@@ -161,7 +161,7 @@ class _Pool(RoutedPool):
             return self._failed(exc, address)
         return address
 
-    def _failed(self, exc: BaseException, address: int | None) -> int:
+    def _failed(self, exc: BaseException, address: int | None) -> int | None:
         """All or nothing: PyTorch gets no pointer (a block it never got is given back);
         the null address to answer (see :func:`gpubudget.adapter.callback_failed`)."""
         try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 from types import ModuleType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from ..adapter import callback_failed, current_device, hooks
 from ..budget import Budget
@@ -38,7 +38,7 @@ from .order import AllocatorOrder, allocator_order
 
 __all__ = ["AllocatorMethods", "RememberingMethods", "allocator_class", "argument_order"]
 
-A = TypeVar("A", bound=int)
+A = TypeVar("A", bound="int | None")
 _lock = threading.Lock()
 # a child forked while another thread held it must not wait for that thread
 os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
@@ -87,7 +87,7 @@ class AllocatorMethods:
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
-            return self._failed(where, exc, 0)
+            return self._failed(where, exc, None)
         return address
 
     def deallocate(self, memory: int) -> bool:
@@ -114,14 +114,14 @@ class AllocatorMethods:
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
         except BaseException as exc:  # noqa: BLE001
-            return self._failed("reallocate", exc, 0)
+            return self._failed("reallocate", exc, None)
         return moved
 
     def _failed(self, where: str, exc: BaseException, answer: A) -> A:
         """Record ``exc``; what to answer: ``answer``, or in the main thread an equal
         ``int`` that carries a Ctrl-C (see :func:`gpubudget.adapter.callback_failed`),
         returned as it is, as the callback's last step."""
-        return cast(A, callback_failed(self.budget, where, exc, answer))
+        return callback_failed(self.budget, where, exc, answer)
 
     def __repr__(self) -> str:
         return f"<gpubudget allocator for {self.budget!r}>"
@@ -143,7 +143,7 @@ class RememberingMethods(AllocatorMethods):
                     self.streams[address] = stream
             except BaseException as exc:  # noqa: BLE001 - all or nothing: give it back
                 self.root.free(address)
-                return self._failed(where, exc, 0)
+                return self._failed(where, exc, None)
         return address
 
     def deallocate_async(self, memory: int, stream: int | None) -> bool:
