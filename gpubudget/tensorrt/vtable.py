@@ -23,6 +23,11 @@ is read, never probed:
 
 Anything unexpected (no memory map: not Linux; a pure-Python stand-in; another layout) gives a
 reason instead of a :class:`VTable`, and the caller falls back to what needs no probe.
+
+The same reading tells whether an object TensorRT returned is real at all
+(:func:`unusable`): without a CUDA driver, the lean runtime's ``Runtime(logger)`` logs "CUDA
+initialization failure" and still returns a Python object whose C++ pointer is a small bogus
+value (0x228); using that object, or merely destroying it, crashes the process.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import sys
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["MAPS", "VTable", "inspect_vtable"]
+__all__ = ["MAPS", "VTable", "inspect_vtable", "unusable"]
 
 MAPS: Final = "/proc/self/maps"
 _WORD: Final = ctypes.sizeof(ctypes.c_void_p)
@@ -184,3 +189,40 @@ def _versioned(memory: _Map, rtti: int) -> bool:
         assert base is not None  # a name was read through it
         rtti = base
     return False
+
+
+def unusable(obj: object) -> str | None:
+    """Why the C++ object behind the pybind11 object ``obj`` cannot be real, or ``None`` when
+    it looks like one: its pointer lies in readable memory, and so does its virtual table,
+    in a mapped file whose code its first slot is. Reads only what the memory map shows
+    readable; never raises. ``None`` too where nothing can be said: no memory map, or
+    ``obj`` not an instance of a class an extension module defines (a Python stand-in)."""
+    if not any(_library_of(cls) for cls in type(obj).__mro__):
+        return None
+    try:
+        with open(MAPS, encoding="utf-8", errors="replace") as file:
+            memory = _Map(file.read())
+    except OSError:
+        return None
+    try:
+        return _unusable(memory, obj)
+    except Exception as exc:  # noqa: BLE001 - a reading that failed says nothing
+        return f"its C++ object could not be read ({type(exc).__name__}: {exc})"
+
+
+def _unusable(memory: _Map, obj: object) -> str | None:
+    if type(obj).__basicsize__ < _HEAD + _WORD:
+        return f"{type(obj).__qualname__} keeps no pointer after its Python header"
+    cpp = memory.word(id(obj) + _HEAD)
+    if not cpp:
+        return "no C++ object after the Python header"
+    vptr = memory.word(cpp)
+    if vptr is None:
+        return f"its C++ pointer {cpp:#x} is not in readable memory"
+    home = memory.find(vptr)
+    slot = memory.word(vptr) if home is not None else None
+    code = memory.find(slot, 1) if slot else None
+    if home is None or not home.path.startswith("/") or code is None or (
+            not code.executable or code.path != home.path):
+        return f"the C++ object at {cpp:#x} has no virtual table of a loaded library"
+    return None
