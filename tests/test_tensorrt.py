@@ -1,4 +1,6 @@
-"""The TensorRT adapter, driven through NVIDIA's own trampoline (TensorRT-RTX wheels)."""
+"""The TensorRT adapter, driven through NVIDIA's own trampolines: every allocator test runs on
+each real binding of tests/bindings.py (lean 10.16, lean 11.4, TensorRT-RTX 1.7); builders and
+runtimes, which the lean runtime cannot make without a GPU, on TensorRT-RTX."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from gpubudget import BudgetError, gpu_budget, label
 from gpubudget import tensorrt as gbt
+from tests import bindings
 from tests.helpers import fill, holds, subprocess_env
 from tests.trampoline import Trampoline, verify_slots
 
@@ -22,23 +25,26 @@ KiB = 1024
 LOGGER = trt.Logger(trt.Logger.ERROR)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _slots_verified() -> None:
-    verify_slots(trt, "IGpuAsyncAllocator")
-    verify_slots(trt, "IGpuAllocator")
+@pytest.fixture(params=bindings.IDS, scope="module")
+def module(request: pytest.FixtureRequest) -> Any:
+    """Each real binding's module in turn, its slots verified."""
+    found = bindings.load(request.param)
+    verify_slots(found, "IGpuAsyncAllocator", bindings.STREAM_INDEX[request.param])
+    verify_slots(found, "IGpuAllocator")
+    return found
 
 
-def test_allocator_is_a_real_igpuallocator_one_per_budget() -> None:
+def test_allocator_is_a_real_igpuallocator_one_per_budget(module: Any) -> None:
     with gpu_budget("1MiB") as budget:
-        alloc = gbt.allocator(trt_module=trt)
-        assert isinstance(alloc, trt.IGpuAllocator)
-        assert gbt.allocator(budget, trt_module="tensorrt_rtx_bindings") is alloc
+        alloc = gbt.allocator(trt_module=module)
+        assert isinstance(alloc, module.IGpuAllocator)
+        assert gbt.allocator(budget, trt_module=module.__name__) is alloc
         assert alloc.budget is budget
 
 
-def test_allocation_through_the_trampoline_charges_and_aligns() -> None:
+def test_allocation_through_the_trampoline_charges_and_aligns(module: Any) -> None:
     with gpu_budget("64KiB", name="model") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         address = cpp.allocate(1000, 0, 0)
         assert address is not None and budget.size_of(address) == 1024
         fill(address, 1000, 0x11)
@@ -51,18 +57,20 @@ def test_allocation_through_the_trampoline_charges_and_aligns() -> None:
         assert budget.used == 0
 
 
-def test_denials_are_null_pointers_and_only_tensorrt_prints(capfd: pytest.CaptureFixture[str]) -> None:
+def test_denials_are_null_pointers_and_only_tensorrt_prints(
+        module: Any, capfd: pytest.CaptureFixture[str]) -> None:
     with gpu_budget("8KiB", name="tiny") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         assert cpp.allocate(16 * KiB) is None  # over the limit
-        assert cpp.allocate(0) is None  # size 0
+        assert cpp.allocate(0) is None  # size 0: None, as NVIDIA asks, and no denial
         assert cpp.allocate(100, 3) is None  # alignment not a power of two
         assert cpp.deallocate(0xDEAD000) is False
+        assert cpp.deallocate(0) is True  # the null of a denial: nothing to free
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and all("could not be interpreted as an int" in line for line in lines), err
-    reasons = {d.reason for d in budget.report().denials}
-    assert reasons == {"over_limit", "invalid_size", "invalid_alignment"}
+    assert [d.reason for d in budget.report().denials] == ["over_limit", "invalid_alignment"]
+    assert budget.report().invalid_frees == 1
 
 
 def test_routing_one_runtime_two_sibling_models() -> None:
@@ -97,11 +105,11 @@ def test_unrelated_inner_budget_does_not_capture_calls() -> None:
         assert cpp.deallocate(block)
 
 
-def test_calls_from_threads_without_context_route_to_the_bound_budget() -> None:
+def test_calls_from_threads_without_context_route_to_the_bound_budget(module: Any) -> None:
     results: list[int | None] = []
     with gpu_budget("1MiB", name="pool") as pool:
         with gpu_budget("256KiB", name="child") as child:
-            cpp = Trampoline(gbt.allocator(trt_module=trt))
+            cpp = Trampoline(gbt.allocator(trt_module=module))
 
             def tensorrt_thread() -> None:  # a thread that never saw the caller's context
                 for _ in range(50):
@@ -127,9 +135,9 @@ def test_calls_from_threads_without_context_route_to_the_bound_budget() -> None:
     assert all(freed) and len(freed) == 200 and pool.used == 0
 
 
-def test_reallocate_in_place_move_and_refuse() -> None:
+def test_reallocate_in_place_move_and_refuse(module: Any) -> None:
     with gpu_budget("64KiB", name="r") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         block = cpp.allocate(KiB, 0, 1)  # RESIZABLE arrives as bit value 1
         assert block is not None
         fill(block, KiB, 0x42)
@@ -143,9 +151,10 @@ def test_reallocate_in_place_move_and_refuse() -> None:
         assert blocker is not None and cpp.deallocate(blocker) and cpp.deallocate(moved)
 
 
-def test_internal_errors_are_caught_recorded_and_denied(capfd: pytest.CaptureFixture[str]) -> None:
+def test_internal_errors_are_caught_recorded_and_denied(
+        module: Any, capfd: pytest.CaptureFixture[str]) -> None:
     with gpu_budget("64KiB", name="broken") as budget:
-        alloc = gbt.allocator(trt_module=trt)
+        alloc = gbt.allocator(trt_module=module)
         cpp = Trampoline(alloc)
 
         def explode(*args: object, **kwargs: object) -> None:
@@ -243,22 +252,31 @@ def test_lifetime_after_scope_and_references_dropped() -> None:
     assert cpp.allocate(KiB) is None  # a released budget answers null, never crashes
 
 
-def test_interpreter_exit_with_live_objects_is_silent(tmp_path: Any) -> None:
+@pytest.mark.parametrize("binding", bindings.IDS)
+def test_interpreter_exit_with_live_objects_is_silent(binding: str, tmp_path: Any) -> None:
+    """A program of its own, importing the binding by its real name."""
+    bindings.load(binding)  # skips (or fails, in CI) where it is not installed
+    name, path = (("tensorrt_rtx_bindings", "") if binding == bindings.RTX else
+                  ("tensorrt_lean_bindings", str(bindings.path_of(binding))))
     script = tmp_path / "exit.py"
-    script.write_text(textwrap.dedent("""
-        import tensorrt_rtx_bindings as trt
+    script.write_text(textwrap.dedent(f"""
+        import {name} as trt
         from gpubudget import gpu_budget
         from gpubudget import tensorrt as gbt
         from tests.trampoline import Trampoline
         logger = trt.Logger(trt.Logger.ERROR)
         pool = gpu_budget("1MiB", name="pool").__enter__()
-        runtime = gbt.Runtime(logger, trt_module=trt)
-        builder = gbt.Builder(logger, trt_module=trt)
-        cpp = Trampoline(gbt.allocator_of(runtime))
+        if hasattr(trt, "Builder"):  # TensorRT-RTX: a runtime and a builder without a GPU
+            runtime = gbt.Runtime(logger, trt_module=trt)
+            builder = gbt.Builder(logger, trt_module=trt)
+            cpp = Trampoline(gbt.allocator_of(runtime))
+        else:
+            cpp = Trampoline(gbt.allocator(trt_module=trt))
         blocks = [cpp.allocate(4096) for _ in range(10)]
         assert all(blocks)
-        print("done")
+        print("done", trt.__name__)
     """))
     env = subprocess_env(GPUBUDGET_BACKEND="host")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env["PYTHONPATH"]) if p)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
-    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"done {name}\n", "")
