@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from typing import Any
 
 import pytest
@@ -235,6 +236,29 @@ def test_module_choice_errors() -> None:
         gbt.load_module(os)
     with pytest.raises(TypeError, match="trt_module"):
         gbt.load_module(3)  # type: ignore[arg-type]
+
+
+def test_a_tensorrt_older_than_10_1_is_refused_in_one_line_naming_what_it_lacks() -> None:
+    old = types.ModuleType("tensorrt")  # TensorRT 10.0: the allocator, not the _v2 sizes
+    old.__version__ = "10.0.1"  # type: ignore[attr-defined]
+    old.IGpuAllocator = trt.IGpuAllocator  # type: ignore[attr-defined]
+    old.ICudaEngine = type("ICudaEngine", (), {"device_memory_size": 0})  # type: ignore[attr-defined]
+    old.IExecutionContext = type("IExecutionContext", (), {})  # type: ignore[attr-defined]
+    with pytest.raises(ValueError) as raised:
+        gbt.load_module(old)
+    message = str(raised.value)
+    assert message.startswith("tensorrt 10.0.1 is older than gpubudget supports (TensorRT 10.1)")
+    assert "\n" not in message
+    for name in ("ICudaEngine.device_memory_size_v2", "ICudaEngine.weight_streaming_budget_v2",
+                 "IExecutionContext.set_device_memory"):
+        assert name in message
+
+
+def test_every_binding_and_front_end_is_looked_for() -> None:
+    assert set(gbt.MODULE_NAMES) >= {"tensorrt", "tensorrt_bindings", "tensorrt_rtx",
+                                     "tensorrt_rtx_bindings", "tensorrt_lean",
+                                     "tensorrt_lean_bindings"}
+    assert gbt.MODULE_NAMES.index("tensorrt") == 0  # the full TensorRT first
 
 
 def test_lifetime_after_scope_and_references_dropped() -> None:

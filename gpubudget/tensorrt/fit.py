@@ -24,7 +24,7 @@ from typing import Any, Final
 from ..budget import Budget
 from ..units import format_size
 from .lifetime import keep_if_unusable
-from .module import load_module
+from .module import load_module, require_api
 from .weights import room_of, weights_size
 
 __all__ = ["EngineNeeds", "PlanError", "engine_needs", "plan_needs"]
@@ -153,6 +153,8 @@ def engine_needs(engine: Any, *, budget: Budget | None = None, room: int | None 
 
     >>> print(gbt.engine_needs(engine, budget=pool).text())   # doctest: +SKIP
     """
+    require_api(engine, ("num_optimization_profiles", "device_memory_size_v2",
+                         "get_device_memory_size_for_profile_v2"), "engine_needs()")
     profiles = int(engine.num_optimization_profiles)
     per_profile = tuple(int(engine.get_device_memory_size_for_profile_v2(p))
                         for p in range(profiles))
@@ -160,7 +162,9 @@ def engine_needs(engine: Any, *, budget: Budget | None = None, room: int | None 
     return EngineNeeds(plan_bytes, weights_size(engine), per_profile,
                        int(engine.device_memory_size_v2),
                        int(streamable) if streamable is not None else None,
-                       _contexts(contexts), _room(budget, room), type(engine).__module__)
+                       _contexts(contexts), _room(budget, room), type(engine).__module__,
+                       checked=("deserialized",) if plan_bytes is None else
+                       ("plan size", "deserialized"))
 
 
 def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,

@@ -13,7 +13,7 @@ import importlib
 from types import ModuleType
 from typing import Final
 
-__all__ = ["MODULE_NAMES", "load_module", "module_of"]
+__all__ = ["MODULE_NAMES", "OLDEST", "REQUIRED", "load_module", "module_of", "require_api"]
 
 MODULE_NAMES: Final = ("tensorrt", "tensorrt_bindings", "tensorrt_rtx", "tensorrt_rtx_bindings",
                        "tensorrt_lean", "tensorrt_lean_bindings")
@@ -78,3 +78,13 @@ def module_of(obj: object) -> ModuleType:
         if top not in ("gpubudget", "builtins"):
             return load_module(importlib.import_module(top))
     raise TypeError(f"{obj!r} is not a TensorRT object")
+
+
+def require_api(obj: object, names: tuple[str, ...], what: str) -> None:
+    """Raise ``TypeError``, one line naming what is missing, unless ``obj`` (an engine or a
+    context TensorRT made) has every attribute of ``names``: TensorRT 10.0 lacks the ``*_v2``
+    sizes, ``weight_streaming_budget_v2`` and ``set_device_memory``."""
+    lacks = [name for name in names if not hasattr(obj, name)]
+    if lacks:
+        raise TypeError(f"{what}: {type(obj).__name__} lacks {', '.join(lacks)} (a TensorRT "
+                        f"older than {OLDEST}, the oldest gpubudget supports?)")
