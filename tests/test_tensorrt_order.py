@@ -166,7 +166,7 @@ def test_a_pure_python_stand_in_gets_the_safe_reading() -> None:
 def test_the_probe_is_silent_and_never_calls_a_layout_it_does_not_know(
         binding: str, capfd: pytest.CaptureFixture[str],  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:
-    trt = bindings.load(binding)
+    trt: Any = bindings.load(binding)
     for base in (trt.IGpuAsyncAllocator, trt.IGpuAllocator):
         assert allocator_order(base).found  # ran again, from scratch
     assert output_order(trt.IOutputAllocator).stream
@@ -180,7 +180,7 @@ def test_the_probe_is_silent_and_never_calls_a_layout_it_does_not_know(
 
 
 def test_inspect_vtable_checks_before_it_reads(binding: str) -> None:  # noqa: F811
-    trt = bindings.load(binding)
+    trt: Any = bindings.load(binding)
 
     class Probe(trt.IGpuAsyncAllocator):  # type: ignore[misc]
         def __init__(self) -> None:
