@@ -304,3 +304,12 @@ def test_interpreter_exit_with_live_objects_is_silent(binding: str, tmp_path: An
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env["PYTHONPATH"]) if p)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, f"done {name}\n", "")
+
+
+@pytest.mark.parametrize("binding", tuple(bindings.LEAN))
+def test_a_lean_runtime_has_no_builder_and_says_so(binding: str) -> None:
+    module = bindings.load(binding)
+    with gpu_budget("1MiB") as budget:
+        with pytest.raises(ValueError, match=f"Builder\\(\\): {module.__name__} has no Builder"):
+            gbt.Builder(LOGGER, trt_module=module)
+    assert budget.report().state == "released"  # nothing was attached, nothing pinned

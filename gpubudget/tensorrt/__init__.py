@@ -129,9 +129,14 @@ def argument_order(trt_module: ModuleType | str | None = None) -> AllocatorOrder
 
 def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
     """A TensorRT ``Builder`` with an allocator of the current budget attached.
-    ``BackendError`` where TensorRT cannot initialise CUDA (see :func:`Runtime`)."""
+    ``BackendError`` where TensorRT cannot initialise CUDA (see :func:`Runtime`);
+    ``ValueError`` for a module without a builder (the lean runtime)."""
     budget = require_budget(None, "Builder()")
-    builder = load_module(trt_module).Builder(logger)
+    module = load_module(trt_module)
+    if not hasattr(module, "Builder"):
+        raise ValueError(f"Builder(): {module.__name__} has no Builder (TensorRT's lean "
+                         "runtime only runs plans: build them with full TensorRT or TensorRT-RTX)")
+    builder = module.Builder(logger)
     require_usable(builder, "Builder()")
     return attach(builder, budget)
 
