@@ -16,10 +16,11 @@ waits for that stream's work before anyone reuses it) and ``reallocate`` refuses
 allocations carry their stream but ``deallocate_async`` was not seen to pass its own, each
 block is freed on the stream it was allocated for (remembered per block), whatever arrives.
 
+Zero. As NVIDIA's interface asks, a request of size 0 is answered ``None`` without counting a
+denial, and freeing address 0 (what a denial handed out) is a no-op answered ``True``.
+
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
-``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. As NVIDIA's
-interface asks, a request of size 0 is answered ``None`` without counting a denial, and
-freeing address 0 (what a denial handed out) is a no-op answered ``True``. Every callback
+``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
 catches everything (``BaseException``): an error is recorded in the budget's report and
 answered as a denial; a Ctrl-C is answered the same way and raised again in the main thread
 once control is back in Python (see :mod:`gpubudget.adapter`).
