@@ -313,3 +313,19 @@ def test_a_lean_runtime_has_no_builder_and_says_so(binding: str) -> None:
         with pytest.raises(ValueError, match=f"Builder\\(\\): {module.__name__} has no Builder"):
             gbt.Builder(LOGGER, trt_module=module)
     assert budget.report().state == "released"  # nothing was attached, nothing pinned
+
+
+def test_real_objects_and_python_ones_are_never_called_unusable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT-RTX makes real runtimes and builders without a GPU: their C++ objects are
+    recognised as real; a Python object is not TensorRT's to judge (the bogus lean Runtime is
+    in tests/test_tensorrt_nogpu.py, in a program of its own)."""
+    from gpubudget.tensorrt import vtable
+
+    for obj in (trt.Runtime(LOGGER), trt.Builder(LOGGER), trt.Logger()):
+        assert vtable.unusable(obj) is None, obj
+    assert vtable.unusable(object()) is None
+    with gpu_budget("1MiB"):
+        assert gbt.allocator_of(gbt.attach(trt.Runtime(LOGGER))) is not None
+    monkeypatch.setattr(vtable, "MAPS", "/nonexistent/maps")
+    assert vtable.unusable(trt.Runtime(LOGGER)) is None  # nothing can be said: not refused
