@@ -55,6 +55,7 @@ PROGRAM = textwrap.dedent("""
     for flags in (["--no-gpu"], [], ["--json"]):
         out[" ".join(flags) or "cli"] = main(["engine", plan, "--trt-module",
                                               "tensorrt_lean_bindings", *flags])
+    out["default module"] = main(["engine", plan])  # found by itself: the lean runtime
     gc.collect()
     print(json.dumps(out))
 """)
@@ -89,8 +90,9 @@ def test_no_gbt_call_and_no_engine_command_crashes_without_a_gpu(
     assert "not deserialized" in quick["unknown"]
     assert "could not initialise CUDA" in deep["unknown"] and "CUDA initialization" in (
         deep["unknown"])
-    assert (out["--no-gpu"], out["cli"], out["--json"]) == (0, 0, 0)
+    assert (out["--no-gpu"], out["cli"], out["--json"], out["default module"]) == (0, 0, 0, 0)
     text = "\n".join(printed)
-    assert text.count("4.88 KiB") >= 2 and "checked" in text and "plan size" in text
+    assert text.count("4.88 KiB") >= 3 and "checked" in text and "plan size" in text
+    assert text.count("could not initialise CUDA") >= 3  # deserializing asked for, thrice
     assert "could not initialise CUDA" in text
     assert "Traceback" not in done.stderr
