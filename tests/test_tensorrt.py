@@ -327,5 +327,7 @@ def test_real_objects_and_python_ones_are_never_called_unusable(
     assert vtable.unusable(object()) is None
     with gpu_budget("1MiB"):
         assert gbt.allocator_of(gbt.attach(trt.Runtime(LOGGER))) is not None
+    monkeypatch.setattr(vtable, "_MEM", "/nonexistent/mem")  # the memory map instead
+    assert vtable.unusable(trt.Runtime(LOGGER)) is None
     monkeypatch.setattr(vtable, "MAPS", "/nonexistent/maps")
     assert vtable.unusable(trt.Runtime(LOGGER)) is None  # nothing can be said: not refused

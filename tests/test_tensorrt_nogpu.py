@@ -37,6 +37,10 @@ PROGRAM = textwrap.dedent("""
     if out["gpu"]:  # a machine with a GPU TensorRT can use: nothing to check here
         print(json.dumps(out))
         sys.exit(0)
+    from gpubudget.tensorrt import vtable
+    vtable._MEM = "/nonexistent"  # where /proc/self/mem cannot be read: the memory map
+    out["by map"] = unusable(own)
+    vtable._MEM = "/proc/self/mem"
     out["found"] = gbt.load_module().__name__
     with gpu_budget("1MiB"):
         for name, make in (("Runtime", lambda: gbt.Runtime(logger)),
@@ -78,6 +82,8 @@ def test_no_gbt_call_and_no_engine_command_crashes_without_a_gpu(
     out = json.loads(last)
     if out["gpu"]:
         pytest.skip("TensorRT initialised CUDA here: this machine has a GPU it can use")
+    assert out["by map"].startswith("its C++ pointer 0x")
+    assert out["by map"].endswith("is not in readable memory")
     assert out["found"] == "tensorrt_lean_bindings"  # the bindings alone are found
     for name in ("Runtime", "attach"):
         assert f"{name}(): TensorRT could not initialise CUDA" in out[name]

@@ -36,7 +36,7 @@ from typing import Any
 from .callbacks import argument_order as _argument_order
 from .contexts import ContextMemory, context_memory, execution_context, fit_shapes
 from .fit import EngineNeeds, PlanError, engine_needs, plan_needs
-from .lifetime import allocator, allocator_of, attach, require_budget, require_usable
+from .lifetime import allocator, allocator_of, attach, attach_as, require_budget
 from .module import MODULE_NAMES, load_module
 from .order import AllocatorOrder, OutputOrder
 from .outputs import output_allocator
@@ -136,9 +136,7 @@ def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any: 
     if not hasattr(module, "Builder"):
         raise ValueError(f"Builder(): {module.__name__} has no Builder (TensorRT's lean "
                          "runtime only runs plans: build them with full TensorRT or TensorRT-RTX)")
-    builder = module.Builder(logger)
-    require_usable(builder, "Builder()")
-    return attach(builder, budget)
+    return attach_as(module.Builder(logger), budget, "Builder()")
 
 
 def Runtime(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
@@ -149,6 +147,4 @@ def Runtime(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any: 
     machine without a CUDA driver returns a Runtime with no real C++ object behind it): that
     Runtime is never touched and kept alive for good, since destroying it would crash."""
     budget = require_budget(None, "Runtime()")
-    runtime = _runtime_class(load_module(trt_module))(logger)
-    require_usable(runtime, "Runtime()")
-    return attach(runtime, budget)
+    return attach_as(_runtime_class(load_module(trt_module))(logger), budget, "Runtime()")

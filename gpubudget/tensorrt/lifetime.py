@@ -30,7 +30,7 @@ from .callbacks import AllocatorMethods, allocator_class
 from .module import load_module, module_of
 from .vtable import unusable
 
-__all__ = ["allocator", "allocator_of", "attach", "keep_if_unusable", "require_budget",
+__all__ = ["allocator", "allocator_of", "attach", "attach_as", "keep_if_unusable", "require_budget",
            "require_usable"]
 
 _lock = threading.Lock()
@@ -150,8 +150,12 @@ def attach(obj: Attachable, budget: Budget | None = None) -> Attachable:
     no allocator, ``BackendError`` if TensorRT made ``obj`` without a working CUDA (it is
     then kept alive for good and never touched: see :func:`require_usable`).
     """
-    target = require_budget(budget, "attach()")
-    require_usable(obj, "attach()")
+    return attach_as(obj, require_budget(budget, "attach()"), "attach()")
+
+
+def attach_as(obj: Attachable, target: Budget, what: str) -> Attachable:
+    """:func:`attach` for ``what`` (the caller's name in its errors), the budget checked."""
+    require_usable(obj, what)
     alloc = make(module_of(obj), target, _phase_of(obj))
     try:
         obj.gpu_allocator = alloc
