@@ -1,4 +1,6 @@
-"""The TensorRT adapter, driven through NVIDIA's own trampoline (TensorRT-RTX wheels)."""
+"""The TensorRT adapter, driven through NVIDIA's own trampolines: every allocator test runs on
+each real binding of tests/bindings.py (lean 10.16, lean 11.4, TensorRT-RTX 1.7); builders and
+runtimes, which the lean runtime cannot make without a GPU, on TensorRT-RTX."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 from typing import Any
 
 import pytest
 
 from gpubudget import BudgetError, gpu_budget, label
 from gpubudget import tensorrt as gbt
+from tests import bindings
 from tests.helpers import fill, holds, subprocess_env
 from tests.trampoline import Trampoline, verify_slots
 
@@ -22,23 +26,26 @@ KiB = 1024
 LOGGER = trt.Logger(trt.Logger.ERROR)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _slots_verified() -> None:
-    verify_slots(trt, "IGpuAsyncAllocator")
-    verify_slots(trt, "IGpuAllocator")
+@pytest.fixture(params=bindings.IDS, scope="module")
+def module(request: pytest.FixtureRequest) -> Any:
+    """Each real binding's module in turn, its slots verified."""
+    found = bindings.load(request.param)
+    verify_slots(found, "IGpuAsyncAllocator", bindings.STREAM_INDEX[request.param])
+    verify_slots(found, "IGpuAllocator")
+    return found
 
 
-def test_allocator_is_a_real_igpuallocator_one_per_budget() -> None:
+def test_allocator_is_a_real_igpuallocator_one_per_budget(module: Any) -> None:
     with gpu_budget("1MiB") as budget:
-        alloc = gbt.allocator(trt_module=trt)
-        assert isinstance(alloc, trt.IGpuAllocator)
-        assert gbt.allocator(budget, trt_module="tensorrt_rtx_bindings") is alloc
+        alloc = gbt.allocator(trt_module=module)
+        assert isinstance(alloc, module.IGpuAllocator)
+        assert gbt.allocator(budget, trt_module=module.__name__) is alloc
         assert alloc.budget is budget
 
 
-def test_allocation_through_the_trampoline_charges_and_aligns() -> None:
+def test_allocation_through_the_trampoline_charges_and_aligns(module: Any) -> None:
     with gpu_budget("64KiB", name="model") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         address = cpp.allocate(1000, 0, 0)
         assert address is not None and budget.size_of(address) == 1024
         fill(address, 1000, 0x11)
@@ -51,18 +58,20 @@ def test_allocation_through_the_trampoline_charges_and_aligns() -> None:
         assert budget.used == 0
 
 
-def test_denials_are_null_pointers_and_only_tensorrt_prints(capfd: pytest.CaptureFixture[str]) -> None:
+def test_denials_are_null_pointers_and_only_tensorrt_prints(
+        module: Any, capfd: pytest.CaptureFixture[str]) -> None:
     with gpu_budget("8KiB", name="tiny") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         assert cpp.allocate(16 * KiB) is None  # over the limit
-        assert cpp.allocate(0) is None  # size 0
+        assert cpp.allocate(0) is None  # size 0: None, as NVIDIA asks, and no denial
         assert cpp.allocate(100, 3) is None  # alignment not a power of two
         assert cpp.deallocate(0xDEAD000) is False
+        assert cpp.deallocate(0) is True  # the null of a denial: nothing to free
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines and all("could not be interpreted as an int" in line for line in lines), err
-    reasons = {d.reason for d in budget.report().denials}
-    assert reasons == {"over_limit", "invalid_size", "invalid_alignment"}
+    assert [d.reason for d in budget.report().denials] == ["over_limit", "invalid_alignment"]
+    assert budget.report().invalid_frees == 1
 
 
 def test_routing_one_runtime_two_sibling_models() -> None:
@@ -97,11 +106,11 @@ def test_unrelated_inner_budget_does_not_capture_calls() -> None:
         assert cpp.deallocate(block)
 
 
-def test_calls_from_threads_without_context_route_to_the_bound_budget() -> None:
+def test_calls_from_threads_without_context_route_to_the_bound_budget(module: Any) -> None:
     results: list[int | None] = []
     with gpu_budget("1MiB", name="pool") as pool:
         with gpu_budget("256KiB", name="child") as child:
-            cpp = Trampoline(gbt.allocator(trt_module=trt))
+            cpp = Trampoline(gbt.allocator(trt_module=module))
 
             def tensorrt_thread() -> None:  # a thread that never saw the caller's context
                 for _ in range(50):
@@ -127,9 +136,9 @@ def test_calls_from_threads_without_context_route_to_the_bound_budget() -> None:
     assert all(freed) and len(freed) == 200 and pool.used == 0
 
 
-def test_reallocate_in_place_move_and_refuse() -> None:
+def test_reallocate_in_place_move_and_refuse(module: Any) -> None:
     with gpu_budget("64KiB", name="r") as budget:
-        cpp = Trampoline(gbt.allocator(trt_module=trt))
+        cpp = Trampoline(gbt.allocator(trt_module=module))
         block = cpp.allocate(KiB, 0, 1)  # RESIZABLE arrives as bit value 1
         assert block is not None
         fill(block, KiB, 0x42)
@@ -143,9 +152,10 @@ def test_reallocate_in_place_move_and_refuse() -> None:
         assert blocker is not None and cpp.deallocate(blocker) and cpp.deallocate(moved)
 
 
-def test_internal_errors_are_caught_recorded_and_denied(capfd: pytest.CaptureFixture[str]) -> None:
+def test_internal_errors_are_caught_recorded_and_denied(
+        module: Any, capfd: pytest.CaptureFixture[str]) -> None:
     with gpu_budget("64KiB", name="broken") as budget:
-        alloc = gbt.allocator(trt_module=trt)
+        alloc = gbt.allocator(trt_module=module)
         cpp = Trampoline(alloc)
 
         def explode(*args: object, **kwargs: object) -> None:
@@ -228,6 +238,29 @@ def test_module_choice_errors() -> None:
         gbt.load_module(3)  # type: ignore[arg-type]
 
 
+def test_a_tensorrt_older_than_10_1_is_refused_in_one_line_naming_what_it_lacks() -> None:
+    old = types.ModuleType("tensorrt")  # TensorRT 10.0: the allocator, not the _v2 sizes
+    old.__version__ = "10.0.1"  # type: ignore[attr-defined]
+    old.IGpuAllocator = trt.IGpuAllocator  # type: ignore[attr-defined]
+    old.ICudaEngine = type("ICudaEngine", (), {"device_memory_size": 0})  # type: ignore[attr-defined]
+    old.IExecutionContext = type("IExecutionContext", (), {})  # type: ignore[attr-defined]
+    with pytest.raises(ValueError) as raised:
+        gbt.load_module(old)
+    message = str(raised.value)
+    assert message.startswith("tensorrt 10.0.1 is older than gpubudget supports (TensorRT 10.1)")
+    assert "\n" not in message
+    for name in ("ICudaEngine.device_memory_size_v2", "ICudaEngine.weight_streaming_budget_v2",
+                 "IExecutionContext.set_device_memory"):
+        assert name in message
+
+
+def test_every_binding_and_front_end_is_looked_for() -> None:
+    assert set(gbt.MODULE_NAMES) >= {"tensorrt", "tensorrt_bindings", "tensorrt_rtx",
+                                     "tensorrt_rtx_bindings", "tensorrt_lean",
+                                     "tensorrt_lean_bindings"}
+    assert gbt.MODULE_NAMES.index("tensorrt") == 0  # the full TensorRT first
+
+
 def test_lifetime_after_scope_and_references_dropped() -> None:
     with gpu_budget("64KiB", name="life") as budget:
         runtime = gbt.Runtime(LOGGER, trt_module=trt)
@@ -243,22 +276,58 @@ def test_lifetime_after_scope_and_references_dropped() -> None:
     assert cpp.allocate(KiB) is None  # a released budget answers null, never crashes
 
 
-def test_interpreter_exit_with_live_objects_is_silent(tmp_path: Any) -> None:
+@pytest.mark.parametrize("binding", bindings.IDS)
+def test_interpreter_exit_with_live_objects_is_silent(binding: str, tmp_path: Any) -> None:
+    """A program of its own, importing the binding by its real name."""
+    bindings.load(binding)  # skips (or fails, in CI) where it is not installed
+    name, path = (("tensorrt_rtx_bindings", "") if binding == bindings.RTX else
+                  ("tensorrt_lean_bindings", str(bindings.path_of(binding))))
     script = tmp_path / "exit.py"
-    script.write_text(textwrap.dedent("""
-        import tensorrt_rtx_bindings as trt
+    script.write_text(textwrap.dedent(f"""
+        import {name} as trt
         from gpubudget import gpu_budget
         from gpubudget import tensorrt as gbt
         from tests.trampoline import Trampoline
         logger = trt.Logger(trt.Logger.ERROR)
         pool = gpu_budget("1MiB", name="pool").__enter__()
-        runtime = gbt.Runtime(logger, trt_module=trt)
-        builder = gbt.Builder(logger, trt_module=trt)
-        cpp = Trampoline(gbt.allocator_of(runtime))
+        if hasattr(trt, "Builder"):  # TensorRT-RTX: a runtime and a builder without a GPU
+            runtime = gbt.Runtime(logger, trt_module=trt)
+            builder = gbt.Builder(logger, trt_module=trt)
+            cpp = Trampoline(gbt.allocator_of(runtime))
+        else:
+            cpp = Trampoline(gbt.allocator(trt_module=trt))
         blocks = [cpp.allocate(4096) for _ in range(10)]
         assert all(blocks)
-        print("done")
+        print("done", trt.__name__)
     """))
     env = subprocess_env(GPUBUDGET_BACKEND="host")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env["PYTHONPATH"]) if p)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
-    assert (result.returncode, result.stdout, result.stderr) == (0, "done\n", "")
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"done {name}\n", "")
+
+
+@pytest.mark.parametrize("binding", tuple(bindings.LEAN))
+def test_a_lean_runtime_has_no_builder_and_says_so(binding: str) -> None:
+    module = bindings.load(binding)
+    with gpu_budget("1MiB") as budget:
+        with pytest.raises(ValueError, match=f"Builder\\(\\): {module.__name__} has no Builder"):
+            gbt.Builder(LOGGER, trt_module=module)
+    assert budget.report().state == "released"  # nothing was attached, nothing pinned
+
+
+def test_real_objects_and_python_ones_are_never_called_unusable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT-RTX makes real runtimes and builders without a GPU: their C++ objects are
+    recognised as real; a Python object is not TensorRT's to judge (the bogus lean Runtime is
+    in tests/test_tensorrt_nogpu.py, in a program of its own)."""
+    from gpubudget.tensorrt import vtable
+
+    for obj in (trt.Runtime(LOGGER), trt.Builder(LOGGER), trt.Logger()):
+        assert vtable.unusable(obj) is None, obj
+    assert vtable.unusable(object()) is None
+    with gpu_budget("1MiB"):
+        assert gbt.allocator_of(gbt.attach(trt.Runtime(LOGGER))) is not None
+    monkeypatch.setattr(vtable, "_MEM", "/nonexistent/mem")  # the memory map instead
+    assert vtable.unusable(trt.Runtime(LOGGER)) is None
+    monkeypatch.setattr(vtable, "MAPS", "/nonexistent/maps")
+    assert vtable.unusable(trt.Runtime(LOGGER)) is None  # nothing can be said: not refused

@@ -14,7 +14,8 @@ import pytest
 
 from gpubudget import AllocationDenied, BudgetError, gpu_budget
 from gpubudget import tensorrt as gbt
-from tests.helpers import consistent
+from tests import bindings
+from tests.helpers import StreamBackend, consistent
 from tests.trampoline import Trampoline
 from tests.trt_fakes import KiB, FakeEngine
 
@@ -142,19 +143,28 @@ def test_contexts_sharing_one_region_opt_in() -> None:
         assert budget.used == 0
 
 
-def test_scratch_comes_from_the_same_budget_tagged_scratch() -> None:
-    model = engine()
-    with gpu_budget("1MiB", name="pool", backend="host"):
+@pytest.mark.parametrize("binding", bindings.IDS)
+def test_scratch_comes_from_the_same_budget_tagged_scratch(binding: str) -> None:
+    module = bindings.load(binding)
+    model = FakeEngine(module)
+    backend = StreamBackend()  # stream work is done only when the test says so
+    with gpu_budget("1MiB", name="pool", backend=backend):
         with gpu_budget("512KiB", name="model") as budget:
-            context = gbt.execution_context(model, trt_module=trt)
+            context = gbt.execution_context(model, trt_module=module)
         scratch = Trampoline(context.temporary_allocator)  # NVIDIA's trampoline, as enqueue uses
-        assert isinstance(context.temporary_allocator, trt.IGpuAllocator)
-        block = scratch.allocate_async(3 * KiB, 256, 0, 7)
+        assert isinstance(context.temporary_allocator, module.IGpuAllocator)
+        stream = 0x5A0
+        block = scratch.allocate_async(3 * KiB, 256, 1, stream)
         assert block is not None and budget.owner_of(block) is budget
-        tags = {b.address: b.tag for b in budget.report().live_blocks}
-        assert tags[block] == "scratch"
-        assert scratch.deallocate_async(block, 7)
-        plain = gbt.execution_context(model, budget=budget, scratch=False, trt_module=trt)
+        live = {b.address: b for b in budget.report().live_blocks}
+        assert live[block].tag == "scratch"
+        assert scratch.deallocate_async(block, stream)
+        # freed on its stream: that stream may reuse it at once (the stream was read where
+        # this binding puts it: a flag read as the stream would not reuse it)
+        again = scratch.allocate_async(3 * KiB, 256, 1, stream)
+        assert again == block and scratch.deallocate_async(again, stream)
+        backend.finish()
+        plain = gbt.execution_context(model, budget=budget, scratch=False, trt_module=module)
         assert plain.temporary_allocator is None
         del context, plain, scratch
         gc.collect()

@@ -18,6 +18,7 @@ from gpubudget import gpu_budget
 from gpubudget import tensorrt as gbt
 from gpubudget.cli import main
 from gpubudget.tensorrt.fit import EngineNeeds
+from tests import bindings
 from tests.trt_fakes import KiB, FakeEngine, real_plan
 
 trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
@@ -212,3 +213,43 @@ def test_the_binding_extension_itself_is_a_trt_module(
     assert status == 2 and "internal error" not in err
     with pytest.raises(gbt.PlanError, match=r"not a plan of this .*\(version unknown\)"):
         gbt.plan_needs(b"\x01" * 4096, trt_module=extension)
+
+
+def test_what_was_checked_is_said(plan_file: Path) -> None:
+    """TensorRT-RTX checks a plan's header length and its header without a GPU; an engine's
+    numbers are its own."""
+    needs = gbt.plan_needs(plan_file, trt_module=trt)
+    assert needs.checked == ("plan size", "header size", "header")
+    assert "checked             plan size, header size, header" in needs.text()
+    assert needs.as_dict()["checked"] == ("plan size", "header size", "header")
+    exact = gbt.engine_needs(FakeEngine(trt))
+    assert exact.checked == ("deserialized",)
+    assert gbt.engine_needs(FakeEngine(trt), plan_bytes=10).checked == ("plan size",
+                                                                        "deserialized")
+
+
+@pytest.mark.parametrize("binding", tuple(bindings.LEAN))
+def test_a_lean_runtime_checks_only_the_plans_size_without_a_gpu(binding: str) -> None:
+    """TensorRT 10 and 11 have no get_engine_validity (nor engine_header_size): without
+    deserializing, no Runtime is even made (making one without a GPU gives an unusable one)."""
+    module = bindings.load(binding)
+    assert not hasattr(module.Runtime, "get_engine_validity")
+    needs = gbt.plan_needs(b"\x01" * 3000, trt_module=module)
+    assert (needs.plan_bytes, needs.checked, needs.module) == (3000, ("plan size",),
+                                                               module.__name__)
+    assert needs.unknown is not None and "not deserialized" in needs.unknown
+
+
+def test_an_engine_of_a_tensorrt_older_than_10_1_is_one_line_naming_what_it_lacks() -> None:
+    class Engine10_0:  # noqa: N801 - TensorRT 10.0's ICudaEngine has the sizes without _v2
+        num_optimization_profiles = 1
+        device_memory_size = 4096
+
+    for call, what in ((lambda: gbt.engine_needs(Engine10_0()), "engine_needs()"),
+                       (lambda: gbt.stream_weights(Engine10_0()), "stream_weights()"),
+                       (lambda: gbt.ContextMemory(Engine10_0()), "ContextMemory()")):
+        with gpu_budget("1MiB", backend="host"), pytest.raises(TypeError) as raised:
+            call()
+        message = str(raised.value)
+        assert message.startswith(f"{what}: Engine10_0 lacks ") and "\n" not in message
+        assert "device_memory_size_v2" in message and "older than 10.1" in message

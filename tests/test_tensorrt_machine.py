@@ -7,8 +7,8 @@ stream: each inference writes its output with its context's own byte, as its ker
 and those bytes must stay until that stream's work is done. At the end, nothing lost.
 
 Engines and contexts are fakes with TensorRT's method names (tests/trt_fakes.py); the scratch
-allocator and the output allocator are TensorRT-RTX's classes, called through NVIDIA's C++
-trampolines.
+allocator and the output allocator are classes of each real binding of tests/bindings.py
+(lean 10.16, lean 11.4, TensorRT-RTX 1.7), called through NVIDIA's C++ trampolines.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from gpubudget import Budget, BudgetError, gpu_budget
 from gpubudget import tensorrt as gbt
+from tests import bindings
 from tests.helpers import StreamBackend, consistent, fill, holds
 from tests.trt_fakes import KiB, FakeEngine
 
-trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class InFlight:
 
 
 class Doors(RuleBasedStateMachine):
+    trt: Any  # the binding whose classes the callbacks subclass (see the test below)
+
     def __init__(self) -> None:
         super().__init__()
         self.backend = StreamBackend()
@@ -93,7 +96,7 @@ class Doors(RuleBasedStateMachine):
         scope = contextvars.copy_context()
         budget = gpu_budget(limit, name=f"model-{len(self.models)}", parent=self.pool)
         scope.run(budget.__enter__)
-        self.models.append(Model(budget, scope, FakeEngine(trt, per_batch=per_batch)))
+        self.models.append(Model(budget, scope, FakeEngine(self.trt, per_batch=per_batch)))
 
     @precondition(lambda self: self.models)
     @rule(data=st.data(), share=st.booleans())
@@ -105,12 +108,12 @@ class Doors(RuleBasedStateMachine):
         before = model.budget.used
         try:
             memory = shared[0] if share and shared else gbt.ContextMemory(
-                model.engine, budget=model.budget, trt_module=trt)
+                model.engine, budget=model.budget, trt_module=self.trt)
             context = memory.create_context()
         except BudgetError:  # over its limit, or a model exited early with nothing left
             assert model.budget.used == before  # refused before TensorRT: nothing changed
             return
-        outputs = gbt.output_allocator(context, budget=model.budget, trt_module=trt)
+        outputs = gbt.output_allocator(context, budget=model.budget, trt_module=self.trt)
         self.serial += 1
         self.live[self.serial] = Live(context, memory, outputs, model, 0x100 + self.serial,
                                       1 + self.serial % 255)
@@ -138,7 +141,7 @@ class Doors(RuleBasedStateMachine):
     def infer(self, data: st.DataObject, found: int) -> None:
         live = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         ran = live.context.execute_async_v3(live.stream, found=found, budget=live.model.budget,
-                                            trt=trt)
+                                            trt=self.trt)
         if ran:
             address = live.outputs.address("y")
             assert live.model.budget.size_of(address) >= max(found, 1) * 8
@@ -206,6 +209,11 @@ class Doors(RuleBasedStateMachine):
         assert self.pool.report().state == "released"
 
 
-TestDoors = Doors.TestCase
-TestDoors.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                              suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("binding", bindings.IDS)
+def test_every_door_at_once_in_any_order(binding: str) -> None:
+    """On each real binding (TensorRT-RTX with more examples: the lean runtimes' trampolines
+    differ from it only in their output allocator's slots and their argument order)."""
+    machine = type("Doors", (Doors,), {"trt": bindings.load(binding)})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=40 if binding == bindings.RTX else 20, stateful_step_count=30,
+        deadline=None, suppress_health_check=[HealthCheck.too_slow]))

@@ -1,12 +1,14 @@
 """Where each binding puts the stream: asked of the binding, and stream-ordered reuse that is
 safe with either order (and with none).
 
-Three bindings, each driven through its C++ virtual methods as TensorRT drives it:
+Each binding is driven through its C++ virtual methods as TensorRT drives it:
 
-- TensorRT-RTX 1.7 (NVIDIA's own trampoline): ``allocate_async(size, alignment, flags, stream)``;
-- a stand-in with TensorRT 10's order, ``allocate_async(size, alignment, stream, flags)``
-  (``tests/trt_standin.c``: NVIDIA's layout, not NVIDIA's code);
-- a stand-in whose order cannot be established (it drops the stream).
+- NVIDIA's own trampolines: TensorRT's lean runtime 10.16, ``allocate_async(size, alignment,
+  stream, flags)``; lean 11.4 and TensorRT-RTX 1.7, ``allocate_async(size, alignment, flags,
+  stream)`` (tests/bindings.py);
+- stand-ins where no real binding behaves so (``tests/trt_standin.c``: NVIDIA's layout, not
+  NVIDIA's code): one whose order cannot be established (it drops the stream), one that drops
+  the stream of a free, and TensorRT 8's layout.
 """
 
 from __future__ import annotations
@@ -23,43 +25,49 @@ from gpubudget import tensorrt as gbt
 from gpubudget.tensorrt import vtable
 from gpubudget.tensorrt.order import allocator_order, output_order
 from gpubudget.units import KiB
+from tests import bindings
+from tests.bindings import binding  # noqa: F401 - the fixture
 from tests.helpers import StreamBackend, consistent, fill, holds
 from tests.trampoline import Trampoline, verify_slots
 from tests.trt_standin import build
 
-trt: Any = pytest.importorskip("tensorrt_rtx_bindings")
-BINDINGS = ("rtx", "stream_third", "drops_stream")
+BINDINGS = (*bindings.IDS, "drops_stream")
 
 
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("standin")
     return {variant: build(variant, directory)
-            for variant in ("stream_third", "drops_stream", "drops_free_stream", "trt8")}
+            for variant in ("drops_stream", "drops_free_stream", "trt8")}
 
 
-def module_for(binding: str, standins: dict[str, Any]) -> Any:
-    if binding == "rtx":
-        verify_slots(trt, "IGpuAsyncAllocator")
-        return trt
-    return standins[binding]
+def module_for(name: str, standins: dict[str, Any]) -> Any:
+    if name in bindings.IDS:
+        module = bindings.load(name)
+        verify_slots(module, "IGpuAsyncAllocator", bindings.STREAM_INDEX[name])
+        return module
+    return standins[name]
 
 
-def test_the_order_found_for_each_binding(standins: dict[str, Any]) -> None:
-    rtx = gbt.argument_order(trt)
-    assert (rtx.stream_index, rtx.frees, rtx.resize) == (3, True, True)
-    assert "allocate_async(size, alignment, flags, stream)" in rtx.found
-    third = gbt.argument_order(standins["stream_third"])
-    assert (third.stream_index, third.frees, third.resize) == (2, True, True)
-    assert "allocate_async(size, alignment, stream, flags)" in third.found
+def test_the_order_found_for_each_real_binding(binding: str) -> None:  # noqa: F811
+    module = bindings.load(binding)
+    order = gbt.argument_order(module)
+    index = bindings.STREAM_INDEX[binding]
+    assert (order.stream_index, order.frees, order.resize) == (index, True, True)
+    expected = "stream, flags" if index == 2 else "flags, stream"
+    assert f"allocate_async(size, alignment, {expected})" in order.found
+    # found once, when the class was made: the class carries it
+    with gpu_budget("64KiB", backend="host"):
+        alloc = gbt.allocator(trt_module=module)
+        assert type(alloc).argument_order is order
+
+
+def test_an_order_that_cannot_be_established_is_the_safe_reading(
+        standins: dict[str, Any]) -> None:
     unclear = gbt.argument_order(standins["drops_stream"])
     assert (unclear.stream_index, unclear.resize, unclear.known) == (None, False, False)
     assert "not established" in unclear.found and "safe reading" in unclear.found
-    # found once, when the class was made: the class carries it
     assert gbt.allocator_of(object()) is None
-    with gpu_budget("64KiB", backend="host"):
-        alloc = gbt.allocator(trt_module=standins["stream_third"])
-        assert type(alloc).argument_order is third
 
 
 @pytest.mark.parametrize("binding", BINDINGS)
@@ -156,11 +164,13 @@ def test_a_pure_python_stand_in_gets_the_safe_reading() -> None:
 
 
 def test_the_probe_is_silent_and_never_calls_a_layout_it_does_not_know(
-        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        binding: str, capfd: pytest.CaptureFixture[str],  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    trt: Any = bindings.load(binding)
     for base in (trt.IGpuAsyncAllocator, trt.IGpuAllocator):
         assert allocator_order(base).found  # ran again, from scratch
     assert output_order(trt.IOutputAllocator).stream
-    # IOutputAllocator has six virtual methods: the allocator probe refuses to call slot 7
+    # IOutputAllocator has six or seven virtual methods: the allocator probe calls no slot 7
     wrong = allocator_order(trt.IOutputAllocator)
     assert not wrong.known and "virtual methods, not 9" in wrong.found
     monkeypatch.setattr(vtable, "MAPS", "/nonexistent/maps")
@@ -169,7 +179,9 @@ def test_the_probe_is_silent_and_never_calls_a_layout_it_does_not_know(
     assert capfd.readouterr() == ("", "")
 
 
-def test_inspect_vtable_checks_before_it_reads() -> None:
+def test_inspect_vtable_checks_before_it_reads(binding: str) -> None:  # noqa: F811
+    trt: Any = bindings.load(binding)
+
     class Probe(trt.IGpuAsyncAllocator):  # type: ignore[misc]
         def __init__(self) -> None:
             trt.IGpuAsyncAllocator.__init__(self)
@@ -178,7 +190,8 @@ def test_inspect_vtable_checks_before_it_reads() -> None:
     table = vtable.inspect_vtable(probe, trt.IGpuAsyncAllocator, "GpuAsyncAllocator")
     assert isinstance(table, vtable.VTable) and len(table.slots) == 9
     assert table.class_name.endswith("PyGpuAsyncAllocatorE")
-    assert Path(table.library).name.startswith("tensorrt_rtx")
+    assert Path(table.library).name.startswith("tensorrt_rtx" if "rtx" in binding
+                                               else "tensorrt_lean")
     assert "not a OutputAllocator" in str(
         vtable.inspect_vtable(probe, trt.IGpuAsyncAllocator, "OutputAllocator"))
     assert "not an instance" in str(vtable.inspect_vtable(object(), trt.IGpuAsyncAllocator, "x"))
@@ -192,7 +205,10 @@ def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
         cpp = Trampoline(gbt.allocator(trt_module=module))
         assert cpp.allocate_async(2**63, 0, 1, 0x5A0) is None  # absurd size
         assert cpp.allocate_async(KiB, 3, 0, 0x5A0) is None  # alignment not a power of two
-        assert cpp.allocate_async(0, 256, 0, 0x5A0) is None  # nothing
+        denials = len(budget.report().denials)
+        assert cpp.allocate_async(0, 256, 0, 0x5A0) is None  # nothing: answered None...
+        assert len(budget.report().denials) == denials  # ...as NVIDIA asks, not a denial
+        assert cpp.deallocate_async(0, 0x5A0) is True  # the null a denial gave: a no-op
         assert cpp.deallocate_async(0xDEAD000, 0x5A0) is False  # not ours
         assert cpp.reallocate(0xDEAD000, 0, KiB) is None
         original = type(budget).allocate
@@ -209,8 +225,8 @@ def test_garbage_exceptions_and_calls_after_the_end_in_either_order(
     assert cpp.deallocate_async(late, 0x5A0) is False
     err = capfd.readouterr().err
     assert "Traceback" not in err and "ZeroDivisionError" not in err
-    assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment",
-                                                          "invalid_size"}
+    assert {d.reason for d in budget.report().denials} >= {"over_limit", "invalid_alignment"}
+    assert budget.report().invalid_frees == 2  # 0xDEAD000 and the late one twice: not the null
 
 
 def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
@@ -229,7 +245,7 @@ def test_tensorrt_8s_layout_is_never_called(standins: dict[str, Any],
     from tests.trt_fakes import FakeEngine
 
     with gpu_budget("64KiB", backend="host") as budget:  # still usable: the safe reading
-        context = FakeEngine(trt).create_execution_context()
+        context = FakeEngine(bindings.load(bindings.RTX)).create_execution_context()
         made = gbt.output_allocator(context, trt_module=old)
         first = made.reallocate_output("y", 0, 1000, 256)
         assert first is not None and made.reallocate_output("y", first, 5000, 256) != first

@@ -2,7 +2,9 @@
 
 A pybind11 instance holds its C++ object's address in the first word after ``PyObject_HEAD``;
 that object's vtable slots 4-8 are ``allocate``, ``reallocate``, ``deallocate``,
-``allocateAsync`` and ``deallocateAsync`` (seen with TensorRT-RTX 1.7.1). :func:`verify_slots` proves the mapping
+``allocateAsync`` and ``deallocateAsync`` (seen with TensorRT-RTX 1.7.1 and the lean runtimes
+10.16 and 11.4). The methods here take the C++ order, ``allocateAsync(size, alignment, flags,
+stream)``, whatever order the binding then passes to Python. :func:`verify_slots` proves the mapping
 with a recording probe before any test relies on it. :class:`OutputTrampoline` does the same
 for an ``IOutputAllocator``, whose slots differ between bindings (:func:`output_slots` finds
 them).
@@ -57,8 +59,10 @@ class Trampoline:
         return bool(self._deallocate_async(self.cpp, address, stream))
 
 
-def verify_slots(trt: Any, base_name: str = "IGpuAsyncAllocator") -> None:
-    """Check with a recording probe that slots 4-8 reach the Python methods expected."""
+def verify_slots(trt: Any, base_name: str = "IGpuAsyncAllocator", stream_index: int = 3) -> None:
+    """Check with a recording probe that slots 4-8 reach the Python methods expected;
+    ``stream_index``: where the binding puts ``allocate_async``'s stream (2: TensorRT 10,
+    ``(size, alignment, stream, flags)``; 3: from TensorRT 11.2 and TensorRT-RTX)."""
     base = getattr(trt, base_name)
     calls: list[tuple[Any, ...]] = []
 
@@ -78,7 +82,8 @@ def verify_slots(trt: Any, base_name: str = "IGpuAsyncAllocator") -> None:
             calls.append(("deallocate", memory))
             return True
 
-        def allocate_async(self, size: int, alignment: int, flags: int, stream: int) -> int:
+        def allocate_async(self, size: int, alignment: int, third: int, fourth: int) -> int:
+            flags, stream = (fourth, third) if stream_index == 2 else (third, fourth)
             calls.append(("allocate_async", size, alignment, flags, stream))
             return 0x3000
 

@@ -4,7 +4,8 @@ Each variant is a real extension module whose allocator classes have the layout 
 pybind11 trampolines, so gpubudget's probe inspects and drives them as it does the real ones:
 
 - ``stream_third``: ``allocate_async(size, alignment, stream, flags)``, the order of
-  TensorRT 10's published bindings;
+  TensorRT 10's bindings (the CPU tests use NVIDIA's own lean runtime 10.16 for it,
+  tests/bindings.py; the GPU tests, where no lean runtime is installed, this stand-in);
 - ``drops_stream``: ``allocate_async(size, alignment, flags, 0)`` and a
   ``reallocate_output_async`` without its stream: orders that cannot be established;
 - ``drops_free_stream``: TensorRT-RTX's ``allocate_async`` order, but ``deallocate_async``

@@ -2,6 +2,7 @@
 
 Without a GPU it prints the plan's size (an upper bound of the weights the engine puts on the
 device, unless the plan was built weight-stripped) after TensorRT has checked the plan's header
+where the module can (TensorRT-RTX; no TensorRT 10/11 binding can), prints what was checked
 (the file is read whole only to deserialize it), and says which numbers need a GPU: the
 exact weights, the execution-context memory of each optimization profile and the streamable
 weights, which only a deserialized engine gives. Where TensorRT can deserialize the plan (a GPU
@@ -51,7 +52,8 @@ def add_engine_parser(commands: Any) -> None:
                         help="execution contexts to count (default: %(default)s)")
     parser.add_argument("--trt-module", metavar="NAME",
                         help="the TensorRT module (default: the first importable of "
-                        "tensorrt, tensorrt_rtx, tensorrt_rtx_bindings, tensorrt_lean)")
+                        "tensorrt, tensorrt_bindings, tensorrt_rtx, tensorrt_rtx_bindings, "
+                        "tensorrt_lean, tensorrt_lean_bindings)")
     parser.add_argument("--no-gpu", action="store_true",
                         help="do not deserialize, even where a GPU could")
     parser.add_argument("--json", action="store_true", help="print one JSON document")

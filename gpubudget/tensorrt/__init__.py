@@ -36,7 +36,7 @@ from typing import Any
 from .callbacks import argument_order as _argument_order
 from .contexts import ContextMemory, context_memory, execution_context, fit_shapes
 from .fit import EngineNeeds, PlanError, engine_needs, plan_needs
-from .lifetime import allocator, allocator_of, attach, require_budget
+from .lifetime import allocator, allocator_of, attach, attach_as, require_budget
 from .module import MODULE_NAMES, load_module
 from .order import AllocatorOrder, OutputOrder
 from .outputs import output_allocator
@@ -128,13 +128,23 @@ def argument_order(trt_module: ModuleType | str | None = None) -> AllocatorOrder
 
 
 def Builder(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
-    """A TensorRT ``Builder`` with an allocator of the current budget attached."""
+    """A TensorRT ``Builder`` with an allocator of the current budget attached.
+    ``BackendError`` where TensorRT cannot initialise CUDA (see :func:`Runtime`);
+    ``ValueError`` for a module without a builder (the lean runtime)."""
     budget = require_budget(None, "Builder()")
-    return attach(load_module(trt_module).Builder(logger), budget)
+    module = load_module(trt_module)
+    if not hasattr(module, "Builder"):
+        raise ValueError(f"Builder(): {module.__name__} has no Builder (TensorRT's lean "
+                         "runtime only runs plans: build them with full TensorRT or TensorRT-RTX)")
+    return attach_as(module.Builder(logger), budget, "Builder()")
 
 
 def Runtime(logger: Any, *, trt_module: ModuleType | str | None = None) -> Any:  # noqa: N802
     """A TensorRT ``Runtime`` (a subclass of the module's) with an allocator of the current
-    budget attached; its ``deserialize_cuda_engine`` tags allocations "deserialize"."""
+    budget attached; its ``deserialize_cuda_engine`` tags allocations "deserialize".
+
+    Raises ``BackendError`` where TensorRT could not initialise CUDA (the lean runtime on a
+    machine without a CUDA driver returns a Runtime with no real C++ object behind it): that
+    Runtime is never touched and kept alive for good, since destroying it would crash."""
     budget = require_budget(None, "Runtime()")
-    return attach(_runtime_class(load_module(trt_module))(logger), budget)
+    return attach_as(_runtime_class(load_module(trt_module))(logger), budget, "Runtime()")

@@ -16,6 +16,9 @@ waits for that stream's work before anyone reuses it) and ``reallocate`` refuses
 allocations carry their stream but ``deallocate_async`` was not seen to pass its own, each
 block is freed on the stream it was allocated for (remembered per block), whatever arrives.
 
+Zero. As NVIDIA's interface asks, a request of size 0 is answered ``None`` without counting a
+denial, and freeing address 0 (what a denial handed out) is a no-op answered ``True``.
+
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
 catches everything (``BaseException``) and answers as a denial (a null address, ``False``):
@@ -75,8 +78,8 @@ class AllocatorMethods:
     def _allocate(self, size: int, alignment: int, stream: int | None,
                   where: str) -> int | None:
         try:
-            if self.closed:
-                return None
+            if self.closed or size == 0:
+                return None  # TensorRT: "a request of size 0 ... None"; not a denial
             target = self.budget
             current = current_budget()
             if current is not None and current is not target and target.encloses(current):
@@ -97,8 +100,8 @@ class AllocatorMethods:
     def deallocate_async(self, memory: int, stream: int | None) -> bool:
         """TensorRT callback: free a block once ``stream``'s queued work is done with it."""
         try:
-            if self.closed:
-                return True
+            if self.closed or not memory:
+                return True  # TensorRT may free the null of a denial: nothing to do
             done = self.root.free(memory, stream=stream)
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,

@@ -32,7 +32,7 @@ from ..budget import Budget
 from ..errors import AllocationDenied, BudgetError
 from ..units import format_size
 from .lifetime import make, require_budget
-from .module import load_module, module_of
+from .module import load_module, module_of, require_api
 from ..adapter import hooks
 
 __all__ = ["ContextMemory", "context_memory", "execution_context", "fit_shapes"]
@@ -76,6 +76,8 @@ class ContextMemory:
                                     or profile < 0):
             raise ValueError(f"profile must be a profile index (an int >= 0) or None, "
                              f"got {profile!r}")
+        require_api(engine, ("device_memory_size_v2", "get_device_memory_size_for_profile_v2"),
+                    "ContextMemory()")
         self.engine = engine
         self.profile = profile
         self.scratch = bool(scratch)

@@ -23,7 +23,8 @@ from typing import Any, Final
 
 from ..budget import Budget
 from ..units import format_size
-from .module import load_module
+from .lifetime import keep_if_unusable
+from .module import load_module, require_api
 from .weights import room_of, weights_size
 
 __all__ = ["EngineNeeds", "PlanError", "engine_needs", "plan_needs"]
@@ -67,6 +68,12 @@ class EngineNeeds:
     module: str | None
     unknown: str | None = None
     """Why the numbers of a deserialized engine are missing, if they are."""
+    checked: tuple[str, ...] = ()
+    """What was checked, in order: ``"plan size"`` (the bytes of the plan, always, for a
+    plan), ``"header size"`` (the plan is at least as long as the module's
+    ``engine_header_size``), ``"header"`` (the module's ``get_engine_validity`` accepted the
+    header: TensorRT-RTX; no TensorRT 10 or 11 binding has it), ``"deserialized"`` (the
+    numbers are the engine's own)."""
 
     @property
     def weights_bound(self) -> int | None:
@@ -131,6 +138,8 @@ class EngineNeeds:
             verdict = {True: "fits", False: "does not fit",
                        None: "cannot tell without the numbers that need a GPU"}[self.fits]
             rows.append(("verdict", verdict))
+        if self.checked:
+            rows.append(("checked", ", ".join(self.checked)))
         if self.unknown:
             rows.append(("why unknown", self.unknown))
         width = max(len(name) for name, _ in rows)
@@ -144,6 +153,8 @@ def engine_needs(engine: Any, *, budget: Budget | None = None, room: int | None 
 
     >>> print(gbt.engine_needs(engine, budget=pool).text())   # doctest: +SKIP
     """
+    require_api(engine, ("num_optimization_profiles", "device_memory_size_v2",
+                         "get_device_memory_size_for_profile_v2"), "engine_needs()")
     profiles = int(engine.num_optimization_profiles)
     per_profile = tuple(int(engine.get_device_memory_size_for_profile_v2(p))
                         for p in range(profiles))
@@ -151,7 +162,9 @@ def engine_needs(engine: Any, *, budget: Budget | None = None, room: int | None 
     return EngineNeeds(plan_bytes, weights_size(engine), per_profile,
                        int(engine.device_memory_size_v2),
                        int(streamable) if streamable is not None else None,
-                       _contexts(contexts), _room(budget, room), type(engine).__module__)
+                       _contexts(contexts), _room(budget, room), type(engine).__module__,
+                       checked=("deserialized",) if plan_bytes is None else
+                       ("plan size", "deserialized"))
 
 
 def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
@@ -177,12 +190,23 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
     known = EngineNeeds(size, None, None, None, None, _contexts(contexts),
                         _room(budget, room), getattr(module, "__name__", None),
                         "no TensorRT module can be imported here" if module is None else
-                        "not deserialized: the numbers that need a GPU were not asked for")
+                        "not deserialized: the numbers that need a GPU were not asked for",
+                        ("plan size",))
     if module is None:
+        return known
+    header_api = [name for name in ("engine_header_size", "get_engine_validity")
+                  if hasattr(module.Runtime, name)]
+    if not deserialize and not header_api:  # nothing TensorRT could check without a GPU
         return known
     logger = _quiet_logger(module)
     runtime = module.Runtime(logger)
-    _check_header(module, runtime, head, size)
+    broken = keep_if_unusable(runtime)  # never touched, never destroyed
+    if broken is not None:
+        said = [m for _, m in logger.messages if "CUDA" in m][:1]
+        return _replace(known, unknown="TensorRT could not initialise CUDA here (no GPU or "
+                        f"no CUDA driver it can use): {'; '.join(said) or broken}")
+    checked = _check_header(module, runtime, head, size)
+    known = _replace(known, checked=known.checked + checked)
     if not deserialize:
         return known
     if hasattr(runtime, "defer_weights_loading"):
@@ -194,7 +218,7 @@ def plan_needs(plan: bytes | bytearray | memoryview | str | os.PathLike[str], *,
         return _replace(known, unknown="TensorRT could not deserialize it here: "
                         + (errors[-1] if errors else "see its log"))
     exact = engine_needs(engine, room=known.room, contexts=contexts, plan_bytes=len(data))
-    return _replace(exact, module=module.__name__)
+    return _replace(exact, module=module.__name__, checked=(*known.checked, "deserialized"))
 
 
 def _replace(needs: EngineNeeds, **changes: Any) -> EngineNeeds:
@@ -225,17 +249,20 @@ def _read(plan: object, *, whole: bool) -> tuple[int, bytes]:
         os.close(fd)
 
 
-def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> None:
+def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> tuple[str, ...]:
     """Raise :class:`PlanError` unless ``head``, the first bytes of a plan of ``size`` bytes,
-    is a header that ``module`` accepts (where it can tell)."""
+    is a header that ``module`` accepts (where it can tell); return what was checked."""
+    checked: tuple[str, ...] = ()
     header = getattr(runtime, "engine_header_size", None)
-    if isinstance(header, int) and size < header:
-        raise PlanError(f"the plan is {size} bytes, shorter than a {module.__name__} "
-                        f"plan's header ({header} bytes)")
+    if isinstance(header, int):
+        if size < header:
+            raise PlanError(f"the plan is {size} bytes, shorter than a {module.__name__} "
+                            f"plan's header ({header} bytes)")
+        checked = ("header size",)
     check = getattr(runtime, "get_engine_validity", None)
     diagnostics = getattr(module, "EngineInvalidityDiagnostics", None)
     if check is None or diagnostics is None:
-        return
+        return checked
     _, found = check(head)
     bad = [name for name in _BAD_PLAN
            if int(found) & int(getattr(diagnostics, name, 0))]
@@ -244,6 +271,7 @@ def _check_header(module: Any, runtime: Any, head: bytes, size: int) -> None:
         raise PlanError(f"not a plan of this {module.__name__} "
                         f"({version if isinstance(version, str) else 'version unknown'}): "
                         f"{' and '.join(n.lower().replace('_', ' ') for n in bad)}")
+    return (*checked, "header")
 
 
 def _quiet_logger(module: Any) -> Any:

@@ -6,6 +6,11 @@ budget is released and no attached object uses it; every attached object (``Buil
 ``Runtime``) pins its budget until the object is collected; and at interpreter exit the
 allocators still referenced are kept alive for good and made inert, so engines destroyed
 during teardown find a live object that touches nothing.
+
+An object TensorRT made without a working CUDA (:func:`~gpubudget.tensorrt.vtable.unusable`:
+the lean runtime's ``Runtime`` on a machine without a driver) is never touched and never
+destroyed: destroying it crashes the process, so :func:`require_usable` keeps one reference to
+it for good (a deliberate leak of one small Python object) before raising.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from ..budget import Budget
-from ..errors import BudgetError
+from ..errors import BackendError, BudgetError
 from ..scope import current_budget
 from .callbacks import AllocatorMethods, allocator_class
 from .module import load_module, module_of
+from .vtable import unusable
 from ..adapter import hooks
 
-__all__ = ["allocator", "allocator_of", "attach", "require_budget"]
+__all__ = ["allocator", "allocator_of", "attach", "attach_as", "keep_if_unusable", "require_budget",
+           "require_usable"]
 
 _lock = threading.Lock()
 # a child forked while another thread held it must not wait for that thread
@@ -52,6 +59,29 @@ def require_budget(budget: Budget | None, what: str) -> Budget:
     if budget.state in ("new", "released"):
         raise BudgetError(f"{what}: budget {budget.name!r} is {budget.state}")
     return budget
+
+
+def keep_if_unusable(obj: object) -> str | None:
+    """Why ``obj``, which TensorRT just returned, has no real C++ object, after keeping it
+    alive for good (destroying it would crash); ``None`` if it looks real."""
+    why = unusable(obj)
+    if why is not None:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))  # a deliberate leak
+    return why
+
+
+def require_usable(obj: object, what: str, log: str | None = None) -> None:
+    """Raise ``BackendError`` if ``obj``, which TensorRT just returned, has no real C++ object
+    (TensorRT could not initialise CUDA), after keeping it alive for good; ``log``: what
+    TensorRT logged, if known, for the message."""
+    why = keep_if_unusable(obj)
+    if why is None:
+        return
+    said = f"; TensorRT said: {log}" if log else ""
+    raise BackendError(
+        f"{what}: TensorRT could not initialise CUDA on this machine (no GPU or no CUDA "
+        f"driver it can use): {why}{said}. The {type(obj).__name__} is unusable; gpubudget "
+        "keeps it alive for good, since destroying it would crash")
 
 
 def make(module: ModuleType, budget: Budget, phase: str | None) -> Any:
@@ -118,9 +148,15 @@ def attach(obj: Attachable, budget: Budget | None = None) -> Attachable:
     for a runtime, "deserialize" during ``deserialize_cuda_engine`` of a runtime made by
     :func:`~gpubudget.tensorrt.Runtime`) unless a :func:`gpubudget.label` or an explicit tag
     says otherwise. Raises ``BudgetError`` outside any budget, ``TypeError`` if ``obj`` takes
-    no allocator.
+    no allocator, ``BackendError`` if TensorRT made ``obj`` without a working CUDA (it is
+    then kept alive for good and never touched: see :func:`require_usable`).
     """
-    target = require_budget(budget, "attach()")
+    return attach_as(obj, require_budget(budget, "attach()"), "attach()")
+
+
+def attach_as(obj: Attachable, target: Budget, what: str) -> Attachable:
+    """:func:`attach` for ``what`` (the caller's name in its errors), the budget checked."""
+    require_usable(obj, what)
     alloc = make(module_of(obj), target, _phase_of(obj))
     try:
         obj.gpu_allocator = alloc

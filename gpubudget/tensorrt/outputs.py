@@ -53,7 +53,7 @@ class OutputMethods:
     lock: threading.Lock
     closed: bool
     buffers: dict[str, tuple[int, int]]  # output name -> (address, bytes asked)
-    shapes: dict[str, tuple[int, ...]]
+    shapes: dict[str, tuple[int, ...] | None]
     retired: list[int]  # replaced buffers kept until close (stream not trusted)
 
     def reallocate_output_async(self, tensor_name: str, memory: int, size: int,
@@ -72,14 +72,19 @@ class OutputMethods:
         """TensorRT callback: the shape of output ``tensor_name`` for this inference (what it
         returns TensorRT does not read: after a failure, what carries a Ctrl-C)."""
         try:
-            dims = tuple(int(d) for d in shape)
+            try:
+                rank = len(shape)
+            except ValueError:  # a Dims with nbDims -1: the rank is unknown
+                rank = -1
+            dims = tuple(int(d) for d in shape) if rank >= 0 else ()
             if not isinstance(tensor_name, str) or len(dims) > MAX_DIMS or any(
                     d < 0 for d in dims):
                 raise ValueError(f"not an output's shape: {tensor_name!r} {dims[:MAX_DIMS + 1]}"
                                  f"{'...' if len(dims) > MAX_DIMS + 1 else ''}")
+            known = dims if rank >= 0 else None  # recorded as unknown, not as a scalar
             with self.lock:
                 if not self.closed:
-                    self.shapes[tensor_name] = dims
+                    self.shapes[tensor_name] = known
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
             return callback_failed(self.budget, "notify_shape", exc)
         return None
@@ -121,7 +126,8 @@ class OutputMethods:
             return found[0] if found else None
 
     def shape(self, name: str) -> tuple[int, ...] | None:
-        """The shape TensorRT last notified for output ``name``."""
+        """The shape TensorRT last notified for output ``name``; ``None`` before the first
+        notification, or when the last one said the rank is unknown (``nbDims`` -1)."""
         with self.lock:
             return self.shapes.get(name)
 

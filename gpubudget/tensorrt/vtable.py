@@ -23,6 +23,11 @@ is read, never probed:
 
 Anything unexpected (no memory map: not Linux; a pure-Python stand-in; another layout) gives a
 reason instead of a :class:`VTable`, and the caller falls back to what needs no probe.
+
+A like reading, through ``/proc/self/mem`` where it can be read (a read of unmapped memory
+fails there), tells whether an object TensorRT returned is real at all (:func:`unusable`): without a CUDA driver, the lean runtime's ``Runtime(logger)`` logs "CUDA
+initialization failure" and still returns a Python object whose C++ pointer is a small bogus
+value (0x228); using that object, or merely destroying it, crashes the process.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ import sys
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["MAPS", "VTable", "inspect_vtable"]
+__all__ = ["MAPS", "VTable", "inspect_vtable", "unusable"]
 
 MAPS: Final = "/proc/self/maps"
+_MEM: Final = "/proc/self/mem"
 _WORD: Final = ctypes.sizeof(ctypes.c_void_p)
 _HEAD: Final = object.__basicsize__  # PyObject_HEAD: the pybind11 value pointer follows it
 _MAX_SLOTS: Final = 32
@@ -184,3 +190,70 @@ def _versioned(memory: _Map, rtti: int) -> bool:
         assert base is not None  # a name was read through it
         rtti = base
     return False
+
+
+def unusable(obj: object) -> str | None:
+    """Why the C++ object behind the pybind11 object ``obj`` cannot be real, or ``None`` when
+    it looks like one: its pointer, the virtual table it points to and that table's first
+    slot are all readable memory. The words are read through ``/proc/self/mem`` (a read of
+    unmapped memory fails there instead of faulting; a few microseconds), else checked
+    against the memory map first (where the virtual table must also lie in a mapped file,
+    its first slot in code of that file). Never raises; ``None`` too where nothing can be
+    said: neither file can be read, or ``obj`` is not an instance of a class an extension
+    module defines (a Python stand-in)."""
+    if not any(_from_extension(cls) for cls in type(obj).__mro__):
+        return None
+    try:
+        if type(obj).__basicsize__ < _HEAD + _WORD:
+            return f"{type(obj).__qualname__} keeps no pointer after its Python header"
+        cpp = ctypes.c_size_t.from_address(id(obj) + _HEAD).value  # inside obj itself
+        if not cpp:
+            return "no C++ object after the Python header"
+        try:
+            fd = os.open(_MEM, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return _unusable_by_map(cpp)
+        try:
+            vptr = _read(fd, cpp)
+            if vptr is None:
+                return f"its C++ pointer {cpp:#x} is not in readable memory"
+            if not vptr or _read(fd, vptr) is None:
+                return f"the C++ object at {cpp:#x} has no readable virtual table"
+            return None
+        finally:
+            os.close(fd)
+    except Exception as exc:  # noqa: BLE001 - a reading that failed says nothing
+        return f"its C++ object could not be read ({type(exc).__name__}: {exc})"
+
+
+def _from_extension(cls: type) -> bool:
+    module = sys.modules.get(getattr(cls, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    return isinstance(path, str) and path.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def _read(fd: int, address: int) -> int | None:
+    """The word at ``address`` read through ``/proc/self/mem``, ``None`` if unreadable."""
+    try:
+        data = os.pread(fd, _WORD, address)
+    except (OSError, OverflowError):
+        return None
+    return int.from_bytes(data, sys.byteorder) if len(data) == _WORD else None
+
+
+def _unusable_by_map(cpp: int) -> str | None:
+    try:
+        with open(MAPS, encoding="utf-8", errors="replace") as file:
+            memory = _Map(file.read())
+    except OSError:
+        return None
+    vptr = memory.word(cpp)
+    if vptr is None:
+        return f"its C++ pointer {cpp:#x} is not in readable memory"
+    home = memory.find(vptr)
+    slot = memory.word(vptr) if home is not None else None
+    code = memory.find(slot, 1) if slot else None
+    if home is None or not home.path.startswith("/") or code is None or (
+            not code.executable or code.path != home.path):
+        return f"the C++ object at {cpp:#x} has no virtual table of a loaded library"
+    return None

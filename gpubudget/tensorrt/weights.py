@@ -28,7 +28,7 @@ from ..budget import Budget
 from ..errors import BudgetError
 from ..units import format_size, parse_size
 from .lifetime import require_budget
-from .module import module_of
+from .module import module_of, require_api
 
 __all__ = ["WeightStreaming", "load_weights", "room_of", "stream_weights", "unload_weights",
            "weights_size"]
@@ -77,6 +77,8 @@ def stream_weights(engine: Any, budget: Budget | None = None, *, contexts: int =
     >>> plan = gbt.stream_weights(engine, contexts=2)   # doctest: +SKIP
     """
     target = require_budget(budget, "stream_weights()")
+    require_api(engine, ("streamable_weights_size", "weight_streaming_budget_v2",
+                         "device_memory_size_v2"), "stream_weights()")
     if isinstance(contexts, bool) or not isinstance(contexts, int) or contexts < 1:
         raise ValueError(f"contexts must be an int >= 1, got {contexts!r}")
     kept = parse_size(keep, what="keep") if keep else 0
