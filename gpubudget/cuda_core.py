@@ -30,7 +30,8 @@ Denial: cuda.core's own error (``CUDAError``, as cuda.core raises for
 ``CUDA_ERROR_OUT_OF_MEMORY``) that is also an :class:`~gpubudget.errors.AllocationDenied`,
 naming the budget, its limit and why. A buffer that cannot be made once the block is taken
 gives the block back before the error goes on; ``deallocate`` of a pointer that is not a
-live block of the budget is a ``ValueError`` naming it.
+live block of the budget is a ``ValueError`` naming it. A buffer of 0 bytes takes no block;
+a negative size is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ class BudgetResource(MemoryResource):
         weakref.finalize(self, budget.unpin)
 
     def allocate(self, size: int, *, stream: Stream | GraphBuilder) -> Buffer:
-        nbytes = operator.index(size)
+        nbytes = operator.index(size)  # TypeError for anything but an integer
         handle = _stream_handle(stream)
+        if nbytes < 0:
+            raise ValueError(f"gpubudget.cuda_core: a buffer's size is at least 0, got {size!r}")
+        if nbytes == 0:  # an empty buffer: no block, nothing to free
+            return Buffer.from_handle(0, 0, mr=self, stream=stream)
         try:
             address = self.budget.allocate(nbytes, tag=current_label() or SOURCE,
                                            stream=handle, raise_on_denial=True)
@@ -111,6 +116,8 @@ class BudgetResource(MemoryResource):
     def deallocate(self, ptr: Any, size: int, *, stream: Stream | GraphBuilder) -> None:
         address = int(ptr)
         handle = _stream_handle(stream)
+        if address == 0 and size == 0:  # an empty buffer's
+            return
         if not self.budget.free(address, stream=handle):
             raise ValueError(f"gpubudget.cuda_core: {address:#x} is not a live block of budget "
                              f"{self.budget.name!r} (freed already, another budget's, or the "

@@ -109,6 +109,18 @@ def test_deallocate_of_what_is_not_a_live_block_names_it() -> None:
         consistent(pool)
 
 
+def test_sizes_below_one_byte_take_no_block() -> None:
+    with gpu_budget("16KiB", backend=DeviceHostBackend(0)) as pool:
+        mr = gbcc.resource()
+        with pytest.raises(ValueError, match="size is at least 0, got -1"):
+            mr.allocate(-1, stream=CudaStream(0))  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            mr.allocate(1.5, stream=CudaStream(0))  # type: ignore[arg-type]
+        mr.deallocate(0, 0, stream=CudaStream(0))  # type: ignore[arg-type]  # an empty one's
+        assert pool.report().allocations == 0 and pool.report().denied == 0
+        assert pool.report().invalid_frees == 0
+
+
 def test_a_stream_must_be_a_cuda_stream() -> None:
     with gpu_budget("16KiB", backend=DeviceHostBackend(0)) as pool:
         mr = gbcc.resource()

@@ -105,10 +105,14 @@ with gpu_budget("64MiB", name="streams") as budget:
     print(int(again.handle) == address)
     again.close(stream=second)                            # freed on `second` this time
     second.sync()
+    empty = mr.allocate(0, stream=first)                  # no block for an empty buffer
+    print(empty.size, budget.used, budget.report().allocations)
+    empty.close()
 print(budget.used)
 """
 
 
 def test_cuda_core_copies_and_stream_ordered_frees(tmp_path: Path) -> None:
     pytest.importorskip("cuda.core")
-    assert run(CUDA_CORE_STREAMS, tmp_path) == ["True True False", "True", "True", "0"]
+    assert run(CUDA_CORE_STREAMS, tmp_path) == ["True True False", "True", "True", "0 0 2",
+                                                "0"]
