@@ -5,7 +5,8 @@ of child budgets.
 
     bytes 0 .. 255        header: magic, version, geometry, slots ever used, the host-wide
                           cap, the device's total memory, whether claims must fit it, pages
-                          ever used, the device's identity and label
+                          ever used, the limit set on it from outside and what set it, the
+                          device's identity and label
     bytes 256 .. 271      the change count, and the mark of the last change made without the
                           lock
     bytes 512 .. 2559     the change log: the slot of change n in word n % 256
