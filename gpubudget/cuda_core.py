@@ -19,7 +19,9 @@ stream)`` takes a block (tagged with the current :func:`gpubudget.label` or
 ``deallocate(ptr, size, *, stream)``, which ``Buffer.close()`` calls with the buffer's
 stream, frees it in that stream's order: the same stream may reuse it at once, any other
 only once the work queued on the stream before the free has completed, as every
-stream-ordered free of a budget. A ``GraphBuilder`` is taken as the stream it captures on.
+stream-ordered free of a budget. A ``GraphBuilder`` (a graph being captured) is refused with
+a ``TypeError``: a budget's frees are ordered by events, which a capture would put inside the
+graph; allocate before the capture, or use cuda.core's ``GraphMemoryResource`` inside it.
 
 The resource belongs to the budget's device: ``device_id`` is the budget's CUDA ordinal,
 ``is_device_accessible`` is true and ``is_host_accessible`` false. It serves its budget
@@ -52,9 +54,13 @@ except ImportError as exc:  # pragma: no cover - exercised where cuda-core is mi
     raise ImportError("gpubudget.cuda_core needs cuda-core (pip install 'gpubudget[cuda-core]')"
                       ) from exc
 
+try:
+    from cuda.core.graph import GraphBuilder
+except ImportError:  # pragma: no cover - cuda.core before 1.0 kept it at the top
+    from cuda.core import GraphBuilder  # type: ignore[attr-defined]
+
 if TYPE_CHECKING:
     from cuda.core import Stream
-    from cuda.core.graph import GraphBuilder
 
 __all__ = ["BudgetOutOfMemoryError", "BudgetResource", "resource"]
 
@@ -72,8 +78,12 @@ class BudgetOutOfMemoryError(CUDAError, AllocationDenied):
 
 
 def _stream_handle(stream: object) -> int:
-    """The CUDA stream a cuda.core ``Stream`` or ``GraphBuilder`` stands for (the CUDA stream
-    protocol, ``__cuda_stream__``); ``TypeError`` naming anything else."""
+    """The CUDA stream a cuda.core ``Stream`` stands for (the CUDA stream protocol,
+    ``__cuda_stream__``); ``TypeError`` naming anything else, and a ``GraphBuilder``."""
+    if isinstance(stream, GraphBuilder):
+        raise TypeError("gpubudget.cuda_core: a budget's blocks are not allocated or freed "
+                        "into a graph being built (a GraphBuilder): allocate before the "
+                        "capture, or use cuda.core's GraphMemoryResource inside it")
     protocol = getattr(stream, "__cuda_stream__", None)
     if not callable(protocol):
         raise TypeError(f"stream must be a cuda.core Stream or GraphBuilder, got {stream!r}")

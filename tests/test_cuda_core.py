@@ -15,6 +15,7 @@ cuda_core = pytest.importorskip("cuda.core")
 
 from cuda.core import MemoryResource  # noqa: E402
 from cuda.core._utils.cuda_utils import CUDAError  # noqa: E402
+from cuda.core.graph import GraphBuilder  # noqa: E402
 
 from gpubudget import AllocationDenied, BudgetError, gpu_budget, label  # noqa: E402
 from gpubudget import cuda_core as gbcc  # noqa: E402
@@ -126,7 +127,15 @@ def test_a_stream_must_be_a_cuda_stream() -> None:
         mr = gbcc.resource()
         with pytest.raises(TypeError, match="stream must be a cuda.core Stream"):
             mr.allocate(100, stream=0x10)  # type: ignore[arg-type]
-        assert pool.used == 0 and pool.report().allocations == 0
+        capture = GraphBuilder.__new__(GraphBuilder)  # cuda.core's own (no driver to build)
+        with pytest.raises(TypeError, match="not allocated or freed into a graph"):
+            mr.allocate(100, stream=capture)
+        address = pool.allocate(100)
+        assert address is not None
+        with pytest.raises(TypeError, match="GraphMemoryResource"):
+            mr.deallocate(address, 100, stream=capture)
+        assert pool.report().allocations == 1 and pool.owner_of(address) is pool
+        pool.free(address)
 
 
 def test_it_serves_its_budget_after_the_block_ends() -> None:
