@@ -211,3 +211,28 @@ def test_ipc_handles_of_budget_blocks_are_refused_naming_the_budget(
         assert pool.used == pool.size_of(memory.device_pointer_value or 0)
         consistent(pool)
         del memory
+
+
+def test_through_numbas_own_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numba's ``Context`` (made here over a device stand-in: there is no driver to make
+    one) takes the installed plugin and asks it for everything."""
+    monkeypatch.setattr(numba_driver, "_logger", numba_driver.make_logger(), raising=False)
+    monkeypatch.setattr(numba_driver, "_memory_manager", None)
+    numba_cuda.set_memory_manager(gbn.BudgetMemoryManager)
+    context = numba_driver.Context(Device(0), None)
+    assert isinstance(context.memory_manager, gbn.BudgetMemoryManager)
+    with gpu_budget("64KiB", name="numba", backend=DeviceHostBackend(0)) as pool:
+        context.prepare_for_use()  # Numba sizes its queue of frees from get_memory_info()
+        memory = context.memalloc(5000)
+        assert pool.owner_of(memory.device_pointer_value or 0) is pool
+        assert context.get_memory_info() == (pool.available, 64 * KiB)
+        with pytest.raises(NotImplementedError, match="budget 'numba'"):
+            context.get_ipc_handle(memory)
+        with context.defer_cleanup():
+            del memory
+            gc.collect()
+            assert pool.used > 0
+        context.reset()  # Numba's reset does the frees it held back
+        assert pool.used == 0
+        consistent(pool)
+    gc.collect()
