@@ -230,6 +230,10 @@ class BudgetReport:
     memory for ``restore()``; ``None`` while awake."""
     host_kept: int = 0
     """Growable roots: host memory a ``restore(keep_host=True)`` kept for the next sleep."""
+    limited_by: str | None = None
+    """Root budgets in the host ledger: the limit set from outside the process (an MPS or
+    HAMi variable, the cgroup's ``dmem.max``, NVML's) under the device's memory, within
+    which the root's share or limit was decided, with its size; ``None`` if none was."""
 
     @property
     def leaks(self) -> tuple[LiveBlock, ...]:
@@ -399,6 +403,8 @@ class BudgetReport:
                          f"objects, {format_size(held.waiting_cached)} at the next "
                          f"release_cached()")
             lines.append(line)
+        if self.limited_by is not None:
+            lines.append(f"{rest}  sized within the limit {self.limited_by}")
         if self.outside_bytes is not None:
             lines.append(
                 f"{rest}  device memory taken outside budgets meanwhile: "

@@ -27,17 +27,17 @@ def test_a_header_reads_back() -> None:
 @pytest.mark.parametrize(("data", "message"), [
     (b"short", "too short for a ledger header"),
     (b"NOTLEDGR" + bytes(4088), "not a gpubudget ledger (it starts with b'NOTLEDGR')"),
-    (HEADER.pack(b"GPUBLEDG", 1, 256, 4096, 0, 0, 0, 0, 0, 0, 0, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 1, 256, 4096, 0, 0, 0, 0, 0, 0, 0, 0, b"", b"", b""),
      "written in ledger format 1; this gpubudget reads format 3"),
-    (HEADER.pack(b"GPUBLEDG", 2, 256, 4096, 0, 0, 0, 0, 0, 0, 0, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 2, 256, 4096, 0, 0, 0, 0, 0, 0, 0, 0, b"", b"", b""),
      "written in ledger format 2; this gpubudget reads format 3"),
-    (HEADER.pack(b"GPUBLEDG", 3, 128, 4096, 0, 0, 0, 0, 128, 1024, 0, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 3, 128, 4096, 0, 0, 0, 0, 128, 1024, 0, 0, b"", b"", b""),
      "damaged header"),
-    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 5000, 0, 0, 0, 128, 1024, 0, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 5000, 0, 0, 0, 128, 1024, 0, 0, b"", b"", b""),
      "5000 used"),
-    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 0, 0, 0, 0, 64, 1024, 0, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 0, 0, 0, 0, 64, 1024, 0, 0, b"", b"", b""),
      "pages 1024 of 64-byte rows"),
-    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 0, 0, 0, 0, 128, 1024, 1025, b"", b""),
+    (HEADER.pack(b"GPUBLEDG", 3, 256, 4096, 0, 0, 0, 0, 128, 1024, 1025, 0, b"", b"", b""),
      "1025 used"),
 ])
 def test_a_header_that_is_not_ours_says_why(data: bytes, message: str) -> None:

@@ -23,6 +23,13 @@ LATER = ("asyncio", "ssl", "numpy", "matplotlib", "msgspec", "contextvars_extras
 
 
 def _imported(code: str) -> set[str]:
+    """What running ``code`` in a fresh interpreter imports beyond what the interpreter's own
+    start imports (a ``.pth`` file of an installed package, such as numba-cuda's, may import
+    ``tempfile`` before any code runs)."""
+    return _loaded(code) - _loaded("pass")
+
+
+def _loaded(code: str) -> set[str]:
     done = subprocess.run(
         [sys.executable, "-c", f"{code}\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
         capture_output=True, text=True, timeout=60, env=subprocess_env())

@@ -22,6 +22,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._core import Node, Probe, Tree, available
+from ..hostledger.claims import Claim
 from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
@@ -87,7 +88,15 @@ def snapshot(node: Node) -> BudgetReport:
     )
     return dataclasses.replace(report, timeline=timeline, events_dropped=dropped,
                                outside_bytes=outside, trace_error=trace_error,
+                               limited_by=_limited_by(tree) if node.parent is None else None,
                                **residency)  # type: ignore[arg-type]
+
+
+def _limited_by(tree: Tree) -> str | None:
+    """The limit set from outside that the root's claim was decided within, if any."""
+    claim = getattr(tree.reservation, "claim", None)
+    outside = claim.outside if isinstance(claim, Claim) else None
+    return outside.text if outside is not None else None
 
 
 def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:

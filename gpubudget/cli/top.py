@@ -228,11 +228,14 @@ def _device_lines(device: DeviceView, width: int | None) -> list[str]:
     parts = [printable(named), f"{format_size(device.total)}"]
     if device.cap is not None:
         parts.append(f"cap {format_size(device.cap)}")
+    if device.limit is not None:  # set from outside: MPS, HAMi, the cgroup's dmem.max, NVML
+        parts.append(f"limit {format_size(device.limit)} ({printable(device.limited_by)})")
     parts.append(f"claimed {format_size(device.claimed)}")
     budgets = len(device.entries)
     parts.append(f"{budgets} budget{'s' * (budgets != 1)} in {processes} "
                  f"process{'es' * (processes != 1)}")
-    room = (device.cap if device.cap is not None else device.total) - device.claimed
+    room = min(value for value in (device.cap, device.limit, device.total)
+               if value is not None) - device.claimed
     parts.append(f"unclaimed {format_size(max(room, 0))}")
     parts.append(f"used {format_size(device.used)}")
     if device.hidden:

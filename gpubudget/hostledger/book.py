@@ -44,6 +44,8 @@ from .layout import (
     FILE_BYTES,
     FREE,
     HEADER_BYTES,
+    LIMIT_BYTES,
+    LIMIT_TEXT,
     LOG_LENGTH,
     LOG_WORD,
     PAGE_BYTES,
@@ -60,6 +62,7 @@ from .layout import (
     encode_slot,
     header_word,
     slot_word,
+    text_field,
 )
 from .procs import alive
 
@@ -320,10 +323,15 @@ class DeviceBook:
         """Lock held: the host-wide cap of the device (``None``: none)."""
         self.words[header_word("cap")] = cap or 0
 
-    def set_device(self, total: int, hard: bool) -> None:
-        """Lock held: the device's memory as this process sees it."""
+    def set_device(self, total: int, hard: bool, limit: int | None = None,
+                   limited_by: str = "") -> None:
+        """Lock held: the device's memory as this process sees it, and the limit set on it
+        from outside that this process read (``None``: none), named by ``limited_by``."""
         self.words[header_word("total")] = total
         self.words[header_word("hard")] = int(hard)
+        self.words[header_word("limit")] = limit or 0
+        self.data[LIMIT_TEXT: LIMIT_TEXT + LIMIT_BYTES] = text_field(
+            limited_by if limit else "", LIMIT_BYTES).ljust(LIMIT_BYTES, b"\0")
 
     # -- without the lock: this process's own slots, when the lock cannot be had -----------
 

@@ -9,7 +9,8 @@ module knows nothing of budgets, trees or the core). In order:
    process's index of the slots reads only those changed since it last looked): clear the
    slots of processes that have ended; decide how much the root may have
    (:func:`~gpubudget.hostledger.sizing.decide`: its limit, or its share of what is
-   unclaimed, within the device cap); write its slot, ``claimed``. If a claim of another
+   unclaimed, within the device cap and any limit set from outside the process,
+   :mod:`~gpubudget.hostledger.limits`); write its slot, ``claimed``. If a claim of another
    process may not show in the free memory read in 1 (it is still reserving), let go of
    the lock and start again, for up to :data:`SETTLE_SECONDS`; then count it as taken.
 3. The root reserves the memory (a device call, no lock held). If that fails,
@@ -38,6 +39,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -46,12 +48,15 @@ from ..callers import user_stacklevel
 from ..errors import BudgetError
 from ..text import printable
 from ..units import format_size, round_up
+from . import limits
 from .book import DeviceBook
 from .children import Family
 from .devices import LedgerDevice, device_for
 from .errors import LedgerError, LedgerLocked, LedgerUnusable
 from .files import LedgerDirectory, ledger_directory
 from .layout import Entry, slot_word
+from .limits import OutsideLimit, outside_limits, smallest
+from .nvml import started as nvml_started
 from .procs import myself, process_title
 from .sizing import CAP_ENV, Share, decide, headroom, parse_cap
 
@@ -142,11 +147,14 @@ class Claim:
     """One root's slot in its device's ledger, held by this process: claimed with its limit
     (:func:`claim_root`), then :meth:`reserved` or :meth:`refused`, later released."""
 
-    def __init__(self, book: DeviceBook, device: LedgerDevice, slot: int, limit: int) -> None:
+    def __init__(self, book: DeviceBook, device: LedgerDevice, slot: int, limit: int,
+                 outside: OutsideLimit | None = None) -> None:
         self.book: Final = book
         self.device: Final = device
         self.slot: Final = slot
         self.limit: Final = limit
+        self.outside: Final = outside
+        """The limit set from outside within which the root was sized, if any."""
         self.pid: Final = os.getpid()
         self._detach: Callable[[], None] | None = None
         self._family: Family | None = None
@@ -213,6 +221,10 @@ class _Released:
         self._claim = claim
 
     @property
+    def claim(self) -> Claim:
+        return self._claim
+
+    @property
     def address(self) -> int:
         return self._inner.address
 
@@ -256,9 +268,10 @@ def claim_root(backend: Backend, name: str, request: int | Share, align: int,
         return request, None
     cap = parse_cap(cap_text, device.total) if cap_text else None
     kept = headroom() if device.free is not None else 0
+    outside = outside_limit(device)
     try:
         book = book_for(device)
-        claim = _claim(book, device, name, request, align, cap, initial, kept)
+        claim = _claim(book, device, name, request, align, cap, initial, kept, outside)
     except LedgerUnusable as exc:  # not a refusal: the ledger cannot be used now
         if required:
             raise
@@ -269,8 +282,22 @@ def claim_root(backend: Backend, name: str, request: int | Share, align: int,
     return claim.limit, claim
 
 
+def outside_limit(device: LedgerDevice) -> OutsideLimit | None:
+    """The limit set from outside that bounds ``device`` for this process, if any (the
+    smallest that :func:`~gpubudget.hostledger.limits.outside_limits` reads, when less than
+    the device's memory); NVML is asked on GPUs only."""
+    gpu = device.identity.startswith("GPU-")
+    where = limits.where
+    if gpu and where.nvml is None:
+        where = replace(where, nvml=nvml_started())
+    return smallest(device.total, outside_limits(
+        device.ordinal, pci_bus_id=device.pci_bus_id, uuid=device.identity if gpu else None,
+        where=where))
+
+
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
-           align: int, cap: int | None, initial: int | None, kept: int) -> Claim:
+           align: int, cap: int | None, initial: int | None, kept: int,
+           outside: OutsideLimit | None) -> Claim:
     wanted = request if isinstance(request, Share) else round_up(request, align)
     me = myself()
     numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
@@ -285,14 +312,24 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
             free = free + max(wanted - initial, 0) if isinstance(wanted, int) else None
         with book.current() as index:
             shared_cap = book.header().cap
-            book.set_device(device.total, device.hard)
+            book.set_device(device.total, device.hard, outside.nbytes if outside else None,
+                            outside.name if outside else "")
             unsettled = index.unsettled(started, time.monotonic_ns())
             if free is None or not unsettled or time.monotonic() > deadline:
-                caps = [value for value in (cap, shared_cap) if value is not None]
+                caps = [(value, index.held, "the device cap") for value in (cap, shared_cap)
+                        if value is not None]
+                if outside is not None:  # a limit set from outside: as if the device's cap
+                    against = index.held if not outside.per_process else sum(
+                        entry.holds for entry in index.live()
+                        if (entry.pid, entry.pidns) == (me.pid, me.pidns))
+                    caps.append((outside.nbytes, against, f"the limit {outside.source}"))
+                least = min(caps, key=lambda each: each[0] - each[1], default=None)
                 decision = decide(wanted, granularity=align, held=index.held,
-                                  total=device.total, cap=min(caps) if caps else None,
+                                  total=device.total, cap=least[0] if least else None,
                                   hard=device.hard, free=free, unsettled=unsettled,
-                                  headroom=kept)
+                                  headroom=kept,
+                                  cap_name=least[2] if least else "the device cap",
+                                  cap_held=least[1] if least else None)
                 if decision.nbytes is None:
                     asked = (f"{request.text!r} of {_device(device)}"
                              if isinstance(request, Share) else
@@ -304,7 +341,7 @@ def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Sha
                     "claimed_at": time.monotonic_ns(), "serial": next(_serials)},
                     name, process)
                 claim = Claim(book, device, slot, request if isinstance(request, int)
-                              else decision.nbytes)
+                              else decision.nbytes, outside)
                 with _lock:
                     _claims.add(claim)
                 return claim

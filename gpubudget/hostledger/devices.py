@@ -52,6 +52,9 @@ class LedgerDevice:
     """Reads the device's free memory now (a device call), if the device can say."""
     directory: Path | None = None
     """A ledger directory for this device alone (else the process's)."""
+    pci_bus_id: str | None = None
+    """The GPU's PCI bus id (``0000:03:00.0``), where known: the cgroup's ``dmem`` files
+    name devices by it."""
 
 
 def host_device() -> LedgerDevice:
@@ -104,10 +107,12 @@ def _gpu(backend: Backend) -> LedgerDevice | None:
     ordinal = getattr(backend, "ordinal", None)
     named = getattr(getattr(backend, "device", None), "name", None)
     label = str(named()) if callable(named) else "CUDA device"
+    bus = getattr(getattr(backend, "device", None), "pci_bus_id", None)
 
     def free() -> int | None:
         reading = backend.mem_info()
         return reading[0] if reading else None
 
     return LedgerDevice(str(getattr(backend, "device_uuid")()), label, info[1], hard=False,
-                        ordinal=ordinal if isinstance(ordinal, int) else None, free=free)
+                        ordinal=ordinal if isinstance(ordinal, int) else None, free=free,
+                        pci_bus_id=str(bus()) if callable(bus) else None)

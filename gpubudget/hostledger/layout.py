@@ -5,7 +5,8 @@ of child budgets.
 
     bytes 0 .. 255        header: magic, version, geometry, slots ever used, the host-wide
                           cap, the device's total memory, whether claims must fit it, pages
-                          ever used, the device's identity and label
+                          ever used, the limit set on it from outside and what set it, the
+                          device's identity and label
     bytes 256 .. 271      the change count, and the mark of the last change made without the
                           lock
     bytes 512 .. 2559     the change log: the slot of change n in word n % 256
@@ -54,6 +55,8 @@ __all__ = [
     "CHANGES_WORD",
     "HEADER",
     "HEADER_BYTES",
+    "LIMIT_BYTES",
+    "LIMIT_TEXT",
     "LOG_LENGTH",
     "LOG_WORD",
     "UNLOCKED_WORD",
@@ -107,11 +110,15 @@ FILE_BYTES: Final = CHILDREN + PAGES * PAGE_BYTES
 TEXT_BYTES: Final = 64
 PROCESS_BYTES: Final = 56
 
-HEADER: Final = struct.Struct(f"=8s10Q40x{TEXT_BYTES}s{TEXT_BYTES}s")
+LIMIT_BYTES: Final = 32
+HEADER: Final = struct.Struct(f"=8s11Q{LIMIT_BYTES}s{TEXT_BYTES}s{TEXT_BYTES}s")
 """magic, version, slot bytes, slots, slots ever used, cap, total, hard, child bytes, pages,
-pages ever used; identity, label."""
+pages ever used, the outside limit; what set that limit, identity, label. (The outside
+limit and its name fill what was padding: zeros in older files, read as none.)"""
 _HEADER_WORDS: Final = ("magic", "version", "slot_bytes", "slots", "high", "cap", "total",
-                        "hard", "child_bytes", "pages", "pages_high")
+                        "hard", "child_bytes", "pages", "pages_high", "limit")
+LIMIT_TEXT: Final = len(_HEADER_WORDS) * 8
+"""Byte offset of the name of what set the outside limit, in the header."""
 
 SLOT_FIELDS: Final = ("state", "pid", "start", "pidns", "boot", "limit", "claim", "reserved",
                       "used", "peak", "denials", "claimed_at", "reserved_at", "ordinal",
@@ -217,12 +224,18 @@ class Header:
     label: str
     pages_high: int = 0
     """Pages of child budgets ever used: every page past it is free."""
+    limit: int | None = None
+    """The limit set from outside on the device's memory (an MPS or HAMi variable, the
+    cgroup's ``dmem.max``, NVML's) as the last root to claim there read it, if any."""
+    limited_by: str = ""
+    """What set :attr:`limit` (a variable's or file's name)."""
 
 
 def encode_header(identity: str, label: str, total: int, hard: bool) -> bytes:
     """A new file's header page."""
     packed = HEADER.pack(MAGIC, VERSION, SLOT_BYTES, SLOTS, 0, 0, total, int(hard),
-                         CHILD_BYTES, PAGES, 0, text_field(identity), text_field(label))
+                         CHILD_BYTES, PAGES, 0, 0, b"", text_field(identity),
+                         text_field(label))
     return packed.ljust(HEADER_BYTES, b"\0")
 
 
@@ -237,7 +250,7 @@ def decode_header(data: bytes) -> Header:
     if len(data) < HEADER.size:
         raise ValueError(f"too short for a ledger header ({len(data)} bytes)")
     (magic, version, slot_bytes, slots, high, cap, total, hard, child_bytes, pages, pages_high,
-     identity, label) = HEADER.unpack_from(data)
+     limit, limited_by, identity, label) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not a gpubudget ledger (it starts with {magic!r})")
     if version != VERSION:
@@ -249,7 +262,7 @@ def decode_header(data: bytes) -> Header:
         raise Damage(f"damaged header (pages {pages} of {child_bytes}-byte rows, {pages_high} "
                      f"used)")
     return Header(version, slot_bytes, slots, high, cap or None, total, bool(hard),
-                  _text(identity), _text(label), pages_high)
+                  _text(identity), _text(label), pages_high, limit or None, _text(limited_by))
 
 
 def encode_slot(numbers: dict[str, int], name: str, process: str) -> bytes:

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["GpuProcesses", "read_nvml"]
+__all__ = ["GpuProcesses", "read_nvml", "started"]
 
 _lock = threading.Lock()
 _started: list[Any] = []  # the pynvml module, once nvmlInit() has worked
@@ -43,6 +43,14 @@ def _module() -> Any:
             pynvml.nvmlInit()
             _started.append(pynvml)
         return _started[0]
+
+
+def started() -> Any:
+    """pynvml, started, or ``None`` where it is not installed or NVML does not start."""
+    try:
+        return _module()
+    except Exception:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
+        return None
 
 
 def read_nvml() -> tuple[dict[str, GpuProcesses], str | None]:

@@ -172,7 +172,8 @@ class Decision:
 
 def decide(request: int | Share, *, granularity: int, held: int, total: int,
            cap: int | None, hard: bool, free: int | None, unsettled: int,
-           headroom: int = 0) -> Decision:
+           headroom: int = 0, cap_name: str = "the device cap",
+           cap_held: int | None = None) -> Decision:
     """How many bytes a new root may claim.
 
     ``request``: its limit (bytes, already rounded up to ``granularity``) or a share;
@@ -180,7 +181,10 @@ def decide(request: int | Share, *, granularity: int, held: int, total: int,
     device's memory; ``cap``: the most all roots may claim; ``hard``: claims must fit
     ``total``; ``free``: the device's free memory as read just before (``None``: unknown);
     ``unsettled``: bytes of claims whose memory that reading may not show yet;
-    ``headroom``: what a share leaves of the free memory.
+    ``headroom``: what a share leaves of the free memory; ``cap_name``: what set ``cap``, for
+    the reason (a limit set from outside, :mod:`gpubudget.hostledger.limits`, is a cap);
+    ``cap_held``: the bytes claimed against ``cap``, when not ``held`` (a limit on one
+    process counts only that process's claims).
 
     A share is of what is unclaimed: the room under the cap (or the total), and no more than
     the free memory less the unsettled claims and ``headroom``; it is rounded down to a MiB,
@@ -202,8 +206,9 @@ def decide(request: int | Share, *, granularity: int, held: int, total: int,
     """
     rooms: list[tuple[int, str]] = []
     if cap is not None:
-        rooms.append((cap - held, f"the device cap is {format_size(cap)}, "
-                                  f"{format_size(held)} of it claimed"))
+        against = held if cap_held is None else cap_held
+        rooms.append((cap - against, f"{cap_name} is {format_size(cap)}, "
+                                     f"{format_size(against)} of it claimed"))
     if hard or isinstance(request, Share):  # a share is never more than the device has
         rooms.append((total - held, f"the device has {format_size(total)}, "
                                     f"{format_size(held)} of it claimed"))

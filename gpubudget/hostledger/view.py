@@ -47,6 +47,11 @@ class DeviceView:
     children: Mapping[int, tuple[ChildBudget, ...]] = field(default_factory=dict)
     """The child budgets of each root that its pages show, by the root's slot
     (:attr:`Entry.slot`), depth first; :attr:`Entry.hidden` says how many more it has."""
+    limit: int | None = None
+    """A limit set on the device from outside (MPS, HAMi, the cgroup's ``dmem.max``, NVML)
+    as the last root to claim there read it; shares and claims are sized within it."""
+    limited_by: str = ""
+    """What set :attr:`limit`."""
 
     def children_of(self, entry: Entry) -> tuple[ChildBudget, ...]:
         """``entry``'s child budgets shown, depth first (each with its depth)."""
@@ -88,7 +93,8 @@ class DeviceView:
                 "device_used": None if self.used_by is None else self.used_by.get(pid),
                 "outside": self.outside(pid)})
         return {"device": self.identity, "label": self.label, "total": self.total,
-                "cap": self.cap, "simulated": self.hard, "claimed": self.claimed,
+                "cap": self.cap, "limit": self.limit, "limited_by": self.limited_by or None,
+                "simulated": self.hard, "claimed": self.claimed,
                 "used": self.used, "ended_entries": self.ended,
                 "budgets": [_entry_dict(entry, self.children_of(entry))
                             for entry in self.entries],
@@ -164,7 +170,8 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
                     devices.append(DeviceView(
                         header.identity, header.label, header.total, header.cap, header.hard,
                         snapshot.entries, snapshot.ended,
-                        gpu.used_by if gpu is not None else None, snapshot.children))
+                        gpu.used_by if gpu is not None else None, snapshot.children,
+                        header.limit, header.limited_by))
         finally:
             opened.close()
     devices.extend(_without_ledger(gpu) for gpu in gpus.values() if idle or gpu.used_by)
