@@ -42,6 +42,7 @@ import operator
 import weakref
 from typing import TYPE_CHECKING, Any, Final
 
+from .adapter import hooks
 from .budget import Budget
 from .errors import AllocationDenied
 from .routing import target_budget
@@ -99,8 +100,9 @@ class BudgetResource(MemoryResource):
         device = budget.device
         assert device is not None  # target_budget refuses host memory
         self._device: Final = device
-        budget.pin()  # the budget keeps its memory for as long as its resource lives
-        weakref.finalize(self, budget.unpin)
+        held = hooks(budget)
+        held.pin()  # the budget keeps its memory for as long as its resource lives
+        weakref.finalize(self, held.unpin)
 
     def allocate(self, size: int, *, stream: Stream | GraphBuilder) -> Buffer:
         nbytes = operator.index(size)  # TypeError for anything but an integer
