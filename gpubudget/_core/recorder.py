@@ -286,12 +286,14 @@ class Recorder:
             self._shown(self.family.released, account)
 
     def _shown(self, change: Callable[..., None], *args: object) -> None:
-        """One change of what the host ledger shows. It is only shown: its file's failure
-        (an ``OSError``) stops showing this root's children and is told once as a warning."""
+        """One change of what the host ledger shows. It is only shown: an exception in it (a
+        bug, its file's failure) stops showing this root's children and is told once as a
+        warning; an ``OSError`` that no system call raised (a signal handler's
+        ``TimeoutError``) propagates."""
         try:
             change(*args)
-        except OSError as exc:
-            if exc.errno is None:  # not a system call's: raised into it (a signal handler's)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            if isinstance(exc, OSError) and exc.errno is None:
                 raise
             family, self.family = self.family, None
             if family is not None:
