@@ -269,9 +269,17 @@ def claim_root(backend: Backend, name: str, request: int | Share, align: int,
     return claim.limit, claim
 
 
+_MOST: Final = 1 << 63
+"""A root's limit and claim are 64-bit words of its slot, kept below 2**63 like every size
+of a trace."""
+
+
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
            align: int, cap: int | None, initial: int | None, kept: int) -> Claim:
     wanted = request if isinstance(request, Share) else round_up(request, align)
+    if isinstance(wanted, int) and wanted >= _MOST:
+        raise LedgerError(f"budget {name!r} cannot claim {format_size(wanted)}: more than "
+                          f"any device holds (a root's limit is below 8 EiB, 2**63 bytes)")
     me = myself()
     numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
                "ordinal": device.ordinal + 1 if device.ordinal is not None else 0,
