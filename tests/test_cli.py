@@ -628,3 +628,9 @@ def test_a_warning_of_the_library_names_gpubudget_once(
     assert capsys.readouterr().err.splitlines() == [
         "gpubudget: warning: root budgets are not registered",
         "gpubudget: warning: something else"]
+
+
+def test_the_demo_speaks_in_one_kind_of_unit(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = cli_run(capsys, "demo", "--backend", "host", "--no-plot")
+    assert status == 0 and "4.00 GiB" in out
+    assert re.findall(r"\d ?(?:KB|MB|GB|TB)\b", out) == []  # GiB throughout, never GB beside it
