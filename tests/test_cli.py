@@ -634,3 +634,35 @@ def test_the_demo_speaks_in_one_kind_of_unit(capsys: pytest.CaptureFixture[str])
     status, out, _ = cli_run(capsys, "demo", "--backend", "host", "--no-plot")
     assert status == 0 and "4.00 GiB" in out
     assert re.findall(r"\d ?(?:KB|MB|GB|TB)\b", out) == []  # GiB throughout, never GB beside it
+
+
+def test_progress_in_a_log_is_a_line_now_and_then() -> None:
+    now = [0.0]
+    log = io.StringIO()  # no terminal: a CI log
+    progress = Progress(log, clock=lambda: now[0], log=True)
+    progress("fitting root a")
+    now[0] = cli_output.PROGRESS_LOG_DELAY - 0.5
+    progress("still too early")
+    assert log.getvalue() == ""
+    now[0] = cli_output.PROGRESS_LOG_DELAY
+    progress("fitting root b\x1b")
+    for step in range(1, 100):  # calls as often as a fit makes them
+        now[0] = cli_output.PROGRESS_LOG_DELAY + step * cli_output.PROGRESS_LOG_INTERVAL / 50
+        progress(f"fitting root c{step}")
+    progress.clear()  # nothing to erase in a log
+    assert log.getvalue().splitlines() == ["gpubudget: fitting root b\\x1b",
+                                           "gpubudget: fitting root c50"]
+    terminal = Terminal()
+    Progress(terminal, delay=0.0, log=True)("on a terminal")  # in place, as without log
+    assert terminal.getvalue() == "\ron a terminal"
+
+
+def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = record_roots(tmp_path / "many.jsonl", *["request"] * 200)
+    monkeypatch.setattr(cli_output, "PROGRESS_LOG_DELAY", 0.0)
+    status, out, err = cli_run(capsys, "fit", str(path))
+    assert status == 0 and "Smallest limits" in out
+    lines = err.splitlines()
+    assert lines and all(line.startswith("gpubudget: ") for line in lines)
+    assert "fitting root " in lines[0] or "lines" in lines[0]
