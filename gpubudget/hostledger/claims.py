@@ -31,7 +31,6 @@ in the process; a root that needs the ledger (a share, a cap, a simulated device
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import threading
@@ -368,12 +367,14 @@ def _forked() -> None:
     _books.clear()
 
 
-def _at_exit() -> None:
-    """Interpreter exit: free this process's slots (device memory was returned already)."""
+def release_at_exit() -> None:
+    """Interpreter exit: free this process's slots (device memory was returned already).
+    Registered with :mod:`atexit` by ``gpubudget._budget`` when gpubudget is imported, which
+    is before this module is loaded (at a root's entry) and before the handlers that return
+    device memory: it runs after them."""
     for claim in list(_claims):
         if claim.pid == os.getpid():
             claim.release()
 
 
 os.register_at_fork(after_in_child=_forked)
-atexit.register(_at_exit)
