@@ -6,8 +6,10 @@ traced, side by side in one process.
 Each row is a child budget of a root on host memory (the common shape: a model's budget in a
 shared pool), and each pair is ``child.allocate(4096, tag=...)`` then ``child.free(address)``
 from Python: ``plain`` (no tag), ``tag=`` (a tag on every block), ``track_stacks=True`` (the
-Python stack of every block kept) and ``trace=`` (every event written to a trace file, in a
-temporary directory; the file's size per event is printed too). Rounds are interleaved (one
+Python stack of every block kept), ``trace=`` (every event written to a trace file, in a
+temporary directory; the file's size per event is printed too) and the pair as TensorRT
+makes it, through TensorRT-RTX's own C++ trampoline (where ``tensorrt_rtx_bindings``
+imports). Rounds are interleaved (one
 round of every row, then the next), each on a fresh pair of budgets and a collected heap; the
 table gives the best round's CPU microseconds per pair (``time.process_time``: the cost,
 whatever else the machine runs) and the median, and the best against ``plain``'s best.
@@ -64,6 +66,24 @@ def stacks(pairs: int, where: Path) -> float:
             return _pairs(child, pairs, None)
 
 
+def trampoline(pairs: int, where: Path) -> float:
+    """The pair as TensorRT makes it: C++ calls into gpubudget's allocator through
+    TensorRT-RTX's own trampoline (``tests/trampoline.py`` drives its vtable)."""
+    from gpubudget import tensorrt as gbt
+    from tests.trampoline import Trampoline
+
+    module = gbt.load_module("tensorrt_rtx_bindings")
+    with gpu_budget("64MiB", name="pool", backend="host"):
+        with gpu_budget("1MiB", name="model"):
+            cpp = Trampoline(gbt.allocator(trt_module=module))
+            allocate, free = cpp.allocate_async, cpp.deallocate_async
+            gc.collect()
+            started = time.process_time()
+            for _ in range(pairs):
+                free(allocate(SIZE, 0, 0, 0), 0)  # type: ignore[arg-type]  # never denied
+            return time.process_time() - started
+
+
 def traced(pairs: int, where: Path) -> float:
     path = where / f"trace-{time.monotonic_ns()}.jsonl"
     with gpu_budget("64MiB", name="pool", backend="host", trace=str(path)):
@@ -78,17 +98,28 @@ def traced(pairs: int, where: Path) -> float:
 
 
 ROWS: dict[str, Callable[[int, Path], float]] = {
-    "plain": plain, "tag=": tagged, "track_stacks=True": stacks, "trace=": traced}
+    "plain": plain, "tag=": tagged, "track_stacks=True": stacks, "trace=": traced,
+    "through TensorRT's trampoline": trampoline}
+"""Each row's run (the trampoline's where ``tensorrt_rtx_bindings`` imports)."""
+
+
+def _rows() -> dict[str, Callable[[int, Path], float]]:
+    try:
+        import tensorrt_rtx_bindings  # noqa: F401 - only whether it is there
+    except ImportError:
+        return {name: run for name, run in ROWS.items() if run is not trampoline}
+    return ROWS
 
 
 def measure(pairs: int, rounds: int) -> dict[str, list[float]]:
     """Microseconds per pair, each row's rounds."""
-    found: dict[str, list[float]] = {name: [] for name in ROWS}
+    rows = _rows()
+    found: dict[str, list[float]] = {name: [] for name in rows}
     with tempfile.TemporaryDirectory(prefix="gpubudget-tracing-") as where:
-        for run in ROWS.values():  # warm-up: code paths, the file system
+        for run in rows.values():  # warm-up: code paths, the file system
             run(min(pairs, 2_000), Path(where))
         for _ in range(rounds):
-            for name, run in ROWS.items():
+            for name, run in rows.items():
                 found[name].append(run(pairs, Path(where)) / pairs * 1e6)
     return found
 
