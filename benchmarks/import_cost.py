@@ -2,14 +2,15 @@
 start, side by side: every round starts each command once, in turn, in a fresh interpreter of
 this Python, so a busy machine slows them alike.
 
-    python -m benchmarks.import_cost [--runs N] [--json PATH]
+    python -m benchmarks.import_cost [--runs N] [--json PATH] [--before CHECKOUT]
 
 Rows: ``python -c pass`` (the bare start, the unit of the ratio); ``import gpubudget``; a
 first budget entered and used on host memory (what a program pays before its first
-allocation); and ``gpubudget.tracefile`` and ``gpubudget.hostledger`` imported on their own,
-for scale. The table gives the minimum and the median over the runs of the child's
-``ru_utime + ru_stime`` (``os.wait4``), and the minimum's ratio to the bare start's minimum:
-the minimum is what the work costs when nothing else runs. The target: ``import gpubudget``
+allocation); with ``--before CHECKOUT``, ``import gpubudget`` from another checkout (an
+earlier commit, its C extension built in place) in the same rounds. The table gives the
+minimum and the median over the runs of the child's ``ru_utime + ru_stime``
+(``os.wait4``), and the minimum's ratio to the bare start's minimum: the minimum is what
+the work costs when nothing else runs. The target: ``import gpubudget``
 at most 2x the bare start.
 """
 
@@ -31,8 +32,6 @@ ROWS: dict[str, str] = {
         "from gpubudget import gpu_budget\n"
         "with gpu_budget('1MiB', backend='host') as pool:\n"
         "    pool.free(pool.allocate(4096))"),
-    "import gpubudget.tracefile": "import gpubudget.tracefile",
-    "import gpubudget.hostledger": "import gpubudget.hostledger",
 }
 """Each row's name and the code its interpreter runs."""
 TARGET = 2.0
@@ -54,14 +53,18 @@ def cpu_seconds(code: str, cwd: Path) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(runs: int, cwd: Path) -> dict[str, list[float]]:
-    """Each row's CPU seconds, ``runs`` rounds of every row in turn."""
-    found: dict[str, list[float]] = {name: [] for name in ROWS}
-    for name, code in ROWS.items():  # one warm-up each: the page cache, .pyc files written
-        cpu_seconds(code, cwd)
+def measure(runs: int, cwd: Path, before: Path | None = None) -> dict[str, list[float]]:
+    """Each row's CPU seconds, ``runs`` rounds of every row in turn (and ``import
+    gpubudget`` in the checkout ``before``, if given)."""
+    rows = [(name, code, cwd) for name, code in ROWS.items()]
+    if before is not None:
+        rows.append((f"import gpubudget, {before}", "import gpubudget", before))
+    found: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    for name, code, where in rows:  # one warm-up each: the page cache, .pyc files written
+        cpu_seconds(code, where)
     for _ in range(runs):
-        for name, code in ROWS.items():
-            found[name].append(cpu_seconds(code, cwd))
+        for name, code, where in rows:
+            found[name].append(cpu_seconds(code, where))
     return found
 
 
@@ -79,9 +82,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--before", type=Path, metavar="CHECKOUT",
+                        help="another checkout whose import to time in the same rounds")
     args = parser.parse_args()
     checkout = Path(__file__).resolve().parent.parent
-    found = measure(args.runs, checkout)
+    found = measure(args.runs, checkout, args.before.resolve() if args.before else None)
     import gpubudget
 
     print(f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "

@@ -666,3 +666,6 @@ def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFix
     lines = err.splitlines()
     assert lines and all(line.startswith("gpubudget: ") for line in lines)
     assert "fitting root " in lines[0] or "lines" in lines[0]
+    said = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
+    assert f"after {cli_output.PROGRESS_LOG_DELAY:g} seconds and then at most one every " \
+           f"{cli_output.PROGRESS_LOG_INTERVAL:g}\nseconds" in said
