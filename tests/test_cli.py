@@ -655,6 +655,9 @@ def test_progress_in_a_log_is_a_line_now_and_then() -> None:
     terminal = Terminal()
     Progress(terminal, delay=0.0, log=True)("on a terminal")  # in place, as without log
     assert terminal.getvalue() == "\ron a terminal"
+    said = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
+    assert f"after {cli_output.PROGRESS_LOG_DELAY:g} seconds and then at most one every " \
+           f"{cli_output.PROGRESS_LOG_INTERVAL:g}\nseconds" in said
 
 
 def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -666,6 +669,3 @@ def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFix
     lines = err.splitlines()
     assert lines and all(line.startswith("gpubudget: ") for line in lines)
     assert "fitting root " in lines[0] or "lines" in lines[0]
-    said = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
-    assert f"after {cli_output.PROGRESS_LOG_DELAY:g} seconds and then at most one every " \
-           f"{cli_output.PROGRESS_LOG_INTERVAL:g}\nseconds" in said
