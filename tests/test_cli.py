@@ -591,7 +591,8 @@ def test_cli_on_mutated_traces(tmp_path: Path) -> None:
         path.write_bytes(b"\n".join(mutate(source, rng)) + b"\n")
         files.append(path)
     result = run_cli("fit", *map(str, files))
-    errors = result.stderr.decode(errors="replace").splitlines()
+    errors = [line for line in result.stderr.decode(errors="replace").splitlines()
+              if not line.startswith(cli_output.PROGRESS_LOG_PREFIX)]  # a slow machine's
     assert result.returncode in (0, EXIT_BAD_INPUT) and b"Traceback" not in result.stderr
     assert all(re.match(r"gpubudget: (error|warning): .*m\d\d\.jsonl", line) for line in errors), errors
     fitted = len(re.findall(rb"m\d\d\.jsonl: \d+ roots?, ", result.stdout))
@@ -650,8 +651,8 @@ def test_progress_in_a_log_is_a_line_now_and_then() -> None:
         now[0] = cli_output.PROGRESS_LOG_DELAY + step * cli_output.PROGRESS_LOG_INTERVAL / 50
         progress(f"fitting root c{step}")
     progress.clear()  # nothing to erase in a log
-    assert log.getvalue().splitlines() == ["gpubudget: fitting root b\\x1b",
-                                           "gpubudget: fitting root c50"]
+    assert log.getvalue().splitlines() == ["gpubudget: progress: fitting root b\\x1b",
+                                           "gpubudget: progress: fitting root c50"]
     terminal = Terminal()
     Progress(terminal, delay=0.0, log=True)("on a terminal")  # in place, as without log
     assert terminal.getvalue() == "\ron a terminal"
@@ -667,5 +668,5 @@ def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFix
     status, out, err = cli_run(capsys, "fit", str(path))
     assert status == 0 and "Smallest limits" in out
     lines = err.splitlines()
-    assert lines and all(line.startswith("gpubudget: ") for line in lines)
+    assert lines and all(line.startswith("gpubudget: progress: ") for line in lines)
     assert "fitting root " in lines[0] or "lines" in lines[0]

@@ -17,6 +17,7 @@ __all__ = [
     "PROGRESS_DELAY",
     "PROGRESS_LOG_DELAY",
     "PROGRESS_LOG_INTERVAL",
+    "PROGRESS_LOG_PREFIX",
     "Failure",
     "Progress",
     "say",
@@ -53,6 +54,8 @@ PROGRESS_LOG_DELAY: Final = 10.0
 log), with ``Progress(..., log=True)``."""
 PROGRESS_LOG_INTERVAL: Final = 30.0
 """Seconds between two progress lines where stderr is no terminal: a log stays short."""
+PROGRESS_LOG_PREFIX: Final = "gpubudget: progress: "
+"""How a progress line in a log begins (a tool reading the log can leave them out)."""
 
 
 class Progress:
@@ -63,8 +66,9 @@ class Progress:
     terminal, once ``delay`` seconds (default :data:`PROGRESS_DELAY`) have passed since the
     start, and at most every ``interval`` seconds. :meth:`clear` erases it before other
     output. With ``log=True`` and a stream that is no terminal, a message is a line of its
-    own (``gpubudget: ...``) after :data:`PROGRESS_LOG_DELAY` seconds, then at most every
-    :data:`PROGRESS_LOG_INTERVAL`: a long run is not silent, and its log stays short.
+    own (:data:`PROGRESS_LOG_PREFIX` first) after :data:`PROGRESS_LOG_DELAY` seconds, then
+    at most every :data:`PROGRESS_LOG_INTERVAL`: a long run is not silent, and its log stays
+    short.
     """
 
     def __init__(self, stream: TextIO, *, delay: float | None = None, interval: float = 0.25,
@@ -89,7 +93,7 @@ class Progress:
         self.next_at = now + self.interval
         text = printable(message)[:79]
         if self.lines:
-            self.stream.write(f"gpubudget: {text}\n")
+            self.stream.write(f"{PROGRESS_LOG_PREFIX}{text}\n")
             self.stream.flush()
             return
         self.stream.write("\r" + text.ljust(self.width))

@@ -144,8 +144,8 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
     which may not exist yet: then nothing is registered). ``nvml``: join NVML's per-process
     figures where it answers. ``idle``: list devices with no live budget too (GPUs NVML sees
     included), except simulated ones: a simulated device is only as real as the budgets on it,
-    and its file, once they are gone, is a leftover of the process that simulated it. A missing ``directory`` given here, or a bad file, is a ``LedgerError``
-    naming it.
+    and its file, once they are gone, is a leftover of the process that simulated it. A
+    missing ``directory`` given here, or a bad file, is a ``LedgerError`` naming it.
 
     >>> import tempfile
     >>> host_view(tempfile.mkdtemp(), nvml=False).devices
