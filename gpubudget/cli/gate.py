@@ -28,7 +28,8 @@ when:
 ``--allow absent``, ``--allow unlisted`` and ``--allow denials`` say the same for every
 budget. Budgets of roots that LIMITS does not name are listed, not checked. LIMITS that
 match no budget of the run at all are bad input (exit 2): a gate that checks nothing does
-not pass.
+not pass; so is a trace of a run that did not end (a root never exited, a last line cut
+short: the program was killed), whose needs after that are unknown.
 """
 
 from __future__ import annotations
