@@ -343,9 +343,14 @@ class BudgetReport:
             f"{first}{self.name}{backend} ({self.state}): used {format_size(self.used)} "
             f"of {format_size(self.limit)}{reserve}, peak {format_size(self.peak)}"
         )
+        if self.children:  # the tree's counts first: a root often allocates nothing itself
+            totals = self.totals
+            lines.append(
+                f"{rest}  with the budgets below: allocations {totals.allocations}, frees "
+                f"{totals.frees}, denied {totals.denied}, live blocks {totals.live_blocks}")
         detail = (
-            f"{rest}  allocations {self.allocations}, frees {self.frees}, "
-            f"denied {self.denied}"
+            f"{rest}  {'its own: ' if self.children else ''}allocations {self.allocations}, "
+            f"frees {self.frees}, denied {self.denied}"
         )
         if self.denied:
             detail += f" (largest {format_size(self.largest_denied)})"
@@ -354,11 +359,6 @@ class BudgetReport:
         if self.invalid_frees:
             detail += f", invalid frees {self.invalid_frees}"
         lines.append(detail)
-        if self.children:
-            totals = self.totals
-            lines.append(
-                f"{rest}  with the budgets below: allocations {totals.allocations}, frees "
-                f"{totals.frees}, denied {totals.denied}, live blocks {totals.live_blocks}")
         if not first:  # a root: children share its arena
             lines.append(
                 f"{rest}  free in arena {format_size(self.free_bytes)}, "

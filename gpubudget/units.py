@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
 from typing import Final, SupportsIndex
 
 __all__ = [
@@ -43,6 +43,14 @@ _UNITS: Final[dict[str, int]] = {
 }
 _SIZE: Final = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 _BINARY: Final = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+MAX_TEXT_SIZE: Final = 2**64
+"""The largest size a string may name (16 EiB, every byte a 64-bit address can reach): a
+longer number is refused before any arithmetic, so a size of thousands of digits costs
+nothing and says what is wrong."""
+_MAX_WHOLE_DIGITS: Final = len(str(MAX_TEXT_SIZE))
+_MAX_FRACTION_DIGITS: Final = 40
+"""Decimals past this many (trailing zeros aside) never make a whole number of bytes: no
+unit is larger than 2**40 or 10**12."""
 
 
 def as_int(value: object) -> int | None:
@@ -100,28 +108,48 @@ def _parse_text(value: str, what: str) -> int:
     match = _SIZE.fullmatch(value)
     if match is None:
         if value.strip().startswith("-"):
-            raise ValueError(f"{what} must be positive, got {value!r}")
+            raise ValueError(f"{what} must be positive, got {_shown(value)}")
         raise ValueError(
-            f"{what} {value!r} is not a size: expected a number and a unit such as "
+            f"{what} {_shown(value)} is not a size: expected a number and a unit such as "
             f"'512MiB', '1.5 GB' or '4096'"
         )
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower() if unit else "b")
     if factor is None:
         raise ValueError(
-            f"{what} {value!r} has an unknown unit {unit!r}; use one of "
+            f"{what} {_shown(value)} has an unknown unit {unit!r}; use one of "
             f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
-    try:
-        exact = Decimal(number) * factor
-    except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
-        raise ValueError(f"{what} {value!r} is not a number") from None
+    whole, _, fraction = number.partition(".")
+    whole, fraction = whole.lstrip("0"), fraction.rstrip("0")
+    if len(whole) > _MAX_WHOLE_DIGITS:
+        raise ValueError(f"{what} {_shown(value)} is too large: more than 16 EiB "
+                         f"(2**64 bytes), more than any device holds")
+    if len(fraction) > _MAX_FRACTION_DIGITS:
+        raise ValueError(f"{what} {_shown(value)} is not a whole number of bytes")
+    with localcontext() as exact_digits:  # exact: at most 21 + 40 + 13 digits
+        exact_digits.prec = 100
+        try:
+            exact = Decimal(f"{whole or 0}.{fraction or 0}") * factor
+        except InvalidOperation:  # pragma: no cover - the pattern admits only decimals
+            raise ValueError(f"{what} {_shown(value)} is not a number") from None
     if exact != exact.to_integral_value():
-        raise ValueError(f"{what} {value!r} is not a whole number of bytes ({exact} B)")
+        raise ValueError(f"{what} {_shown(value)} is not a whole number of bytes ({exact} B)")
     nbytes = int(exact)
     if nbytes <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
+        raise ValueError(f"{what} must be positive, got {_shown(value)}")
+    if nbytes > MAX_TEXT_SIZE:
+        raise ValueError(f"{what} {_shown(value)} is too large: more than 16 EiB "
+                         f"(2**64 bytes), more than any device holds")
     return nbytes
+
+
+def _shown(value: str) -> str:
+    """``value`` quoted for a message as ``repr`` does, its middle left out if it is long
+    (a size of thousands of digits)."""
+    if len(value) <= 80:
+        return repr(value)
+    return f"{value[:30]!r}…{value[-12:]!r} ({len(value):,} characters)"
 
 
 def format_size(nbytes: int) -> str:
@@ -138,7 +166,11 @@ def format_size(nbytes: int) -> str:
     magnitude = abs(nbytes)
     for unit, factor in _BINARY:
         if magnitude >= factor:
-            return f"{sign}{magnitude / factor:.2f} {unit}"
+            try:
+                return f"{sign}{magnitude / factor:.2f} {unit}"
+            except OverflowError:  # past a float's range: exact, hundredths rounded half up
+                hundredths = (magnitude * 200 // factor + 1) // 2
+                return f"{sign}{hundredths // 100}.{hundredths % 100:02d} {unit}"
     return f"{sign}{magnitude} B"
 
 

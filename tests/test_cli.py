@@ -591,7 +591,8 @@ def test_cli_on_mutated_traces(tmp_path: Path) -> None:
         path.write_bytes(b"\n".join(mutate(source, rng)) + b"\n")
         files.append(path)
     result = run_cli("fit", *map(str, files))
-    errors = result.stderr.decode(errors="replace").splitlines()
+    errors = [line for line in result.stderr.decode(errors="replace").splitlines()
+              if not line.startswith(cli_output.PROGRESS_LOG_PREFIX)]  # a slow machine's
     assert result.returncode in (0, EXIT_BAD_INPUT) and b"Traceback" not in result.stderr
     assert all(re.match(r"gpubudget: (error|warning): .*m\d\d\.jsonl", line) for line in errors), errors
     fitted = len(re.findall(rb"m\d\d\.jsonl: \d+ roots?, ", result.stdout))
@@ -628,3 +629,44 @@ def test_a_warning_of_the_library_names_gpubudget_once(
     assert capsys.readouterr().err.splitlines() == [
         "gpubudget: warning: root budgets are not registered",
         "gpubudget: warning: something else"]
+
+
+def test_the_demo_speaks_in_one_kind_of_unit(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = cli_run(capsys, "demo", "--backend", "host", "--no-plot")
+    assert status == 0 and "4.00 GiB" in out
+    assert re.findall(r"\d ?(?:KB|MB|GB|TB)\b", out) == []  # GiB throughout, never GB beside it
+
+
+def test_progress_in_a_log_is_a_line_now_and_then() -> None:
+    now = [0.0]
+    log = io.StringIO()  # no terminal: a CI log
+    progress = Progress(log, clock=lambda: now[0], log=True)
+    progress("fitting root a")
+    now[0] = cli_output.PROGRESS_LOG_DELAY - 0.5
+    progress("still too early")
+    assert log.getvalue() == ""
+    now[0] = cli_output.PROGRESS_LOG_DELAY
+    progress("fitting root b\x1b")
+    for step in range(1, 100):  # calls as often as a fit makes them
+        now[0] = cli_output.PROGRESS_LOG_DELAY + step * cli_output.PROGRESS_LOG_INTERVAL / 50
+        progress(f"fitting root c{step}")
+    progress.clear()  # nothing to erase in a log
+    assert log.getvalue().splitlines() == ["gpubudget: progress: fitting root b\\x1b",
+                                           "gpubudget: progress: fitting root c50"]
+    terminal = Terminal()
+    Progress(terminal, delay=0.0, log=True)("on a terminal")  # in place, as without log
+    assert terminal.getvalue() == "\ron a terminal"
+    said = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
+    assert f"after {cli_output.PROGRESS_LOG_DELAY:g} seconds and then at most one every " \
+           f"{cli_output.PROGRESS_LOG_INTERVAL:g}\nseconds" in said
+
+
+def test_fit_tells_a_log_it_is_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = record_roots(tmp_path / "many.jsonl", *["request"] * 200)
+    monkeypatch.setattr(cli_output, "PROGRESS_LOG_DELAY", 0.0)
+    status, out, err = cli_run(capsys, "fit", str(path))
+    assert status == 0 and "Smallest limits" in out
+    lines = err.splitlines()
+    assert lines and all(line.startswith("gpubudget: progress: ") for line in lines)
+    assert "fitting root " in lines[0] or "lines" in lines[0]

@@ -3,6 +3,10 @@ fits, 2 with one line for a bad limits file."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -13,6 +17,7 @@ from gpubudget.cli import EXIT_BAD_INPUT, main
 from gpubudget.cli.gate import EXIT_OVER
 from gpubudget.cli.limits import read_limits
 from gpubudget.tracefile import writer_for
+from tests.helpers import subprocess_env
 
 MiB = 2**20
 
@@ -264,3 +269,99 @@ def test_allow_goes_with_check_and_takes_known_words(
     assert main(["fit", "--check", "x.toml", "--allow", "everything", str(trace)]) == \
         EXIT_BAD_INPUT
     assert "argument --allow: invalid choice: 'everything'" in capsys.readouterr().err
+
+
+# -- runs that did not end, limits given twice, hostile limits files ------------------------
+
+
+def test_a_run_killed_midway_is_refused_not_passed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "killed.jsonl"
+    program = textwrap.dedent(f"""
+        import os, signal
+        from gpubudget import gpu_budget
+        from gpubudget.tracefile import writer_for
+        pool = gpu_budget("16MiB", name="pool", backend="host", trace={str(path)!r})
+        pool.__enter__()
+        pool.allocate(MiB := 1 << 20)
+        writer_for({str(path)!r}).flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", program], env=subprocess_env(), timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    limits = toml(tmp_path, '[pool]\nlimit = "16MiB"\n')
+    assert main(["report", str(path)]) == 0 and "(open)" in capsys.readouterr().out
+    status, out, err = check(capsys, limits, path)
+    assert status == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and "the run did not end" in err and "'pool' never exited" in err
+
+
+def test_a_trace_whose_last_line_is_cut_is_refused(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    limits = toml(tmp_path, '[pool]\nlimit = "16MiB"\n[pool.model]\nlimit = "9MiB"\n')
+    assert check(capsys, limits, trace)[0] == 0  # whole, it fits
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(trace.read_bytes()[:-10])  # the root's exit, cut short
+    status, out, err = check(capsys, limits, cut)
+    assert status == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and "last line is cut short: the run did not end" in err
+
+
+def test_a_budget_given_two_limits_is_one_line_and_exit_2(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    limits = tmp_path / "twice.py"
+    limits.write_text(textwrap.dedent("""
+        with gpu_budget("16MiB", name="pool"):
+            with gpu_budget("9MiB", name="model"):
+                ...
+        with gpu_budget("16MiB", name="pool"):
+            with gpu_budget("1MiB", name="model"):
+                ...
+    """))
+    status, out, err = check(capsys, limits, trace)
+    assert status == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and "twice.py:5: a second limit for budget 'pool'" in err
+
+
+HOSTILE = [
+    ("digits.toml", "[pool]\nlimit = " + "9" * 5000 + "\n", "a value that cannot be read"),
+    ("expression.py", "with gpu_budget(" + "1+" * 50_000 + "1, name='pool'): pass\n",
+     "nested too deeply"),
+    ("nested.toml", "[pool]\nx = " + "[" * 20_000 + "]" * 20_000 + "\n", "nested too deeply"),
+    ("inline.toml", "[pool]\nx = " + "{a=" * 5_000 + "1" + "}" * 5_000 + "\n",
+     "nested too deeply"),
+    ("dotted.toml", "[pool]\nlimit = '16MiB'\n" + ".".join(["a"] * 40_000) + " = 1\n",
+     "dotted.toml:3: a key of 40,000 dotted names"),
+    ("header.toml", "[" + ".".join(["a"] * 40_000) + "]\n", "a key of 40,000 dotted names"),
+    ("keys.toml", "".join(f"[{'.'.join(['p'] * 100)}{i}]\n" for i in range(600)),
+     "more than 50,000 key names"),
+    ("huge.toml", "[pool]\nlimit = '" + "9" * 400 + "GiB'\n", "is too large: more than 16 EiB"),
+    ("huge.py", "with gpu_budget('" + "9" * 400 + "GiB', name='pool'): pass\n",
+     "is too large: more than 16 EiB"),
+]
+
+
+@pytest.mark.parametrize("name, text, message", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_limits_files_are_one_line_naming_the_file(
+        tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture[str], name: str,
+        text: str, message: str) -> None:
+    limits = tmp_path / name
+    limits.write_text(text)
+    status, out, err = check(capsys, limits, trace)
+    assert status == EXIT_BAD_INPUT and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"gpubudget: error: {limits}")
+    assert message in err and len(err) < 400, err
+
+
+@pytest.mark.parametrize("name", ["pipe.toml", "pipe.py"])
+def test_a_fifo_as_the_limits_file_is_refused_without_waiting(
+        tmp_path: Path, trace: Path, name: str) -> None:
+    fifo = tmp_path / name
+    os.mkfifo(fifo)  # nobody will ever write into it: opening it to read would wait forever
+    done = subprocess.run([sys.executable, "-m", "gpubudget", "fit", "--check", str(fifo),
+                           str(trace)], env=subprocess_env(), timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == EXIT_BAD_INPUT and done.stdout == ""
+    assert done.stderr == f"gpubudget: error: {fifo}: not a regular file (a pipe or a " \
+                          f"device); a limits file is read from a file\n"

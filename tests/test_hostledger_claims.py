@@ -467,3 +467,12 @@ def test_the_headroom_can_be_set_and_is_never_taken_from_a_plain_limit(
         with pytest.raises(ValueError, match=message):
             root("rest", "bad", gpu)
     assert host_view(nvml=False).entries == ()
+
+
+@pytest.mark.parametrize("limit", [2**63, 2**64, 10**400])
+def test_a_root_past_what_a_slot_holds_is_refused_clearly(limit: int) -> None:
+    with pytest.raises(LedgerError, match="cannot claim .* more than any device holds") as info:
+        with gpu_budget(limit, name="vast", backend="host"):
+            pass  # pragma: no cover - refused at entry
+    assert isinstance(info.value, BudgetError) and "'vast'" in str(info.value)
+    assert not [entry for entry in host_view(nvml=False).entries if entry.name == "vast"]

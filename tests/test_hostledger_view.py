@@ -80,3 +80,23 @@ def test_a_bad_ledger_file_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(LedgerError, match="the ledger file '.*GPU-x.ledger' is 7 bytes, not "
                                           "3149824: not a gpubudget ledger"):
         host_view(nvml=False)
+
+
+class SimulatedGpu(HostBackend):
+    def ledger_device(self) -> LedgerDevice:
+        return LedgerDevice("sim-gpu-7", "simulated GPU sim-gpu-7", 8 * GiB, hard=True)
+
+
+def test_a_simulated_device_shows_while_budgets_live_on_it_and_not_as_a_leftover() -> None:
+    context = contextvars.Context()
+    root = context.run(gpu_budget("1GiB", name="sim", backend=SimulatedGpu()).__enter__)
+    with gpu_budget("1GiB", name="plain", backend="host"):
+        pass  # the host's file: a device that stays, idle
+    try:
+        shown = [d.identity for d in host_view(nvml=False, idle=True).devices]
+        assert "sim-gpu-7" in shown and "host" in shown
+    finally:
+        context.run(root.__exit__, None, None, None)
+    assert os.listdir(os.environ["GPUBUDGET_LEDGER_DIR"])  # both files stay behind
+    assert [d.identity for d in host_view(nvml=False, idle=True).devices] == ["host"]
+    assert [d.identity for d in host_view(nvml=False).devices] == []

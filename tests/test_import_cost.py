@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,28 @@ def test_a_budget_entered_and_used_imports_none_of_them_either() -> None:
 ])
 def test_what_is_left_for_later_comes_when_it_is_used(code: str, needs: str) -> None:
     assert _found(_imported(code), needs)
+
+
+def test_the_host_ledger_loads_at_a_roots_entry_not_at_import() -> None:
+    assert not _found(_imported("import gpubudget\n"
+                                "gpubudget.gpu_budget('1MiB', backend='host')"),
+                      "gpubudget.hostledger")
+    assert _found(_imported("import gpubudget\n"
+                            "with gpubudget.gpu_budget('1MiB', backend='host'):\n"
+                            "    pass"), "gpubudget.hostledger.claims")
+
+
+def test_a_slot_held_at_exit_is_freed_though_the_ledger_loaded_late(tmp_path: Path) -> None:
+    program = ("import gpubudget\n"
+               "root = gpubudget.gpu_budget('1MiB', name='held', backend='host')\n"
+               "root.__enter__()\n"
+               "from gpubudget.hostledger import host_view\n"
+               "assert [e.name for e in host_view(nvml=False).entries] == ['held']\n")
+    ledger = str(tmp_path / "ledger")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120, env=subprocess_env(GPUBUDGET_LEDGER_DIR=ledger))
+    assert done.returncode == 0, done.stderr
+    from gpubudget.hostledger import host_view
+
+    (device,) = host_view(ledger, nvml=False, idle=True).devices
+    assert (device.entries, device.ended) == ((), 0)  # released at exit, not left to the dead

@@ -69,3 +69,17 @@ def test_record_error_shows_in_report() -> None:
     assert report.callback_errors == ("allocate callback: ValueError: bad",)
     assert report.denials[0].reason == "internal_error"
     assert "callback error: allocate callback" in str(report)
+
+
+def test_a_parents_counts_line_gives_the_trees_counts_first() -> None:
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        with gpu_budget("512KiB", name="model") as model:
+            for _ in range(3):
+                block = model.allocate(1024)
+                assert block is not None and model.free(block)
+            assert model.allocate(600 * 1024) is None
+    lines = str(pool.report()).splitlines()
+    assert lines[1] == "  with the budgets below: allocations 3, frees 3, denied 1, live blocks 0"
+    assert lines[2] == "  its own: allocations 0, frees 0, denied 0"
+    child = [line.strip() for line in lines if "allocations" in line][-1]
+    assert child.startswith("allocations 3, frees 3, denied 1")  # a leaf: its own, unlabelled

@@ -129,7 +129,8 @@ def test_the_command_reports_a_plan_and_says_what_needs_a_gpu(
     status, out, _ = run(capfd, str(plan_file), "--trt-module", trt.__name__, "--limit",
                          "1GiB")
     if not deserializes_here(here):  # a gate never passes on numbers it does not have
-        assert status == 1 and "cannot tell" in out and "could not deserialize" in out
+        assert status == 1 and "cannot tell" in out
+        assert "could not deserialize" in out or "no CUDA device here" in out
     status, out, _ = run(capfd, str(plan_file), "--trt-module", trt.__name__, "--json",
                          "--no-gpu", "--contexts", "3")
     document = json.loads(out)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 
@@ -65,3 +66,30 @@ def test_format_then_parse_round_trips_binary_units() -> None:
 def test_format_size_rejects_non_ints() -> None:
     with pytest.raises(TypeError):
         format_size(1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["9" * 400 + "GiB", "9" * 5000, str(2**64 + 1), "18446744073709551616.5KiB",
+                                  "0" * 30 + "1" + "0" * 20 + "KB"])
+def test_a_size_past_16_eib_is_refused_clearly_and_quickly(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(text, what="limit")
+    message = str(info.value)
+    assert message.startswith("limit '") and "is too large: more than 16 EiB" in message
+    assert len(message) < 200  # thousands of digits are not written back
+
+
+def test_sizes_of_many_digits_are_exact() -> None:
+    assert parse_size(str(2**64)) == 2**64  # the largest a string may name
+    assert parse_size("0" * 5000 + "1.5" + "0" * 5000 + "KiB") == 1536  # zeros are free
+    assert parse_size("12345678901234567890") == 12345678901234567890
+    assert parse_size("18014398509481983.9990234375KiB") == 2**64 - 1
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_size("1." + "0" * 60 + "1GiB")
+
+
+def test_format_size_writes_ints_past_a_floats_range() -> None:
+    assert format_size(2**70) == "1073741824.00 TiB"
+    number, unit = format_size(10**400).split()
+    assert unit == "TiB" and number[-3] == "."
+    assert abs(Fraction(number) * 2**40 - 10**400) <= Fraction(2**40, 200)  # hundredths
+    assert format_size(-(10**400)).startswith("-909494701772928237")

@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
+import atexit
 import os
-from typing import Final, NamedTuple
+import sys
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ..backends import Backend, validate_spec
-from ..hostledger import Share, parse_share
 from ..units import as_int, check_align, format_size, parse_size
+
+if TYPE_CHECKING:
+    from ..hostledger import Share
 
 __all__ = ["Arguments", "checked"]
 
@@ -29,6 +33,28 @@ class Arguments(NamedTuple):
 
 
 _TRACE_TYPES: Final = (str, os.PathLike)
+_CLAIMS: Final = "gpubudget.hostledger.claims"
+
+
+@atexit.register  # here, at import: before the exit handlers that return device memory
+def _release_claims_at_exit() -> None:
+    """The host ledger's slots freed at exit, if it was loaded (a root was entered): after
+    every other exit handler of gpubudget, as when the ledger was loaded at import."""
+    claims = sys.modules.get(_CLAIMS)
+    if claims is not None:
+        claims.release_at_exit()
+
+
+def _share(limit: object) -> Share | None:
+    """``limit`` as a share of a device, if it is written as one; the host ledger, which
+    reads it, is imported only then (a program that gives sizes loads it at a root's entry,
+    not at ``import gpubudget``)."""
+    if not isinstance(limit, str) or not (
+            "%" in limit or limit.strip().lower().startswith("rest")):
+        return None
+    from ..hostledger import parse_share
+
+    return parse_share(limit)
 
 
 def checked(limit: int | str, align: int, name: str | None, reserve: int | str | None,
@@ -36,7 +62,7 @@ def checked(limit: int | str, align: int, name: str | None, reserve: int | str |
             device: int | None, initial: int | str | None, trim_on_exit: bool) -> Arguments:
     """Every argument of ``gpu_budget`` but ``parent`` (which is the class's own), checked;
     see :class:`~gpubudget.budget.Budget`."""
-    share = parse_share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
+    share = _share(limit)  # "50%", "rest - 2GiB": sized from the host ledger at entry
     nbytes = 0 if share is not None else parse_size(limit, what="limit")
     alignment = check_align(align, "align")
     if name is not None and (not isinstance(name, str) or not name.strip()):

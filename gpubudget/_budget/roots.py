@@ -28,12 +28,11 @@ from .._core import Node, Tree, unreleased
 from ..backends import Backend
 from ..callers import user_stacklevel
 from ..errors import BudgetError
-from ..hostledger import Share
-from ..hostledger.claims import claim_root
 from ..units import format_size
 
 if TYPE_CHECKING:
     from ..budget import Budget  # only named: budget.py imports this module
+    from ..hostledger import Share
     from ..tracefile import TraceWriter
 
 __all__ = ["THREAD_ROOT", "holder", "open_root", "opened", "warn_if_thread_trap"]
@@ -51,6 +50,8 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
     """Open ``node`` as a root on ``backend`` (see the module docstring): ``request`` its
     limit in bytes, or a share of the device; ``initial`` a growable root's memory at entry.
     ``BudgetError`` (``LedgerError`` from the ledger), with nothing held, if it cannot."""
+    from ..hostledger.claims import claim_root  # loaded at the first root's entry
+
     limit, claim = claim_root(backend, node.name, request, node.align, initial)
     if claim is None:  # not registered: nothing to publish
         return node.open_root(backend, writer, limit, initial)

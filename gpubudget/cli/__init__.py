@@ -179,7 +179,7 @@ def _host_commands(commands: Any) -> None:
     top_parser.add_argument("--interval", type=_seconds, default=1.0, metavar="SECONDS",
                             help="seconds between refreshes (default: %(default)s)")
     top_parser.add_argument("--all", action="store_true",
-                            help="also devices with no budget")
+                            help="also devices with no budget (simulated ones aside)")
     metrics_parser = commands.add_parser(
         "metrics", help="serve the host ledger to Prometheus",
         description="Serve every budget of every process on this host as Prometheus metrics "

@@ -39,13 +39,13 @@ def _demo_backend(name: str | None) -> tuple[Backend, str]:
 
 
 def demo(plot: str | None, backend_name: str | None) -> None:
-    """Two models sharing one pool on a 6 GB card, with a build, a denial and serving."""
+    """Two models sharing one pool on a 6 GiB card, with a build, a denial and serving."""
     if plot is not None:
         plot_format(plot)
     backend, where = _demo_backend(backend_name)
     print(f"gpubudget demo on {where}\n")
-    print("A 6 GB card runs a detector and a classifier beside other work: both draw from one")
-    print("4 GiB pool, reserved once; each is capped; about 2 GB stay free for the rest.\n")
+    print("A 6 GiB card runs a detector and a classifier beside other work: both draw from one")
+    print("4 GiB pool, reserved once; each is capped; the other 2 GiB stay free for the rest.\n")
     with gpu_budget("4GiB", name="shared", backend=backend) as pool:
         with gpu_budget("2GiB", name="detector") as detector:
             with label("detector/build"):

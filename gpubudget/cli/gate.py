@@ -28,7 +28,8 @@ when:
 ``--allow absent``, ``--allow unlisted`` and ``--allow denials`` say the same for every
 budget. Budgets of roots that LIMITS does not name are listed, not checked. LIMITS that
 match no budget of the run at all are bad input (exit 2): a gate that checks nothing does
-not pass.
+not pass; so is a trace of a run that did not end (a root never exited, a last line cut
+short: the program was killed), whose needs after that are unknown.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Final
 
 from ..errors import GpuBudgetError
 from ..replay import fit
-from ..tracefile import Alloc, Enter, TraceEvent, TraceReader
+from ..tracefile import Alloc, Enter, Exit, TraceEvent, TraceReader
 from ..text import printable
 from ..units import format_size
 from .limits import Limits, Path, read_limits
@@ -69,13 +70,19 @@ class _Run(TraceReader):
         self.denied = denied
         self.expected = expected
         self.paths: dict[int, Path] = {}
+        self.open_roots: dict[int, Path] = {}
+        """The roots entered and not (yet) exited: a run that ended has none."""
 
     def __iter__(self) -> Iterator[TraceEvent]:
-        paths = self.paths
+        paths, open_roots = self.paths, self.open_roots
         for event in super().__iter__():
             if type(event) is Enter:
                 parent = paths[event.parent] if event.parent is not None else ()
                 paths[event.budget] = parent + (event.name,)
+                if event.parent is None:
+                    open_roots[event.budget] = paths[event.budget]
+            elif type(event) is Exit:
+                open_roots.pop(event.budget, None)
             elif type(event) is Alloc and event.ptr is None:
                 path = paths[event.budget]
                 self.denied[path] = self.denied.get(path, 0) + 1
@@ -110,13 +117,29 @@ def _trace_files(paths: Sequence[str]) -> list[str]:
     return files
 
 
+def _ended(run: _Run) -> None:
+    """A :class:`Failure` unless ``run`` is the trace of a run that ended: every root exited,
+    the last line whole. A run killed midway (``kill -9``, out of memory) may have needed more
+    than it recorded: the gate does not pass it."""
+    if run.cut_short is not None:
+        raise Failure(f"{run.name}: its last line is cut short: the run did not end "
+                      f"(killed?), so it may have needed more than it recorded; the gate "
+                      f"checks only a run that ended")
+    if run.open_roots:
+        names = ", ".join(sorted({repr(_name(path)) for path in run.open_roots.values()}))
+        raise Failure(f"{run.name}: the run did not end: root budget(s) {names} never exited "
+                      f"(killed?), so it may have needed more than it recorded; the gate "
+                      f"checks only a run that ended")
+
+
 def _measure(paths: Sequence[str], max_bytes: int, limits: Limits,
              all_expected: bool) -> _Measured:
     found = _Measured()
     for path in _trace_files(paths):
-        with _Run(path, max_bytes, limits, all_expected, found.denied,
-                  found.expected) as reader:
-            fits = fit(reader)
+        run = _Run(path, max_bytes, limits, all_expected, found.denied, found.expected)
+        with run:
+            fits = fit(run)
+        _ended(run)
         where: dict[int, Path] = {}
         for each in fits:  # parents before children
             key = (where[each.parent] if each.parent is not None else ()) + (each.name,)

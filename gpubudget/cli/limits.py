@@ -28,6 +28,8 @@ from __future__ import annotations
 import ast
 import difflib
 import io
+import os
+import stat
 import textwrap
 import tokenize
 from dataclasses import dataclass, field
@@ -48,6 +50,11 @@ other value allowed is ``"fail"``, the default)."""
 _CALLS: Final = ("gpu_budget", "Budget")
 _PRAGMA: Final = "gpubudget:"
 _MAX_BYTES: Final = 1 << 20
+_MAX_KEY_PARTS: Final = 128
+"""Names in one TOML key or table header (``[a.b.c]``) at most: budgets nest far less deep,
+and the TOML reader's time grows with the square of a key's parts."""
+_MAX_ALL_KEY_PARTS: Final = 50_000
+"""Names in all the keys and headers of a TOML limits file together, at most."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ def _literal_limit(call: ast.Call, where: str) -> int:
         raise Failure(f"{where}: gpu_budget(...) without a limit")
     try:
         value = ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
         raise Failure(f"{where}: the limit is not written out (a literal such as \"2GiB\" "
                       f"or 2147483648)") from None
     try:
@@ -160,6 +167,9 @@ def _from_python(text: str, shown: str) -> Limits:
     text = textwrap.dedent(text)
     try:
         tree = ast.parse(text, filename=shown)
+    except (RecursionError, MemoryError):
+        raise Failure(f"{shown}: nested too deeply to be a limits file (the code "
+                      f"'gpubudget fit' prints nests one 'with' block per budget)") from None
     except (SyntaxError, ValueError) as exc:
         line = getattr(exc, "lineno", None)
         raise Failure(f"{shown}{f':{line}' if line else ''}: not Python ({getattr(exc, 'msg', exc)}); "
@@ -184,6 +194,11 @@ def _from_python(text: str, shown: str) -> Limits:
                     raise Failure(f"{where}: gpu_budget(...) without a name=\"...\" string: "
                                   f"it cannot be matched to a recorded budget")
                 inner = inner + (name.value,)
+                first = next((c for c, p in found if p == inner), None)
+                if first is not None:
+                    raise Failure(f"{where}: a second limit for budget "
+                                  f"{printable('/'.join(inner))!r} (the first is on line "
+                                  f"{first.lineno}): give each budget one limit")
                 limits[inner] = _literal_limit(call, where)
                 found.append((call, inner))
                 for line in range(call.lineno, (call.end_lineno or call.lineno) + 1):
@@ -211,6 +226,25 @@ def _from_python(text: str, shown: str) -> Limits:
 # -- TOML ----------------------------------------------------------------------------------
 
 
+def _check_keys(text: str, shown: str) -> None:
+    """A :class:`Failure` for a key or table header of more names than a limits file needs
+    (:data:`_MAX_KEY_PARTS`, :data:`_MAX_ALL_KEY_PARTS` in all): read before the TOML
+    reader, whose time grows with the square of a key's names. A dot in a quoted key counts
+    too; the bounds are far above what a tree of budgets needs."""
+    total = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.lstrip()
+        key = stripped.partition("]")[0] if stripped.startswith("[") else line.partition("=")[0]
+        parts = key.count(".") + 1
+        if parts > _MAX_KEY_PARTS:
+            raise Failure(f"{shown}:{number}: a key of {parts:,} dotted names; budgets are "
+                          f"not nested that deep (at most {_MAX_KEY_PARTS} names a key)")
+        total += parts
+        if total > _MAX_ALL_KEY_PARTS:
+            raise Failure(f"{shown}:{number}: more than {_MAX_ALL_KEY_PARTS:,} key names; "
+                          f"not a limits file")
+
+
 def _from_toml(text: str, shown: str) -> Limits:
     try:
         import tomllib as toml
@@ -219,10 +253,16 @@ def _from_toml(text: str, shown: str) -> Limits:
             import tomli as toml  # type: ignore[import-not-found, no-redef]
         except ImportError:
             raise Failure("TOML limits need Python 3.11 or tomli: pip install tomli") from None
+    _check_keys(text, shown)
     try:
         data = toml.loads(text)
+    except (RecursionError, MemoryError):
+        raise Failure(f"{shown}: nested too deeply to be a limits file") from None
     except toml.TOMLDecodeError as exc:
         raise Failure(f"{shown}: not valid TOML ({exc})") from None
+    except ValueError as exc:  # an integer of thousands of digits
+        reason = printable(str(exc)).partition(";")[0][:200]
+        raise Failure(f"{shown}: a value that cannot be read ({reason})") from None
     limits: dict[Path, int] = {}
     named: dict[Path, Settings] = {}
     stack: list[tuple[Path, dict[str, Any]]] = [((name,), table) for name, table in
@@ -259,6 +299,23 @@ def _from_toml(text: str, shown: str) -> Limits:
     return Limits(shown, limits, named)
 
 
+def _read(path: str, shown: str) -> bytes:
+    """At most :data:`_MAX_BYTES` + 1 bytes of the regular file at ``path``, opened without
+    waiting (a FIFO with no writer) and checked once open: what is checked is what is read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise Failure(f"{shown}: a directory, not a limits file")
+        if not stat.S_ISREG(mode):
+            raise Failure(f"{shown}: not a regular file (a pipe or a device); a limits file "
+                          f"is read from a file")
+        with open(fd, "rb", closefd=False) as file:
+            return file.read(_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
 def read_limits(path: str) -> Limits:
     """The limits file at ``path`` (TOML if its name ends in ``.toml``, else Python); a
     :class:`~gpubudget.cli.output.Failure` in one line for a bad one.
@@ -274,8 +331,7 @@ def read_limits(path: str) -> Limits:
     """
     shown = printable(path)
     try:
-        with open(path, "rb") as file:
-            raw = file.read(_MAX_BYTES + 1)
+        raw = _read(path, shown)
     except OSError as exc:
         raise Failure(f"{shown}: {exc.strerror or exc}") from None
     if len(raw) > _MAX_BYTES:

@@ -15,6 +15,9 @@ __all__ = [
     "EXIT_BROKEN_PIPE",
     "EXIT_INTERRUPTED",
     "PROGRESS_DELAY",
+    "PROGRESS_LOG_DELAY",
+    "PROGRESS_LOG_INTERVAL",
+    "PROGRESS_LOG_PREFIX",
     "Failure",
     "Progress",
     "say",
@@ -46,24 +49,39 @@ def show_warning(message: Warning | str, category: type[Warning], filename: str,
 
 PROGRESS_DELAY: Final = 1.0
 """Seconds a command runs before its progress line shows."""
+PROGRESS_LOG_DELAY: Final = 10.0
+"""Seconds a command runs before its first progress line where stderr is no terminal (a CI
+log), with ``Progress(..., log=True)``."""
+PROGRESS_LOG_INTERVAL: Final = 30.0
+"""Seconds between two progress lines where stderr is no terminal: a log stays short."""
+PROGRESS_LOG_PREFIX: Final = "gpubudget: progress: "
+"""How a progress line in a log begins (a tool reading the log can leave them out)."""
 
 
 class Progress:
-    """A progress line on a terminal, rewritten in place.
+    """A progress line on a terminal, rewritten in place; with ``log=True``, elsewhere (a CI
+    log) a line now and then.
 
     Calls are cheap and may come often: a message is shown only when ``stream`` is a
     terminal, once ``delay`` seconds (default :data:`PROGRESS_DELAY`) have passed since the
     start, and at most every ``interval`` seconds. :meth:`clear` erases it before other
-    output.
+    output. With ``log=True`` and a stream that is no terminal, a message is a line of its
+    own (:data:`PROGRESS_LOG_PREFIX` first) after :data:`PROGRESS_LOG_DELAY` seconds, then
+    at most every :data:`PROGRESS_LOG_INTERVAL`: a long run is not silent, and its log stays
+    short.
     """
 
     def __init__(self, stream: TextIO, *, delay: float | None = None, interval: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, log: bool = False) -> None:
         self.stream = stream
-        self.enabled = _is_terminal(stream)
-        self.interval = interval
+        terminal = _is_terminal(stream)
+        self.lines = log and not terminal
+        """Each message a line of its own, at a low rate."""
+        self.enabled = terminal or self.lines
+        self.interval = PROGRESS_LOG_INTERVAL if self.lines else interval
         self.clock = clock
-        self.next_at = clock() + (PROGRESS_DELAY if delay is None else delay)
+        wait = PROGRESS_LOG_DELAY if self.lines else PROGRESS_DELAY if delay is None else delay
+        self.next_at = clock() + wait
         self.width = 0  # characters on the line now
 
     def __call__(self, message: str) -> None:
@@ -74,6 +92,10 @@ class Progress:
             return
         self.next_at = now + self.interval
         text = printable(message)[:79]
+        if self.lines:
+            self.stream.write(f"{PROGRESS_LOG_PREFIX}{text}\n")
+            self.stream.flush()
+            return
         self.stream.write("\r" + text.ljust(self.width))
         self.stream.flush()
         self.width = len(text)

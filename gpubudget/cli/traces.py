@@ -323,7 +323,7 @@ def _trace_files(paths: Sequence[str]) -> list[str]:
 def fit_command(paths: Sequence[str], max_bytes: int) -> int:
     """Fit every trace named; print a table for each, then the code for all of them."""
     files = _trace_files(paths)
-    progress = Progress(sys.stderr)
+    progress = Progress(sys.stderr, log=True)  # a fit may run long: a CI log hears of it
     merged: dict[str, _Group] = {}
     fitted = failed = 0
     for path in files:

@@ -32,7 +32,6 @@ in the process; a root that needs the ledger (a share, a cap, a simulated device
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import threading
@@ -295,10 +294,18 @@ def outside_limit(device: LedgerDevice) -> OutsideLimit | None:
         where=where))
 
 
+_MOST: Final = 1 << 63
+"""A root's limit and claim are 64-bit words of its slot, kept below 2**63 like every size
+of a trace."""
+
+
 def _claim(book: DeviceBook, device: LedgerDevice, name: str, request: int | Share,
            align: int, cap: int | None, initial: int | None, kept: int,
            outside: OutsideLimit | None) -> Claim:
     wanted = request if isinstance(request, Share) else round_up(request, align)
+    if isinstance(wanted, int) and wanted >= _MOST:
+        raise LedgerError(f"budget {name!r} cannot claim {format_size(wanted)}: more than "
+                          f"any device holds (a root's limit is below 8 EiB, 2**63 bytes)")
     me = myself()
     numbers = {"pid": me.pid, "start": me.start, "pidns": me.pidns, "boot": me.boot,
                "ordinal": device.ordinal + 1 if device.ordinal is not None else 0,
@@ -397,12 +404,14 @@ def _forked() -> None:
     _books.clear()
 
 
-def _at_exit() -> None:
-    """Interpreter exit: free this process's slots (device memory was returned already)."""
+def release_at_exit() -> None:
+    """Interpreter exit: free this process's slots (device memory was returned already).
+    Registered with :mod:`atexit` by ``gpubudget._budget`` when gpubudget is imported, which
+    is before this module is loaded (at a root's entry) and before the handlers that return
+    device memory: it runs after them."""
     for claim in list(_claims):
         if claim.pid == os.getpid():
             claim.release()
 
 
 os.register_at_fork(after_in_child=_forked)
-atexit.register(_at_exit)

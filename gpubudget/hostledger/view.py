@@ -149,8 +149,9 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
     """Read every ledger file of ``directory`` (default: this process's ledger directory,
     which may not exist yet: then nothing is registered). ``nvml``: join NVML's per-process
     figures where it answers. ``idle``: list devices with no live budget too (GPUs NVML sees
-    included). A missing ``directory`` given here, or a bad file, is a ``LedgerError``
-    naming it.
+    included), except simulated ones: a simulated device is only as real as the budgets on it,
+    and its file, once they are gone, is a leftover of the process that simulated it. A
+    missing ``directory`` given here, or a bad file, is a ``LedgerError`` naming it.
 
     >>> import tempfile
     >>> host_view(tempfile.mkdtemp(), nvml=False).devices
@@ -166,7 +167,8 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
                 snapshot = read_book(opened, name)
                 header = snapshot.header
                 gpu = gpus.pop(header.identity, None)
-                if snapshot.entries or idle or (gpu is not None and gpu.used_by):
+                idle_shown = idle and not header.hard  # hard: a simulated device
+                if snapshot.entries or idle_shown or (gpu is not None and gpu.used_by):
                     devices.append(DeviceView(
                         header.identity, header.label, header.total, header.cap, header.hard,
                         snapshot.entries, snapshot.ended,
