@@ -22,7 +22,6 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._core import Node, Probe, Tree, available
-from ..hostledger.claims import Claim
 from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
@@ -95,6 +94,10 @@ def snapshot(node: Node) -> BudgetReport:
 def _limited_by(tree: Tree) -> str | None:
     """The limit set from outside that the root's claim was decided within, if any."""
     claim = getattr(tree.reservation, "claim", None)
+    if claim is None:
+        return None  # no claim: the host ledger may not even be loaded
+    from ..hostledger.claims import Claim
+
     outside = claim.outside if isinstance(claim, Claim) else None
     return outside.text if outside is not None else None
 
