@@ -36,7 +36,7 @@ from typing import Any
 
 from gpubudget import gpu_budget
 from gpubudget.backends.host import HostBackend
-from gpubudget.html import model_from_trace, write_page
+from gpubudget.viewer import model_from_trace, write_page
 from gpubudget.perfetto import write_perfetto
 from gpubudget.tracefile import writer_for
 from gpubudget.units import MiB, format_size
@@ -188,7 +188,10 @@ def other_page(checkout: str, trace: str, page: str) -> float:
     """Write the page of ``trace`` with the viewer of the gpubudget at ``checkout``, in a
     process of its own (pure-Python core); the seconds it took."""
     code = ("import sys, time\n"
-            "from gpubudget.html import model_from_trace, write_page\n"
+            "try:\n"
+            "    from gpubudget.viewer import model_from_trace, write_page\n"
+            "except ImportError:  # a checkout from before the viewer's package was renamed\n"
+            "    from gpubudget.html import model_from_trace, write_page\n"
             "model = model_from_trace(sys.argv[1])\n"
             "start = time.perf_counter()\n"
             "write_page(model, sys.argv[2])\n"

@@ -18,8 +18,8 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.html import ViewModel, model_from_report, model_from_trace, page_html
-from gpubudget.html.tracemodel import TraceState
+from gpubudget.viewer import ViewModel, model_from_report, model_from_trace, page_html
+from gpubudget.viewer.tracemodel import TraceState
 from gpubudget.perfetto import perfetto_events, write_perfetto
 from gpubudget.replay import replay
 from gpubudget.tracefile import Alloc, Enter, writer_for

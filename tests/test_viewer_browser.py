@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpubudget.html import model_from_trace, write_page
+from gpubudget.viewer import model_from_trace, write_page
 
 from tests.helpers import subprocess_env
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.html.plainpickle import SnapshotError, load_plain
-from gpubudget.html.torchsnap import model_from_torch_data, model_from_torch_snapshot
+from gpubudget.viewer.plainpickle import SnapshotError, load_plain
+from gpubudget.viewer.torchsnap import model_from_torch_data, model_from_torch_snapshot
 
 MiB = 2**20
 BASE = 0x7F00_0000_0000

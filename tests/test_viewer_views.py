@@ -15,8 +15,8 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import main
-from gpubudget.html import model_from_trace, write_page
-from gpubudget.html.torchsnap import model_from_torch_data
+from gpubudget.viewer import model_from_trace, write_page
+from gpubudget.viewer.torchsnap import model_from_torch_data
 from gpubudget.tracefile import writer_for
 from gpubudget.units import format_size
 

@@ -8,8 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..html import ViewModel, model_from_trace, write_page
-from ..html.torchsnap import looks_like_pickle, model_from_torch_snapshot
+from ..viewer import ViewModel, model_from_trace, write_page
+from ..viewer.torchsnap import looks_like_pickle, model_from_torch_snapshot
 from ..perfetto import write_perfetto
 from ..text import printable
 from ..units import format_size

@@ -1,6 +1,6 @@
-"""Reading a trace into a :class:`~gpubudget.html.model.ViewModel`: its accounting replayed
+"""Reading a trace into a :class:`~gpubudget.viewer.model.ViewModel`: its accounting replayed
 (``used`` with reserves, as the ledger charges it), every block's life, the roots' regions
-and a growable root's mapped granules (see :mod:`gpubudget.html.model`)."""
+and a growable root's mapped granules (see :mod:`gpubudget.viewer.model`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ A trace gives everything: points for a budget and all its ancestors at each even
 from their allocation to their free, with their stacks where the trace carries them. A
 report gives its timeline (``EVENT_LOG_LIMIT`` events at most): a budget's points at its own
 events (the root's at every event), and its blocks only as they were when it was taken.
-A PyTorch memory snapshot gives its own model (:mod:`~gpubudget.html.torchsnap`).
+:mod:`~gpubudget.viewer.tracemodel` reads a trace into this model; a PyTorch memory snapshot
+gives its own (:mod:`~gpubudget.viewer.torchsnap`).
 
 Every event that changes something gets an index into :attr:`ViewModel.times` (its time,
 never earlier than the one before: threads may write a trace slightly out of order); points
@@ -34,7 +35,7 @@ from ..units import format_size
 if TYPE_CHECKING:
     from ..report import BudgetReport
 
-__all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report", "model_from_trace"]
+__all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report"]
 
 _NO_TAG = -1
 UNKNOWN = -1  # an event index not known (yet): a block still live, a root still open
@@ -288,6 +289,3 @@ def model_from_report(report: BudgetReport, *, title: str | None = None) -> View
                            f"was taken (at most {format_size(report.mapped_peak or 0)})")
     return model
 
-
-# The trace's half, which needs the classes above (and is imported from here by users).
-from .tracemodel import model_from_trace  # noqa: E402

@@ -1,7 +1,7 @@
 """A PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``) as a viewer model, so that
 the viewer shows PyTorch's caching allocator too, with or without budgets.
 
-A snapshot is a pickled dictionary (read by :func:`~gpubudget.html.plainpickle.load_plain`,
+A snapshot is a pickled dictionary (read by :func:`~gpubudget.viewer.plainpickle.load_plain`,
 which refuses anything but plain data): ``segments``, the memory the allocator holds from the
 device when the snapshot was taken, each with its blocks (``active_allocated``,
 ``active_pending_free`` or ``inactive``: cached); and ``device_traces``, per device, the last
@@ -85,7 +85,7 @@ def _read(path: str, max_bytes: int) -> bytes:
 def model_from_torch_snapshot(path: str | os.PathLike[str], *, title: str | None = None,
                               max_bytes: int = MAX_TRACE_BYTES) -> ViewModel:
     """Read the PyTorch memory snapshot at ``path`` (``-``: standard input) into a model;
-    :class:`~gpubudget.html.plainpickle.SnapshotError` in one line if it cannot be read, is
+    :class:`~gpubudget.viewer.plainpickle.SnapshotError` in one line if it cannot be read, is
     not plain data or not a snapshot.
 
     Examples
@@ -406,7 +406,7 @@ class _Reader:
 def model_from_torch_data(snapshot: object, *, title: str = "PyTorch memory snapshot",
                           name: str = "snapshot") -> ViewModel:
     """The model of a snapshot already in memory (what ``torch.cuda.memory._snapshot()``
-    returns); :class:`~gpubudget.html.plainpickle.SnapshotError` (naming ``name``) if it
+    returns); :class:`~gpubudget.viewer.plainpickle.SnapshotError` (naming ``name``) if it
     is not one."""
     return _Reader(snapshot, title, name).run()
 

@@ -1,5 +1,5 @@
 """The viewer's page: one self-contained HTML file (its script, style and data inline; no
-network at view time), written for a :class:`~gpubudget.html.model.ViewModel`.
+network at view time), written for a :class:`~gpubudget.viewer.model.ViewModel`.
 
 The data travels as one JSON object; its numeric columns as little-endian typed arrays,
 each in the narrowest width that holds its values, compressed with zlib and written in
@@ -9,7 +9,7 @@ once, in the model's event order (as nanoseconds from one to the next where they
 nanoseconds); points as the steps from one's event to the next's, their budget and
 ``used`` (a budget's own bytes do not travel: its blocks say them); blocks name their events
 by index. A summary of the
-budgets is written as plain HTML (:mod:`~gpubudget.html.overview`), so the page shows it
+budgets is written as plain HTML (:mod:`~gpubudget.viewer.overview`), so the page shows it
 before, or without, its script.
 """
 
@@ -128,7 +128,7 @@ def page_html(model: ViewModel, *, title: str | None = None,
     Examples
     --------
     >>> from gpubudget import gpu_budget
-    >>> from gpubudget.html import model_from_report
+    >>> from gpubudget.viewer import model_from_report
     >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
     ...     block = pool.allocate(1000, tag="weights")
     >>> page = page_html(model_from_report(pool.report()))
