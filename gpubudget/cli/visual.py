@@ -1,5 +1,5 @@
-"""``gpubudget view`` (the viewer's page for a trace or a PyTorch memory snapshot, and
-another to compare it with) and ``gpubudget export --perfetto`` (the trace in the Trace
+"""``gpubudget view`` (the viewer's page for a trace, a report's JSON or a PyTorch memory
+snapshot, and another to compare it with) and ``gpubudget export --perfetto`` (the trace in the Trace
 Event Format)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from ..viewer import ViewModel, model_from_trace, write_page
+from ..viewer.reportfile import looks_like_report, model_from_report_file
 from ..viewer.torchsnap import looks_like_pickle, model_from_torch_snapshot
 from ..perfetto import write_perfetto
 from ..text import printable
@@ -36,9 +37,12 @@ def _written(path: str, action: str) -> None:
 
 
 def _model(path: str, max_bytes: int, progress: Progress) -> ViewModel:
-    """The model of a trace, or of a PyTorch snapshot (a pickle: read as plain data only)."""
+    """The model of a trace, of a report's JSON (``report --json``, ``to_json()``), or of a
+    PyTorch snapshot (a pickle: read as plain data only)."""
     if looks_like_pickle(path):
         return model_from_torch_snapshot(path, max_bytes=max_bytes)
+    if looks_like_report(path):
+        return model_from_report_file(path, max_bytes=max_bytes)
     try:
         model = model_from_trace(path, max_bytes=max_bytes, progress=_reading(path, progress))
     finally:

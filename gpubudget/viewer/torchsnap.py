@@ -36,6 +36,7 @@ from ..text import printable
 from ..units import format_size
 from .model import ViewBudget, ViewModel
 from .plainpickle import SnapshotError, load_plain
+from .sources import read_bounded
 
 __all__ = ["looks_like_pickle", "model_from_torch_snapshot", "model_from_torch_data"]
 
@@ -62,26 +63,6 @@ def looks_like_pickle(path: str) -> bool:
         return False
 
 
-def _read(path: str, max_bytes: int) -> bytes:
-    name = printable(path)
-    try:
-        if path == "-":
-            data = sys.stdin.buffer.read(max_bytes + 1)
-        else:  # opened without waiting (a FIFO), then refused unless a regular file
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise SnapshotError(f"{name}: not a regular file")
-            with open(fd, "rb") as file:
-                data = file.read(max_bytes + 1)
-    except OSError as exc:
-        raise SnapshotError(f"cannot read snapshot {name}: "
-                            f"{printable(exc.strerror or str(exc))}") from None
-    if len(data) > max_bytes:
-        raise SnapshotError(f"{name}: longer than {format_size(max_bytes)} (--max-size)")
-    return data
-
-
 def model_from_torch_snapshot(path: str | os.PathLike[str], *, title: str | None = None,
                               max_bytes: int = MAX_TRACE_BYTES) -> ViewModel:
     """Read the PyTorch memory snapshot at ``path`` (``-``: standard input) into a model;
@@ -106,7 +87,7 @@ def model_from_torch_snapshot(path: str | os.PathLike[str], *, title: str | None
     (['cuda:0'], [1024.0], ['train.py:7 in step'])
     """
     text = os.fspath(path)
-    data = load_plain(_read(text, max_bytes), printable(text))
+    data = load_plain(read_bounded(text, max_bytes, "snapshot", SnapshotError), printable(text))
     return model_from_torch_data(data, title=title or os.path.basename(text),
                                  name=printable(text))
 

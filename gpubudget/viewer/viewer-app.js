@@ -20,7 +20,7 @@
   function blockText(ds, k, extra) {
     const blocks = ds.blocks, st = ds.stackText(k);
     return [formatSize(blocks.size[k]) + " · " + (ds.tagText(k) ? "tag " + ds.tagText(k) : "no tag") + " · " + ds.budgets[blocks.b[k]].name +
-      (ds.isLeak[k] ? " · leaked" : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
+      (ds.isLeak[k] ? " · leaked at the end" : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
       (Number.isFinite(ds.t1(k)) ? ", freed " + ds.formatTime(ds.t1(k), ds.end) : ", live at the end"), ...(extra || []),
       ...(st.length ? st.slice(-8).reverse() : ["(no stack)"])].join("\n");
   }
@@ -32,7 +32,7 @@
     const [ds, other] = await Promise.all([GB.loadDataset(raw.main), raw.other ? GB.loadDataset(raw.other) : null]);
     timings.loaded = performance.now();
     const roots = ds.order.filter(i => ds.budgets[i].parent === null);
-    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false };
+    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false, focus: null };
     const app = { ds, other, state, summaries: new Map(), canvas: document.getElementById("lanes"),
       addressCanvas: document.getElementById("addresses"), flameCanvas: document.getElementById("flame"),
       drawnLanes: ds.order.slice(0, MAX_LANES), laneRow: new Map(), laneHeight: 64, flame: {}, layouts: new Map(), grids: new Map() };
@@ -60,7 +60,7 @@
       ds.notes.map(note => "; " + note).join("");
 
     function recolour() {
-      app.keys = GB.colourKeys(ds, state.colour);
+      app.keys = state.focus !== null ? GB.colourKeys(ds, "focus", state.focus) : GB.colourKeys(ds, state.colour);
       app.summaries.clear(); app.grids.clear();
       document.getElementById("legend").replaceChildren(...app.keys.legend.map(entry => {
         const item = el("span", { title: entry.label + (entry.bytes ? ": " + formatSize(entry.bytes) + " allocated in all" : "") });
@@ -68,6 +68,13 @@
         item.appendChild(swatch); item.appendChild(document.createTextNode(entry.label));
         return item;
       }));
+      if (ds.source !== "torch") {  // what red means, by the rule BudgetReport.leaks uses
+        const rule = el("span", { id: "leak-rule", class: "rule", title: "BudgetReport.leaks: blocks still live after their budget's scope exited, when the report is taken" });
+        const swatch = el("i"); swatch.style.background = "#d92d20";
+        rule.appendChild(swatch);
+        rule.appendChild(document.createTextNode("leak: still live when the record ends, its budget's with block exited (as report().leaks); serving after the block is not one"));
+        document.getElementById("legend").appendChild(rule);
+      }
     }
 
     function draw() {
@@ -127,6 +134,10 @@
       state.v0 = v0; state.v1 = v0 + span; draw();
     }
     function whole() { state.v0 = 0; state.v1 = ds.end; draw(); }
+    function zoomTo(i) {  // where budget i's memory lived: entry to release, blocks after its scope too
+      const [from, until] = ds.lived[i], margin = Math.max((until - from) * 0.05, 1e-6);
+      state.v0 = Math.max(from - margin, 0); state.v1 = Math.min(until + margin, ds.end * 1.01); draw();
+    }
 
     function buildTree() {
       const top = el("ul"), nodes = new Map();
@@ -137,10 +148,7 @@
         if (b.denied) row.appendChild(el("span", { class: "num denied" }, " · " + b.denied + " denied"));
         if (ds.leaked[i]) row.appendChild(el("span", { class: "num denied" }, " · leaked " + formatSize(ds.leaked[i])));
         row.addEventListener("click", () => select(state.moment, i, true));
-        row.addEventListener("dblclick", () => {  // zoom to its life
-          const until = b.exited === null ? ds.end : b.exited, margin = Math.max((until - b.entered) * 0.05, 1e-6);
-          state.v0 = Math.max(b.entered - margin, 0); state.v1 = Math.min(until + margin, ds.end * 1.01); draw();
-        });
+        row.addEventListener("dblclick", () => zoomTo(i));
         li.appendChild(row); li.appendChild(el("ul"));
         (b.parent === null ? top : nodes.get(b.parent).lastChild).appendChild(li);
         nodes.set(i, li);
@@ -178,13 +186,14 @@
       const found = GB.laneHit(app, x, y);
       if (!found) return null;
       const head = ds.budgets[found.lane].name + " at " + ds.formatTime(found.t, ds.end) + ": " + formatSize(found.total) + " live in " + found.live.length + " blocks";
+      viewer.hovered = { t: found.t, bytes: found.total, count: found.live.length, lane: found.lane, x };
       if (found.block === null) return head;
       let tagged = 0, count = 0;
       for (const k of found.live) if (ds.blocks.tag[k] === ds.blocks.tag[found.block]) { tagged += ds.blocks.size[k]; count++; }
       return blockText(ds, found.block, [head, (ds.tagText(found.block) ? "tag " + ds.tagText(found.block) : "untagged") + ": " + formatSize(tagged) + " in " + count + " blocks"]);
     }, (x, y) => {
       const found = GB.laneHit(app, x, y), row = Math.floor((y - GB.AXIS) / app.laneHeight);
-      select(app.tOf(x), found ? found.lane : (row >= 0 && row < app.drawnLanes.length ? app.drawnLanes[row] : null));
+      select(found ? found.t : app.tOf(x), found ? found.lane : (row >= 0 && row < app.drawnLanes.length ? app.drawnLanes[row] : null));
     });
     pointer(app.addressCanvas, (x, y) => {
       const found = GB.addressHit(app, x, y);
@@ -211,7 +220,39 @@
     document.getElementById("zoom-in").addEventListener("click", () => zoom(0.5));
     document.getElementById("zoom-out").addEventListener("click", () => zoom(2));
     document.getElementById("zoom-reset").addEventListener("click", whole);
-    document.getElementById("search").addEventListener("input", e => { state.query = e.target.value; listBlocks(); });
+    // The search: budgets, tags and addresses, answered in a list under the box; a choice
+    // shows it where the eye is (the lane, the tag's blocks coloured, the block's life).
+    const search = document.getElementById("search"), results = document.getElementById("search-results");
+    function lookFor(text) {
+      state.query = text; viewer.matches = GB.searchMatches(ds, text, state.moment);
+      results.replaceChildren(...viewer.matches.map((m, i) => {
+        const row = el("div", { "data-kind": m.kind, class: i === 0 ? "first" : "" });
+        row.appendChild(el("span", { class: "kind" }, m.kind)); row.appendChild(document.createTextNode(m.label));
+        row.addEventListener("mousedown", e => { e.preventDefault(); take(m); });
+        return row;
+      }));
+      results.hidden = !viewer.matches.length;
+      if (!text && state.focus !== null) { state.focus = null; recolour(); draw(); }
+      listBlocks();
+    }
+    function take(m) {
+      results.hidden = true; viewer.taken = m;
+      if (m.kind === "budget") select(state.moment, m.index, true);
+      else if (m.kind === "tag") { state.focus = m.index; recolour(); draw(); }
+      else {
+        const k = m.index, t0 = Math.max(ds.t0(k), 0), t1 = Math.min(ds.t1(k), ds.end);
+        const t = state.moment !== null && state.moment >= t0 && state.moment < t1 ? state.moment : t0;
+        select(t, ds.blocks.b[k], true); showLife(k);
+      }
+      document.getElementById("timeline").scrollIntoView({ block: "nearest" });
+    }
+    search.addEventListener("input", e => lookFor(e.target.value));
+    search.addEventListener("keydown", e => {
+      if (e.key === "Enter" && viewer.matches && viewer.matches.length) take(viewer.matches[0]);
+      else if (e.key === "Escape") { search.value = ""; lookFor(""); results.hidden = true; }
+    });
+    search.addEventListener("blur", () => { results.hidden = true; });
+    search.addEventListener("focus", () => { results.hidden = !(viewer.matches && viewer.matches.length); });
     document.getElementById("colour-by").addEventListener("change", e => { state.colour = e.target.value; recolour(); draw(); });
     document.querySelectorAll(".tabs button").forEach(button => button.addEventListener("click", () => {
       document.querySelectorAll(".tabs button").forEach(b => b.classList.toggle("active", b === button));

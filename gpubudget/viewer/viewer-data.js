@@ -127,7 +127,22 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     ds.leaks.sort((a, b) => blocks.size[b] - blocks.size[a]);
     ds.isLeak = new Uint8Array(blocks.n);
     ds.leaked = new Float64Array(budgets.length);  // bytes each budget's scope leaked
-    for (const k of ds.leaks) { ds.isLeak[k] = 1; ds.leaked[blocks.b[k]] += blocks.size[k]; }
+    ds.leakedBelow = new Float64Array(budgets.length);  // ... and its descendants'
+    for (const k of ds.leaks) {
+      ds.isLeak[k] = 1; ds.leaked[blocks.b[k]] += blocks.size[k];
+      for (let a = blocks.b[k]; a >= 0; a = ds.parentOf[a]) ds.leakedBelow[a] += blocks.size[k];
+    }
+    // Where each budget's memory lived: from its entry to its release (its scope exited and
+    // its subtree's last block freed), the record's end while any is live then.
+    ds.lived = budgets.map(b => [b.entered, b.exited === null ? ds.end : b.exited]);
+    for (let k = 0; k < blocks.n; k++) {
+      const t1 = blocks.to[k] >= 0 ? times[blocks.to[k]] : ds.end, t0 = blocks.from[k] >= 0 ? times[blocks.from[k]] : 0;
+      for (let a = blocks.b[k]; a >= 0; a = ds.parentOf[a]) {
+        const span = ds.lived[a];
+        if (t1 > span[1]) span[1] = t1;
+        if (t0 < span[0]) span[0] = t0;
+      }
+    }
     ds.events = laneEvents(ds);
     ds.liveAt = (lane, t) => liveAtIndex(ds, ds.events(lane), eventsBefore(ds, lane, t));
     ds.eventsBefore = (lane, t) => eventsBefore(ds, lane, t);
@@ -265,8 +280,13 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
 
   // Colour keys: what a block is coloured by (its tag, its innermost frame, its budget),
   // and each key's rank: the eleven keys with the most bytes allocated first.
-  GB.colourKeys = function (ds, mode) {
+  GB.colourKeys = function (ds, mode, focus) {
     const blocks = ds.blocks, n = blocks.n;
+    if (mode === "focus") {  // one tag's blocks in the first colour, every other block grey
+      const rank = new Uint8Array(n);
+      for (let k = 0; k < n; k++) rank[k] = blocks.tag[k] === focus ? 0 : NONE;
+      return { mode, focus, rank, legend: [{ rank: 0, label: ds.tags[focus], bytes: 0 }, { rank: NONE, label: "the other blocks", bytes: 0 }] };
+    }
     let key;
     if (mode === "tag") key = blocks.tag;
     else if (mode === "budget") key = blocks.b;

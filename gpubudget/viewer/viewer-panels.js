@@ -30,8 +30,10 @@
   };
 
   GB.listBlocks = function (app) {
-    const ds = app.ds, s = app.state, blocks = ds.blocks, q = s.query.toLowerCase(), end = ds.end;
-    const tagOk = k => !q || ds.tagText(k).toLowerCase().includes(q);
+    const ds = app.ds, s = app.state, blocks = ds.blocks, q = s.query.toLowerCase().trim(), end = ds.end;
+    const address = GB.parseAddress(q);
+    const tagOk = k => !q || ds.tagText(k).toLowerCase().includes(q) || ds.budgets[blocks.b[k]].name.toLowerCase().includes(q) ||
+      address !== null && blocks.addr[k] >= 0 && blocks.addr[k] <= address && address < blocks.addr[k] + blocks.size[k];
     let found;
     if (s.moment !== null) found = GB.liveBlocks(ds, s.lane, s.moment).filter(tagOk);
     else {
@@ -44,11 +46,47 @@
     const where = lane !== null ? " in " + ds.budgets[lane].name + (ds.budgets[lane].children.length ? " and below" : "") : "";
     const when = s.moment !== null ? " live at " + ds.formatTime(s.moment, end) : " (all)";
     document.getElementById("blocks-title").textContent = found.length + " blocks" +
-      (q ? " tagged *" + s.query + "*" : "") + where + when + ", " + formatSize(total);
+      (q ? " matching *" + s.query.trim() + "*" : "") + where + when + ", " + formatSize(total);
     const last = k => Number.isFinite(ds.t1(k)) ? ds.formatTime(ds.t1(k), end) : ds.isLeak[k] ? "never (leaked)" : "live at end";
     document.querySelector("#blocks tbody").replaceChildren(...found.slice(0, MAX_ROWS).map(k => GB.blockRow(app, k, last)));
     document.getElementById("blocks-more").textContent = found.length > MAX_ROWS ? "… " + (found.length - MAX_ROWS) + " more (largest shown)" : "";
     return found;
+  };
+
+  // An address typed: 0x and hex digits, or hex digits alone when there are six or more.
+  GB.parseAddress = function (text) {
+    const q = text.trim().toLowerCase(), m = /^(0x)?([0-9a-f]+)$/.exec(q);
+    if (!m || !m[1] && m[2].length < 6 || m[2].length > 13) return null;
+    return parseInt(m[2], 16);
+  };
+
+  // What the search finds: budgets by name or path, tags, and the blocks holding an address
+  // (those live at the chosen moment first, then the latest); twelve at most of each.
+  GB.searchMatches = function (ds, text, moment) {
+    const q = text.trim().toLowerCase(), out = [], MAX = 12;
+    if (!q) return out;
+    const blocks = ds.blocks, address = GB.parseAddress(q);
+    if (address !== null) {
+      const found = [];
+      for (let k = 0; k < blocks.n; k++) if (blocks.addr[k] >= 0 && blocks.addr[k] <= address && address < blocks.addr[k] + blocks.size[k]) found.push(k);
+      const liveThen = k => moment !== null && ds.t0(k) <= moment && moment < ds.t1(k);
+      found.sort((a, b) => liveThen(b) - liveThen(a) || b - a);
+      for (const k of found.slice(0, MAX)) out.push({ kind: "block", index: k, label: formatSize(blocks.size[k]) + " at 0x" + blocks.addr[k].toString(16) +
+        " in " + ds.budgets[blocks.b[k]].name + (ds.tagText(k) ? ", " + ds.tagText(k) : "") + ", " + ds.formatTime(ds.t0(k), ds.end) + " to " +
+        (Number.isFinite(ds.t1(k)) ? ds.formatTime(ds.t1(k), ds.end) : "the end") });
+    }
+    for (const b of ds.order) {
+      if (out.length >= 2 * MAX) break;
+      const budget = ds.budgets[b];
+      if (budget.path.toLowerCase().includes(q)) out.push({ kind: "budget", index: b, label: budget.path });
+    }
+    const counts = new Float64Array(ds.tags.length), bytes = new Float64Array(ds.tags.length);
+    for (let k = 0; k < blocks.n; k++) if (blocks.tag[k] >= 0) { counts[blocks.tag[k]]++; bytes[blocks.tag[k]] += blocks.size[k]; }
+    let tags = 0;
+    ds.tags.forEach((tag, i) => {
+      if (tags < MAX && tag.toLowerCase().includes(q)) { tags++; out.push({ kind: "tag", index: i, label: tag + " (" + counts[i] + " blocks, " + formatSize(bytes[i]) + " allocated)" }); }
+    });
+    return out;
   };
 
   GB.showLife = function (app, k) {
@@ -60,7 +98,7 @@
       (Number.isFinite(t0) ? "allocated at " + ds.formatTime(t0, end) : "allocated before the record began") + ", " +
         (Number.isFinite(t1) ? "freed at " + ds.formatTime(t1, end) + (Number.isFinite(t0) ? " (lived " + ds.formatTime(t1 - t0) + ")" : "")
           : "still live at the end")];
-    if (ds.isLeak[k]) lines.push("leaked: its budget's scope exited at " + ds.formatTime(budget.exited, end) + " and it was never freed");
+    if (ds.isLeak[k]) lines.push("leaked: still live when the record ends, and its budget's scope had exited (at " + ds.formatTime(budget.exited, end) + ")");
     document.getElementById("life").replaceChildren(...lines.map(text => el("div", ds.isLeak[k] && text.startsWith("leaked") ? { class: "denied" } : {}, text)),
       el("pre", {}, st.length ? st.join("\n") : ds.source === "torch" ? "no stack (record with torch.cuda.memory._record_memory_history())" : "no stack (track_stacks=True keeps them)"));
   };
