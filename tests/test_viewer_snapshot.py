@@ -151,9 +151,10 @@ def test_the_legacy_format_keeps_stacks_in_history() -> None:
 
 
 @pytest.mark.parametrize("data, where", [
-    ([], "the pickle is list"),
+    ("x", "the pickle is 'x', not a dictionary"),
+    ([5], "segments[0] is 5, not a dictionary"),
     ({"nothing": 1}, "neither 'segments' nor 'device_traces'"),
-    ({"segments": [1]}, "segments[0] is int"),
+    ({"segments": [1]}, "segments[0] is 1"),
     ({"segments": [{"device": 0, "address": -5, "total_size": 1, "blocks": []}]},
      "segments[0]['address'] is -5"),
     ({"segments": [{"device": 0, "address": 0, "total_size": True, "blocks": []}]},
@@ -161,9 +162,9 @@ def test_the_legacy_format_keeps_stacks_in_history() -> None:
     ({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]},
      "device_traces[0][0]['addr'] is 'x'"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "frames": 3}]]},
-     "device_traces[0][0]['frames'] is int"),
+     "device_traces[0][0]['frames'] is 3, not a list of frames"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "pool_id": (1,)}]]},
-     "['pool_id'] is (1,), not a pair"),
+     "['pool_id'] is a tuple of 1, not a pair"),
 ])
 def test_what_is_not_a_snapshot_is_named_where(data: object, where: str) -> None:
     with pytest.raises(SnapshotError) as caught:

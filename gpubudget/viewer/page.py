@@ -67,7 +67,10 @@ def _times(values: array[float]) -> dict[str, Any]:
     """The events' times: where every one is a whole number of nanoseconds (a trace's, a
     snapshot's, as written: nine decimals at most), the nanoseconds from one to the next as
     integers (a quarter of the bytes, and they compress), which the page adds up; else
-    little-endian float64."""
+    little-endian float64 (so too where the times reach beyond 2**63 nanoseconds, 292 years:
+    a snapshot's odd clock)."""
+    if len(values) and not 0 <= max(values) < 2**63 / 1e9:
+        return _packed(values, "d", "f64")
     nanoseconds = array("q", map(round, map(mul, values, repeat(1e9))))
     if all(map(eq, map(truediv, nanoseconds, repeat(1e9)), values)):
         steps = array("q", map(sub, nanoseconds, chain((0,), nanoseconds)))

@@ -1,5 +1,7 @@
 """A record's bytes (a snapshot, a report), read within a limit: a regular file or standard
-input, never waiting on a FIFO, never asking for more memory than the file holds."""
+input, never waiting on a FIFO, never asking for more memory than the file holds; and a
+value read from one described in a few characters (never its whole ``repr``, which a
+shared-reference bomb or a 200,000-deep list makes endless or impossible)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from ..errors import TraceError
 from ..text import printable
 from ..units import format_size
 
-__all__ = ["read_bounded"]
+__all__ = ["read_bounded", "shown"]
 
 _CHUNK = 1 << 20
 
@@ -29,6 +31,28 @@ def _chunks(read: Callable[[int], bytes], max_bytes: int) -> bytes:
         parts.append(part)
         total += len(part)
     return b"".join(parts)
+
+
+def shown(value: object) -> str:
+    """``value`` for a message, in at most about 60 characters: a number's or a short
+    string's text, else what it is (``a list``, ``a dictionary of 3``), never its contents.
+
+    >>> shown(12), shown("x" * 100)[:12], shown([[1]] * 3), shown(10**5000)
+    ('12', "'xxxxxxxxxxx", 'a list of 3', 'a number of 16610 bits')
+    """
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)[:40]
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 128 else f"a number of {value.bit_length()} bits"
+    if isinstance(value, str):
+        return repr(printable(value[:40])) + ("..." if len(value) > 40 else "")
+    if isinstance(value, bytes):
+        return f"{len(value)} bytes"
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        kind = ("a dictionary" if isinstance(value, dict) else "a list"
+                if isinstance(value, list) else "a tuple" if isinstance(value, tuple) else "a set")
+        return f"{kind} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def read_bounded(path: str, max_bytes: int, what: str,

@@ -9,7 +9,9 @@ actions recorded since ``torch.cuda.memory._record_memory_history()`` (``alloc``
 ``free_requested``, ``free_completed``, ``segment_alloc``, ``segment_free``,
 ``segment_map``/``segment_unmap`` for expandable segments, ``oom``, ``snapshot``), each with
 ``addr``, ``size``, ``stream``, its stack in ``frames`` (innermost first) and, in the
-versions that have them, ``time_us``, ``pool_id`` and ``user_metadata``.
+versions that have them, ``time_us``, ``pool_id`` and ``user_metadata``. Before PyTorch 2.0
+a snapshot was the list of segments alone (each block's ``history`` its allocations, with
+their frames): read as a dictionary with those segments and no actions.
 
 The model: a root budget per device (``cuda:N``, no limit) and a child per private memory
 pool (``pool (a, b)``, from ``segment_pool_id``/``pool_id``; a CUDA graph's or a
@@ -31,12 +33,12 @@ import stat
 import sys
 from typing import Any, Final
 
-from ..tracefile import MAX_FRAMES, MAX_TRACE_BYTES
+from ..tracefile import MAX_FRAMES, MAX_TEXT, MAX_TRACE_BYTES
 from ..text import printable
 from ..units import format_size
 from .model import ViewBudget, ViewModel
 from .plainpickle import SnapshotError, load_plain
-from .sources import read_bounded
+from .sources import read_bounded, shown
 
 __all__ = ["looks_like_pickle", "model_from_torch_snapshot", "model_from_torch_data"]
 
@@ -102,6 +104,7 @@ class _Checked:
         self.seen: set[int] = set()
 
     def fail(self, where: str, what: str) -> SnapshotError:
+        """The error for ``where`` (a path into the snapshot) being ``what``."""
         return SnapshotError(f"{self.name}: not a PyTorch memory snapshot: {where} {what}")
 
     def once(self, value: object, where: str) -> None:
@@ -112,13 +115,13 @@ class _Checked:
 
     def as_dict(self, value: object, where: str) -> dict[Any, Any]:
         if not isinstance(value, dict):
-            raise self.fail(where, f"is {type(value).__name__}, not a dictionary")
+            raise self.fail(where, f"is {shown(value)}, not a dictionary")
         self.once(value, where)
         return value
 
     def as_list(self, value: object, where: str) -> list[Any]:
         if not isinstance(value, list):
-            raise self.fail(where, f"is {type(value).__name__}, not a list")
+            raise self.fail(where, f"is {shown(value)}, not a list")
         self.once(value, where)
         return value
 
@@ -126,7 +129,7 @@ class _Checked:
             default: int | None = None) -> int:
         value = entry.get(key, default)
         if type(value) is not int or not 0 <= value < 2**64:
-            raise self.fail(f"{where}[{key!r}]", f"is {value!r:.40}, not a whole number "
+            raise self.fail(f"{where}[{key!r}]", f"is {shown(value)}, not a whole number "
                                                  f"from 0 to 2**64")
         return value
 
@@ -136,8 +139,50 @@ class _Checked:
             return None
         if (not isinstance(value, (tuple, list)) or len(value) != 2
                 or not all(type(x) is int for x in value)):
-            raise self.fail(f"{where}[{key!r}]", f"is {value!r:.40}, not a pair of integers")
+            raise self.fail(f"{where}[{key!r}]", f"is {shown(value)}, not a pair of integers")
         return (value[0], value[1])
+
+
+class _Regions:
+    """A device's mapped regions by start address (``address -> (size, from, budget)``),
+    with their starts kept sorted: finding those a range overlaps costs a bisection, not a
+    pass over all of them (a snapshot may hold a hundred thousand)."""
+
+    def __init__(self) -> None:
+        self.by_start: dict[int, tuple[int, int, int]] = {}
+        self.starts: list[int] = []
+
+    def put(self, address: int, region: tuple[int, int, int]) -> None:
+        if address not in self.by_start:
+            bisect.insort(self.starts, address)
+        self.by_start[address] = region
+
+    def pop(self, address: int) -> tuple[int, int, int]:
+        del self.starts[bisect.bisect_left(self.starts, address)]
+        return self.by_start.pop(address)
+
+    def overlapping(self, start: int, end: int) -> list[int]:
+        """The starts of the regions that overlap ``[start, end)``, regions being apart as
+        a device's are: the one that begins last at or below ``start`` if it reaches past
+        it, and those that begin inside."""
+        first = bisect.bisect_right(self.starts, start)
+        last = bisect.bisect_left(self.starts, end, first)
+        below = self.starts[first - 1] if first else None
+        found = [below] if below is not None and below + self.by_start[below][0] > start else []
+        return found + self.starts[first:last]
+
+
+def _frame_text(frame: dict[Any, Any]) -> tuple[str, bool]:
+    """``file:line in function`` of a recorded frame (each part a string or a whole number,
+    else ``?``, cut to the trace format's text length), and whether it is a Python frame."""
+    parts = []
+    for key in ("filename", "line", "name"):
+        value = frame.get(key)
+        text = (value if isinstance(value, str) else str(value)
+                if type(value) is int and value.bit_length() <= 64 else "?")
+        parts.append(printable(text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "…"))
+    text = f"{parts[0]}:{parts[1]} in {parts[2]}"
+    return text, ".py:" in text
 
 
 class _Device:
@@ -153,7 +198,7 @@ class _Device:
         self.changes: list[tuple[int, int, int, int]] = []  # (event, budget, reserved, own)
         self.segments: list[tuple[int, int, tuple[int, int]]] = []  # (address, end, pool)
         self.live: dict[int, int] = {}  # address -> block index
-        self.regions: dict[int, tuple[int, int, int]] = {}  # address -> (size, from, budget)
+        self.regions = _Regions()
 
     def budget(self, pool: tuple[int, int] | None, address: int | None = None) -> int:
         if pool is None and address is not None and self.segments:
@@ -200,7 +245,12 @@ class _Reader:
         self.check = _Checked(name)
         self.model = ViewModel(title, "torch")
         self.stacks: dict[int, int] = {}  # id(frames list) -> stack index
-        self.data = self.check.as_dict(data, "the pickle")
+        # id(frame dict) -> (its text, whether a Python frame): a frame a pickle shares
+        # many times is formatted once
+        self.frame_texts: dict[int, tuple[str, bool]] = {}
+        self.old = isinstance(data, list)  # before PyTorch 2.0: the segments alone
+        self.data = ({"segments": data} if self.old
+                     else self.check.as_dict(data, "the pickle"))
         if "segments" not in self.data and "device_traces" not in self.data:
             raise self.check.fail("the pickle", "has neither 'segments' nor 'device_traces'")
 
@@ -211,14 +261,18 @@ class _Reader:
         if found is not None:
             return found
         if not isinstance(frames, list):
-            raise self.check.fail(where, f"is {type(frames).__name__}, not a list of frames")
-        texts = []
+            raise self.check.fail(where, f"is {shown(frames)}, not a list of frames")
+        texts, python, known = [], [], self.frame_texts
         for index, frame in enumerate(frames):
-            if not isinstance(frame, dict):
-                raise self.check.fail(f"{where}[{index}]", "is not a dictionary")
-            texts.append(f"{frame.get('filename', '?')}:{frame.get('line', '?')} in "
-                         f"{frame.get('name', '?')}")
-        python = [text for text in texts if ".py:" in text]
+            found_text = known.get(id(frame))
+            if found_text is None:
+                if not isinstance(frame, dict):
+                    raise self.check.fail(f"{where}[{index}]", f"is {shown(frame)}, not a "
+                                                               f"dictionary")
+                found_text = known[id(frame)] = _frame_text(frame)
+            texts.append(found_text[0])
+            if found_text[1]:
+                python.append(found_text[0])
         kept = (python or texts)[:MAX_FRAMES]
         found = self.stacks[id(frames)] = self.model.stack_id(kept[::-1])
         return found
@@ -260,6 +314,9 @@ class _Reader:
         model.notes.append("a PyTorch memory snapshot: used is what the caching allocator "
                            "reserved from the device, the bands its live blocks" +
                            ("" if timed else "; it has no clock: times are action numbers"))
+        if self.old:
+            model.notes.append("an old snapshot (a list of segments, before PyTorch 2.0): "
+                               "the blocks live when it was taken, no history")
         return model
 
     def segments(self, device: int, segments: list[tuple[int, dict[Any, Any]]]) -> _Device:
@@ -314,7 +371,7 @@ class _Reader:
                 state.change(-1, budget, 0, size)
             self.free(state, block, at)
         elif action in ("segment_alloc", "segment_map"):
-            state.regions[address] = (size, at, budget)
+            state.regions.put(address, (size, at, budget))
             state.change(at, budget, size, 0)
         else:
             self.unmap(state, address, size, at, budget)
@@ -324,7 +381,7 @@ class _Reader:
         then every region."""
         for index, segment in segments:
             self.final_segment(state, segment, index)
-        for address, (size, first, _budget) in state.regions.items():
+        for address, (size, first, _budget) in state.regions.by_start.items():
             self.model.regions.append((state.root, address, size, first, -1))
 
     def free(self, state: _Device, block: int, at: int) -> None:
@@ -338,14 +395,14 @@ class _Reader:
         """End the regions ``[address, address + size)`` overlaps at ``at``; what they had
         outside it lives on as new regions."""
         regions, end, covered = state.regions, address + size, 0
-        for start in [a for a, (s, _, _) in regions.items() if a < end and a + s > address]:
+        for start in regions.overlapping(address, end):
             length, first, owner = regions.pop(start)
             self.model.regions.append((state.root, start, length, first, at))
             covered += min(end, start + length) - max(address, start)
             if start < address:
-                regions[start] = (address - start, at, owner)
+                regions.put(start, (address - start, at, owner))
             if start + length > end:
-                regions[end] = (start + length - end, at, owner)
+                regions.put(end, (start + length - end, at, owner))
         if covered < size:  # mapped before the record began
             self.model.regions.append((state.root, address, size, -1, at))
             state.change(-1, budget, size - covered, 0)
@@ -359,8 +416,8 @@ class _Reader:
         address = check.integer(segment, "address", where)
         size = check.integer(segment, "total_size", where)
         budget = state.budget(check.pool(segment, "segment_pool_id", where))
-        if not any(a <= address < a + s for a, (s, _, _) in regions.items()):
-            regions[address] = (size, -1, budget)
+        if not regions.overlapping(address, address + 1):
+            regions.put(address, (size, -1, budget))
             state.change(-1, budget, size, 0)
         offset = address
         for number, block in enumerate(check.as_list(segment.get("blocks", []),
