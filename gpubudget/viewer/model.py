@@ -94,6 +94,11 @@ class ViewModel:
     block_to: array[int] = field(default_factory=lambda: array("l"))
     """The event of its free, -1 while live at the end."""
     block_stack: array[int] = field(default_factory=lambda: array("l"))
+    block_requested: array[float] = field(default_factory=lambda: array("d"))
+    """The bytes asked for, before rounding to the block's size; -1 where not known."""
+    block_stream: array[int] = field(default_factory=lambda: array("l"))
+    """The CUDA stream the block was allocated on (a PyTorch snapshot's); 0 where the
+    record does not say (a trace, a report)."""
     denials: list[tuple[float, int, int, str, int]] = field(default_factory=list)
     """``(t, budget, bytes, reason, tag)``."""
     regions: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -162,8 +167,9 @@ class ViewModel:
             member.peak = used
 
     def block(self, budget: int, size: int, tag: int, address: int, at: int,
-              stack: int) -> int:
-        """A block allocated at event ``at`` (-1: before the record began): its index."""
+              stack: int, requested: int = -1, stream: int = 0) -> int:
+        """A block allocated at event ``at`` (-1: before the record began): its index;
+        ``requested`` the bytes asked for (-1: not known), ``stream`` its stream."""
         self.block_budget.append(budget)
         self.block_size.append(size)
         self.block_tag.append(tag)
@@ -173,6 +179,8 @@ class ViewModel:
         self.block_from.append(at)
         self.block_to.append(UNKNOWN)
         self.block_stack.append(stack)
+        self.block_requested.append(requested)
+        self.block_stream.append(stream)
         return len(self.block_budget) - 1
 
     def end_block(self, block: int, at: int) -> None:

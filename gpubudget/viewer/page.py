@@ -85,6 +85,18 @@ def _steps(values: array[int]) -> dict[str, str]:
     return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
+def _stream_names(streams: array[int]) -> list[str]:
+    """The distinct streams of the blocks, in order of value, as the page names them."""
+    return [f"stream {value:#x}" if value > 9 else f"stream {value}"
+            for value in sorted(set(streams))]
+
+
+def _stream_numbers(streams: array[int]) -> array[int]:
+    """Each block's stream as its index in :func:`_stream_names`' list."""
+    index = {value: i for i, value in enumerate(sorted(set(streams)))}
+    return array("l", (index[value] for value in streams))
+
+
 def _data(model: ViewModel) -> dict[str, Any]:
     return {
         "title": model.title,
@@ -103,7 +115,10 @@ def _data(model: ViewModel) -> dict[str, Any]:
                    "addr": _integers(model.block_address),
                    "from": _integers(model.block_from),
                    "to": _integers(model.block_to),
-                   "stack": _integers(model.block_stack)},
+                   "stack": _integers(model.block_stack),
+                   "req": _integers(model.block_requested),
+                   "stream": _integers(_stream_numbers(model.block_stream))},
+        "streams": _stream_names(model.block_stream),
         "denials": [list(d) for d in model.denials],
         "regions": [list(r) for r in model.regions],
         "mappings": [list(m) for m in model.mappings],

@@ -277,6 +277,22 @@ class _Reader:
         found = self.stacks[id(frames)] = self.model.stack_id(kept[::-1])
         return found
 
+    def requested(self, entry: dict[Any, Any], where: str) -> int:
+        """The bytes a block's allocation asked for (``requested_size``; an old snapshot's
+        first ``history`` entry's ``real_size``), -1 where the record does not say."""
+        if "requested_size" in entry:
+            return self.check.integer(entry, "requested_size", where)
+        history = entry.get("history")
+        if isinstance(history, list) and history and isinstance(history[0], dict) \
+                and "real_size" in history[0]:
+            return self.check.integer(history[0], "real_size", f"{where}['history'][0]")
+        return -1
+
+    def stream(self, entry: dict[Any, Any], key: str, where: str) -> int:
+        """The stream an action or segment names (0 where it names none)."""
+        value = self.check.integer(entry, key, where, 0)
+        return value if value < 2**63 else -1
+
     def run(self) -> ViewModel:
         check, model = self.check, self.model
         segments = check.as_list(self.data.get("segments", []), "'segments'")
@@ -355,7 +371,9 @@ class _Reader:
             tag = entry.get("user_metadata")
             block = model.block(budget, size, model.tag_id(tag) if isinstance(tag, str)
                                 and tag else -1, address, at,
-                                self.stack(entry.get("frames"), f"{where}['frames']"))
+                                self.stack(entry.get("frames"), f"{where}['frames']"),
+                                self.requested(entry, where),
+                                self.stream(entry, "stream", where))
             previous = live.pop(address, None)
             if previous is not None:  # its free was not recorded
                 self.free(state, previous, at)
@@ -366,7 +384,8 @@ class _Reader:
             block = live.pop(address, -1)
             if block < 0:  # allocated before the record began
                 block = model.block(budget, size, -1, address, -1,
-                                    self.stack(entry.get("frames"), f"{where}['frames']"))
+                                    self.stack(entry.get("frames"), f"{where}['frames']"),
+                                    -1, self.stream(entry, "stream", where))
                 model.budgets[budget].allocations += 1
                 state.change(-1, budget, 0, size)
             self.free(state, block, at)
@@ -427,6 +446,11 @@ class _Reader:
             nbytes = check.integer(block, "size", inside)
             at_address = check.integer(block, "address", inside, offset)
             offset = at_address + nbytes
+            requested = self.requested(block, inside)
+            if block.get("state") in _LIVE_STATES and at_address in live:
+                known = live[at_address]  # its allocation was recorded: what it asked for
+                if model.block_requested[known] < 0 and model.block_size[known] == nbytes:
+                    model.block_requested[known] = requested
             if block.get("state") not in _LIVE_STATES or at_address in live:
                 continue
             frames = block.get("frames")
@@ -436,7 +460,8 @@ class _Reader:
                 frames = first.get("frames") if isinstance(first, dict) else None
             tag = block.get("user_metadata")
             model.block(budget, nbytes, model.tag_id(tag) if isinstance(tag, str) and tag
-                        else -1, at_address, -1, self.stack(frames, f"{inside}['frames']"))
+                        else -1, at_address, -1, self.stack(frames, f"{inside}['frames']"),
+                        requested, self.stream(segment, "stream", where))
             model.budgets[budget].allocations += 1
             state.change(-1, budget, 0, nbytes)
 

@@ -20,7 +20,8 @@
   function blockText(ds, k, extra) {
     const blocks = ds.blocks, st = ds.stackText(k);
     return [formatSize(blocks.size[k]) + " · " + (ds.tagText(k) ? "tag " + ds.tagText(k) : "no tag") + " · " + ds.budgets[blocks.b[k]].name +
-      (ds.isLeak[k] ? " · leaked at the end" : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
+      (ds.isLeak[k] ? " · leaked at the end" : "") + (ds.blocks.req[k] >= 0 ? " · requested " + GB.exactSize(ds.blocks.req[k]) : "") +
+      (ds.streams.length > 1 ? " · " + ds.streams[ds.blocks.stream[k]] : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
       (Number.isFinite(ds.t1(k)) ? ", freed " + ds.formatTime(ds.t1(k), ds.end) : ", live at the end"), ...(extra || []),
       ...(st.length ? st.slice(-8).reverse() : ["(no stack)"])].join("\n");
   }
@@ -32,7 +33,7 @@
     const [ds, other] = await Promise.all([GB.loadDataset(raw.main), raw.other ? GB.loadDataset(raw.other) : null]);
     timings.loaded = performance.now();
     const roots = ds.order.filter(i => ds.budgets[i].parent === null);
-    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false, focus: null };
+    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false, focus: null, bySegment: false, eventAt: null, eventLane: null };
     const app = { ds, other, state, summaries: new Map(), canvas: document.getElementById("lanes"),
       addressCanvas: document.getElementById("addresses"), flameCanvas: document.getElementById("flame"),
       drawnLanes: ds.order.slice(0, MAX_LANES), laneRow: new Map(), laneHeight: 64, flame: {}, layouts: new Map(), grids: new Map() };
@@ -77,7 +78,44 @@
       }
     }
 
+    // The minimap: the whole run, the first root's used bytes (or the chosen budget's), the
+    // view as a window over it; a click or a drag there moves the view, keeping its span.
+    const minimap = document.getElementById("minimap");
+    function drawMinimap() {
+      const ctx = minimap.getContext("2d"), ratio = window.devicePixelRatio || 1, width = app.sizes.lanes, height = 36;
+      minimap.width = Math.round(width * ratio); minimap.height = Math.round(height * ratio);
+      ctx.setTransform(ratio, 0, 0, ratio, 0, 0); ctx.clearRect(0, 0, width, height);
+      const b = state.lane !== null ? state.lane : roots[0], w = app.plotWidth(), x = t => GB.GUTTER + t / ds.end * w;
+      ctx.fillStyle = "#667085"; ctx.font = "11px system-ui"; ctx.fillText("whole run", 4, 14);
+      if (b === undefined) return null;
+      ctx.fillText(ds.budgets[b].name, 4, 28);
+      const lane = ds.lanes[b], top = Math.max(ds.budgets[b].peak, 1), cols = Math.max(Math.ceil(w), 1), hi = new Float64Array(cols);
+      let used = 0, p = 0;
+      for (let c = 0; c < cols; c++) {
+        const until = (c + 1) / cols * ds.end;
+        let h = used;
+        while (p < lane.n && (lane.t[p] < until || c === cols - 1)) { used = lane.used[p++]; if (used > h) h = used; }
+        hi[c] = h;
+      }
+      ctx.fillStyle = "#eaecf0"; ctx.fillRect(GB.GUTTER, 2, w, height - 4);
+      ctx.fillStyle = "#98a2b3";
+      for (let c = 0; c < cols; c++) { const h = hi[c] / top * (height - 6); ctx.fillRect(GB.GUTTER + c, height - 3 - h, 1, h); }
+      const x0 = Math.max(x(state.v0), GB.GUTTER), x1 = Math.min(x(state.v1), GB.GUTTER + w);
+      ctx.fillStyle = "rgba(247, 144, 9, 0.18)"; ctx.fillRect(x0, 1, Math.max(x1 - x0, 2), height - 2);
+      ctx.strokeStyle = "#f79009"; ctx.lineWidth = 2; ctx.strokeRect(x0, 1, Math.max(x1 - x0, 2), height - 2); ctx.lineWidth = 1;
+      return { lane: b, x0, x1 };
+    }
+    function minimapTo(offsetX) {
+      const span = state.v1 - state.v0, t = (offsetX - GB.GUTTER) / app.plotWidth() * ds.end;
+      state.v0 = Math.min(Math.max(t - span / 2, -ds.end * 0.01), ds.end * 1.01 - span); state.v1 = state.v0 + span; draw();
+    }
+    let sliding = false;
+    minimap.addEventListener("mousedown", e => { if (e.offsetX >= GB.GUTTER) { sliding = true; minimapTo(e.offsetX); } });
+    minimap.addEventListener("mousemove", e => { if (sliding && e.buttons) minimapTo(e.offsetX); });
+    window.addEventListener("mouseup", () => { sliding = false; });
+
     function draw() {
+      viewer.minimap = drawMinimap();
       viewer.drawn = GB.drawLanes(app);
       viewer.addresses = GB.drawAddresses(app);
       document.getElementById("range").textContent = "showing " + ds.formatTime(state.v0, state.v1 - state.v0) +
@@ -88,14 +126,28 @@
 
     function flame() {
       const blocks = state.moment === null ? [] : GB.liveBlocks(ds, state.lane, state.moment);
-      app.flame.tree = GB.flameTree(ds, blocks, state.flameByTag);
+      app.flame.tree = state.bySegment && state.moment !== null ? GB.segmentTree(ds, blocks, state.moment, state.lane) : GB.flameTree(ds, blocks, state.flameByTag);
       app.flame.focus = GB.flameStart(app.flame.tree);
-      document.getElementById("flame-title").textContent = state.moment === null ? "Live bytes by stack" :
-        "Live bytes by stack" + (state.lane !== null ? " in " + ds.budgets[state.lane].name : "") + " at " + ds.formatTime(state.moment, ds.end) +
+      const what = state.bySegment ? "Segments held" : "Live bytes by stack";
+      document.getElementById("flame-title").textContent = state.moment === null ? what :
+        what + (state.lane !== null ? " in " + ds.budgets[state.lane].name : "") + " at " + ds.formatTime(state.moment, ds.end) +
         ": " + formatSize(app.flame.tree.bytes);
       viewer.flame = GB.drawFlame(app);
     }
-    function listBlocks() { viewer.listed = GB.listBlocks(app); }
+    function listBlocks() { viewer.listed = GB.listBlocks(app); if (!document.getElementById("tab-events").hidden) viewer.events = GB.fillEvents(app); }
+    // The event list's chosen event: its moment (after it), its budget kept, its block's life.
+    app.stepTo = i => {
+      const rows = GB.eventList(app, state.lane);
+      if (!rows.length) return;
+      i = Math.min(Math.max(i, 0), rows.length - 1);
+      const [t, , kind, x] = rows[i], lane = state.lane;
+      select(t, lane, true);
+      state.eventAt = i; state.eventLane = lane;
+      if (kind === "alloc" || kind === "free") showLife(x); else listBlocks();
+      viewer.events = GB.fillEvents(app);
+      const row = document.querySelector("#events tr.now");
+      if (row) row.scrollIntoView({ block: "nearest" });
+    };
     app.refreshCompare = () => { if (!document.getElementById("tab-compare").hidden) viewer.compared = GB.compare(app); else app.compareDirty = true; };
 
     function showLane(i) {
@@ -121,6 +173,7 @@
         state.v0 = Math.max(t - span / 2, 0); state.v1 = state.v0 + span;
       }
       if (reveal && lane !== null) showLane(lane);
+      state.eventAt = null;  // the event list follows the moment
       markTree(); draw(); flame(); listBlocks(); app.refreshCompare();  // the canvases before the table
     }
     function showLife(k) { state.block = k; draw(); listBlocks(); GB.showLife(app, k); viewer.life = k; }
@@ -217,6 +270,7 @@
       viewer.flameFocus = GB.flamePath(app.flame.focus);
     });
     document.getElementById("flame-by-tag").addEventListener("change", e => { state.flameByTag = e.target.checked; flame(); });
+    document.getElementById("flame-by-segment").addEventListener("change", e => { state.bySegment = e.target.checked; flame(); });
     document.getElementById("zoom-in").addEventListener("click", () => zoom(0.5));
     document.getElementById("zoom-out").addEventListener("click", () => zoom(2));
     document.getElementById("zoom-reset").addEventListener("click", whole);
@@ -253,15 +307,21 @@
     });
     search.addEventListener("blur", () => { results.hidden = true; });
     search.addEventListener("focus", () => { results.hidden = !(viewer.matches && viewer.matches.length); });
-    document.getElementById("colour-by").addEventListener("change", e => { state.colour = e.target.value; recolour(); draw(); });
+    document.getElementById("colour-by").addEventListener("change", e => { state.colour = e.target.value; state.focus = null; recolour(); draw(); });
     document.querySelectorAll(".tabs button").forEach(button => button.addEventListener("click", () => {
       document.querySelectorAll(".tabs button").forEach(b => b.classList.toggle("active", b === button));
       document.querySelectorAll(".tab").forEach(tab => { tab.hidden = tab.id !== "tab-" + button.dataset.tab; });
       if (button.dataset.tab === "compare" && app.compareDirty) { app.compareDirty = false; viewer.compared = GB.compare(app); }
+      if (button.dataset.tab === "events") viewer.events = GB.fillEvents(app);
     }));
     window.addEventListener("keydown", e => {
       if (e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
       if (e.key === "+" || e.key === "=") zoom(0.5); else if (e.key === "-") zoom(2);
+      else if (!document.getElementById("tab-events").hidden && ["ArrowDown", "ArrowUp", "j", "k"].includes(e.key)) {
+        e.preventDefault();
+        const now = viewer.events ? viewer.events.at : 0;
+        app.stepTo(now + (e.key === "ArrowDown" || e.key === "j" ? 1 : -1));
+      }
     });
     window.addEventListener("resize", () => { app.measure(); draw(); flame(); });
 

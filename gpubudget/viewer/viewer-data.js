@@ -82,8 +82,12 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     ds.times = times;
     const points = await columns(raw.points, ["at", "b", "used"]);
-    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"]);
+    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(raw.blocks.req ? ["req", "stream"] : []));
+    if (!blocks.req) { blocks.req = new Int8Array(blocks.n).fill(-1); blocks.stream = new Uint8Array(blocks.n); }
     ds.blocks = blocks;
+    ds.streams = raw.streams && raw.streams.length ? raw.streams : ["stream 0"];
+    ds.requested = k => blocks.req[k] >= 0 ? blocks.req[k] : blocks.size[k];  // what was asked for
+    ds.rounding = k => blocks.req[k] >= 0 ? blocks.size[k] - blocks.req[k] : 0;  // lost to rounding
     ds.end = raw.end > 0 ? raw.end : 1e-6;
     const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
       limit: b[2], reserve: b[3], entered: b[4], exited: b[5], peak: b[6], allocations: b[7],
@@ -290,12 +294,13 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     let key;
     if (mode === "tag") key = blocks.tag;
     else if (mode === "budget") key = blocks.b;
+    else if (mode === "stream") key = blocks.stream;
     else {
       const innermost = Int32Array.from(ds.stacks, s => s.length ? s[s.length - 1] : -1);
       key = new Int32Array(n);
       for (let k = 0; k < n; k++) key[k] = blocks.stack[k] >= 0 ? innermost[blocks.stack[k]] : -1;
     }
-    const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : ds.frames.length;
+    const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : mode === "stream" ? ds.streams.length : ds.frames.length;
     const bytes = new Float64Array(keys);
     for (let k = 0; k < n; k++) if (key[k] >= 0) bytes[key[k]] += blocks.size[k];
     const used = [];
@@ -305,7 +310,7 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     top.forEach(([k], i) => { rankOf[k] = i; });
     const rank = new Uint8Array(n);
     for (let k = 0; k < n; k++) rank[k] = key[k] < 0 ? NONE : rankOf[key[k]];
-    const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : ds.frames[k];
+    const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : mode === "stream" ? ds.streams[k] : ds.frames[k];
     const legend = top.map(([k, total], i) => ({ rank: i, label: label(k), bytes: total }));
     if (used.length > OTHER) legend.push({ rank: OTHER, label: "other " + mode + "s", bytes: 0 });
     if (rank.some(r => r === NONE)) legend.push({ rank: NONE, label: mode === "tag" ? "no tag" : mode === "frame" ? "no stack" : "none", bytes: 0 });

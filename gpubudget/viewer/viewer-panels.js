@@ -13,7 +13,8 @@
     const ds = app.ds, blocks = ds.blocks, end = ds.end;
     const tr = el("tr", { "data-block": k });
     const cells = [formatSize(blocks.size[k]), ds.tagText(k), ds.budgets[blocks.b[k]].name,
-      blocks.addr[k] >= 0 ? "0x" + blocks.addr[k].toString(16) : "—", ds.formatTime(ds.t0(k), end), last(k), innermost(ds, k)];
+      blocks.addr[k] >= 0 ? "0x" + blocks.addr[k].toString(16) : "—", ds.formatTime(ds.t0(k), end), last(k),
+      blocks.req[k] >= 0 ? GB.exactSize(blocks.req[k]) : "—", ds.streams[blocks.stream[k]], innermost(ds, k)];
     cells.forEach((text, i) => tr.appendChild(el("td", i === 0 ? { class: "num" } : {}, text)));
     if (ds.isLeak[k]) tr.classList.add("leak");
     if (k === app.state.block) tr.classList.add("selected");
@@ -41,12 +42,15 @@
       for (let k = 0; k < blocks.n; k++) if (tagOk(k) && (s.lane === null || ds.within(blocks.b[k], s.lane))) found.push(k);
     }
     found.sort((a, b) => blocks.size[b] - blocks.size[a] || a - b);
-    let total = 0; for (const k of found) total += blocks.size[k];
+    let total = 0, asked = 0, known = 0;
+    for (const k of found) { total += blocks.size[k]; if (blocks.req[k] >= 0) { asked += blocks.req[k]; known += blocks.size[k]; } }
     const lane = s.lane;
     const where = lane !== null ? " in " + ds.budgets[lane].name + (ds.budgets[lane].children.length ? " and below" : "") : "";
     const when = s.moment !== null ? " live at " + ds.formatTime(s.moment, end) : " (all)";
     document.getElementById("blocks-title").textContent = found.length + " blocks" +
-      (q ? " matching *" + s.query.trim() + "*" : "") + where + when + ", " + formatSize(total);
+      (q ? " matching *" + s.query.trim() + "*" : "") + where + when + ", " + formatSize(total) +
+      (!known ? "" : known === total ? " (" + GB.exactSize(known - asked) + " of it lost to rounding: " + formatSize(asked) + " requested)"
+        : " (" + GB.exactSize(known - asked) + " lost to rounding in the " + formatSize(known) + " of blocks whose request is recorded)");
     const last = k => Number.isFinite(ds.t1(k)) ? ds.formatTime(ds.t1(k), end) : ds.isLeak[k] ? "never (leaked)" : "live at end";
     document.querySelector("#blocks tbody").replaceChildren(...found.slice(0, MAX_ROWS).map(k => GB.blockRow(app, k, last)));
     document.getElementById("blocks-more").textContent = found.length > MAX_ROWS ? "… " + (found.length - MAX_ROWS) + " more (largest shown)" : "";
@@ -97,7 +101,10 @@
         (ds.tagText(k) ? ", tag " + ds.tagText(k) : ", no tag"),
       (Number.isFinite(t0) ? "allocated at " + ds.formatTime(t0, end) : "allocated before the record began") + ", " +
         (Number.isFinite(t1) ? "freed at " + ds.formatTime(t1, end) + (Number.isFinite(t0) ? " (lived " + ds.formatTime(t1 - t0) + ")" : "")
-          : "still live at the end")];
+          : "still live at the end"),
+      "requested " + (blocks.req[k] >= 0 ? GB.exactSize(blocks.req[k]) + ", rounded to " + GB.exactSize(blocks.size[k]) +
+        ": " + GB.exactSize(ds.rounding(k)) + " lost to rounding" : "size not recorded: " + GB.exactSize(blocks.size[k]) + " charged") +
+        " · " + ds.streams[blocks.stream[k]]];
     if (ds.isLeak[k]) lines.push("leaked: still live when the record ends, and its budget's scope had exited (at " + ds.formatTime(budget.exited, end) + ")");
     document.getElementById("life").replaceChildren(...lines.map(text => el("div", ds.isLeak[k] && text.startsWith("leaked") ? { class: "denied" } : {}, text)),
       el("pre", {}, st.length ? st.join("\n") : ds.source === "torch" ? "no stack (record with torch.cuda.memory._record_memory_history())" : "no stack (track_stacks=True keeps them)"));
@@ -118,6 +125,56 @@
       tr.addEventListener("click", () => app.select(ds.budgets[ds.blocks.b[k]].exited, ds.blocks.b[k], true));
       return tr;
     }));
+  };
+
+  GB.exactSize = n => n < 1024 ? n + " B" : formatSize(n) + " (" + n.toLocaleString("en") + " B)";
+
+  // The event list: every allocation, free and denial of the chosen budget and below (every
+  // root's without one), in order; segments mapped and unmapped for the roots. Built once
+  // per budget; the page lists the rows around the chosen event, which the arrow keys move.
+  GB.eventList = function (app, lane) {
+    const ds = app.ds, cache = app.eventLists || (app.eventLists = new Map()), key = lane === null ? -1 : lane;
+    if (cache.has(key)) return cache.get(key);
+    const rows = [];  // [time, order, kind, block or denial or region]
+    const roots = lane === null ? ds.order.filter(i => ds.budgets[i].parent === null) : [lane];
+    for (const r of roots) {
+      const ev = ds.events(r);
+      for (let i = 0; i < ev.n; i++) { const e = ev.ev[i]; rows.push([ds.times[ev.at[i]], ev.at[i], e > 0 ? "alloc" : "free", e > 0 ? e - 1 : -e - 1]); }
+    }
+    ds.denials.forEach((d, i) => { if (lane === null || ds.within(d[1], lane)) rows.push([d[0], Infinity, "denied", i]); });
+    ds.regions.forEach((g, i) => {
+      if (lane !== null && ds.budgets[lane].parent !== null || lane !== null && g[0] !== lane) return;
+      if (g[3] >= 0) rows.push([ds.times[g[3]], g[3], "segment map", i]);
+      if (g[4] >= 0) rows.push([ds.times[g[4]], g[4], "segment unmap", i]);
+    });
+    rows.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+    cache.set(key, rows);
+    return rows;
+  };
+
+  GB.fillEvents = function (app) {
+    const ds = app.ds, s = app.state, rows = GB.eventList(app, s.lane), blocks = ds.blocks, end = ds.end;
+    if (s.eventAt === null || s.eventAt >= rows.length || s.eventLane !== s.lane) {  // the last event at or before the moment
+      let i = 0;
+      if (s.moment !== null) { let lo = 0, hi = rows.length; while (lo < hi) { const mid = (lo + hi) >> 1; if (rows[mid][0] <= s.moment) lo = mid + 1; else hi = mid; } i = Math.max(lo - 1, 0); }
+      s.eventAt = rows.length ? i : null; s.eventLane = s.lane;
+    }
+    const at = s.eventAt === null ? 0 : s.eventAt, from = Math.max(0, at - 50), to = Math.min(rows.length, at + 150);
+    document.getElementById("events-title").textContent = rows.length ? "Event " + (at + 1) + " of " + rows.length.toLocaleString("en") +
+      (s.lane !== null ? " in " + ds.budgets[s.lane].name + " and below" : "") + " (↑/↓ or k/j: the previous or next event; a click: that one)" : "No events";
+    document.querySelector("#events tbody").replaceChildren(...rows.slice(from, to).map((row, j) => {
+      const [t, , kind, x] = row, i = from + j, tr = el("tr", { "data-event": i });
+      let cells;
+      if (kind === "alloc" || kind === "free") cells = [formatSize(blocks.size[x]), ds.budgets[blocks.b[x]].name, ds.tagText(x),
+        blocks.addr[x] >= 0 ? "0x" + blocks.addr[x].toString(16) : "—", ds.streams[blocks.stream[x]], innermost(ds, x)];
+      else if (kind === "denied") { const d = ds.denials[x]; cells = [formatSize(d[2]), ds.budgets[d[1]].name, d[4] >= 0 ? ds.tags[d[4]] : "", "—", "", d[3].replace(/_/g, " ")]; }
+      else { const g = ds.regions[x]; cells = [formatSize(g[2]), ds.budgets[g[0]].name, "", "0x" + g[1].toString(16), "", ""]; }
+      [String(i + 1), ds.formatTime(t, end), kind, ...cells].forEach((text, c) => tr.appendChild(el("td", c === 0 || c === 3 ? { class: "num" } : {}, text)));
+      if (i === at) tr.classList.add("now");
+      tr.addEventListener("click", () => app.stepTo(i));
+      return tr;
+    }));
+    return { at, n: rows.length, row: rows.length ? rows[at] : null };
   };
 
   GB.fillDenials = function (app) {
