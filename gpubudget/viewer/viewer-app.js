@@ -138,12 +138,12 @@
     // The event list's chosen event: its moment (after it), its budget kept, its block's life.
     app.stepTo = i => {
       const rows = GB.eventList(app, state.lane);
-      if (!rows.length) return;
-      i = Math.min(Math.max(i, 0), rows.length - 1);
-      const [t, , kind, x] = rows[i], lane = state.lane;
+      if (!rows.n) return;
+      i = Math.min(Math.max(i, 0), rows.n - 1);
+      const t = rows.t[i], kind = rows.kind[i] <= 1 ? "block" : "other", x = rows.x[i], lane = state.lane;
       select(t, lane, true);
       state.eventAt = i; state.eventLane = lane;
-      if (kind === "alloc" || kind === "free") showLife(x); else listBlocks();
+      if (kind === "block") showLife(x); else listBlocks();
       viewer.events = GB.fillEvents(app);
       const row = document.querySelector("#events tr.now");
       if (row) row.scrollIntoView({ block: "nearest" });

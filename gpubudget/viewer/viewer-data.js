@@ -138,14 +138,20 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     // Where each budget's memory lived: from its entry to its release (its scope exited and
     // its subtree's last block freed), the record's end while any is live then.
+    // (each budget's own blocks first, then children into parents: no walk up per block)
     ds.lived = budgets.map(b => [b.entered, b.exited === null ? ds.end : b.exited]);
     for (let k = 0; k < blocks.n; k++) {
       const t1 = blocks.to[k] >= 0 ? times[blocks.to[k]] : ds.end, t0 = blocks.from[k] >= 0 ? times[blocks.from[k]] : 0;
-      for (let a = blocks.b[k]; a >= 0; a = ds.parentOf[a]) {
-        const span = ds.lived[a];
-        if (t1 > span[1]) span[1] = t1;
-        if (t0 < span[0]) span[0] = t0;
-      }
+      const span = ds.lived[blocks.b[k]];
+      if (t1 > span[1]) span[1] = t1;
+      if (t0 < span[0]) span[0] = t0;
+    }
+    for (let i = order.length - 1; i >= 0; i--) {
+      const b = order[i], parent = budgets[b].parent;
+      if (parent === null) continue;
+      const span = ds.lived[b], up = ds.lived[parent];
+      if (span[1] > up[1]) up[1] = span[1];
+      if (span[0] < up[0]) up[0] = span[0];
     }
     ds.events = laneEvents(ds);
     ds.liveAt = (lane, t) => liveAtIndex(ds, ds.events(lane), eventsBefore(ds, lane, t));

@@ -132,38 +132,54 @@
   // The event list: every allocation, free and denial of the chosen budget and below (every
   // root's without one), in order; segments mapped and unmapped for the roots. Built once
   // per budget; the page lists the rows around the chosen event, which the arrow keys move.
+  // Rows as columns (a million events: megabytes, not an object each): t, kind, x (the
+  // block, denial or region). The blocks' events come in event order; the few others are
+  // sorted and merged in (a denial after the events of its time).
+  const KINDS = ["alloc", "free", "denied", "segment map", "segment unmap"];
   GB.eventList = function (app, lane) {
     const ds = app.ds, cache = app.eventLists || (app.eventLists = new Map()), key = lane === null ? -1 : lane;
     if (cache.has(key)) return cache.get(key);
-    const rows = [];  // [time, order, kind, block or denial or region]
-    const roots = lane === null ? ds.order.filter(i => ds.budgets[i].parent === null) : [lane];
-    for (const r of roots) {
-      const ev = ds.events(r);
-      for (let i = 0; i < ev.n; i++) { const e = ev.ev[i]; rows.push([ds.times[ev.at[i]], ev.at[i], e > 0 ? "alloc" : "free", e > 0 ? e - 1 : -e - 1]); }
+    const roots = ds.order.filter(i => ds.budgets[i].parent === null);
+    let ev, at, n;
+    if (lane !== null || roots.length === 1) { const e = ds.events(lane !== null ? lane : roots[0]); ev = e.ev; at = e.at; n = e.n; }
+    else {  // every root's, in event order (a counting sort by event)
+      const parts = roots.map(r => ds.events(r)), slots = new Int32Array(ds.times.length + 1);
+      for (const p of parts) for (let i = 0; i < p.n; i++) slots[p.at[i] + 1]++;
+      for (let i = 1; i < slots.length; i++) slots[i] += slots[i - 1];
+      n = slots[slots.length - 1]; ev = new Int32Array(n); at = new Int32Array(n);
+      for (const p of parts) for (let i = 0; i < p.n; i++) { const s = slots[p.at[i]]++; ev[s] = p.ev[i]; at[s] = p.at[i]; }
     }
-    ds.denials.forEach((d, i) => { if (lane === null || ds.within(d[1], lane)) rows.push([d[0], Infinity, "denied", i]); });
+    const extra = [];  // [t, order, kind, x]
+    ds.denials.forEach((d, i) => { if (lane === null || ds.within(d[1], lane)) extra.push([d[0], Infinity, 2, i]); });
     ds.regions.forEach((g, i) => {
-      if (lane !== null && ds.budgets[lane].parent !== null || lane !== null && g[0] !== lane) return;
-      if (g[3] >= 0) rows.push([ds.times[g[3]], g[3], "segment map", i]);
-      if (g[4] >= 0) rows.push([ds.times[g[4]], g[4], "segment unmap", i]);
+      if (lane !== null && g[0] !== lane) return;
+      if (g[3] >= 0) extra.push([ds.times[g[3]], g[3], 3, i]);
+      if (g[4] >= 0) extra.push([ds.times[g[4]], g[4], 4, i]);
     });
-    rows.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+    extra.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+    const total = n + extra.length, rows = { n: total, t: new Float64Array(total), kind: new Uint8Array(total), x: new Int32Array(total) };
+    for (let i = 0, j = 0, r = 0; r < total; r++) {
+      const fromBlocks = j >= extra.length || i < n && (ds.times[at[i]] < extra[j][0] || ds.times[at[i]] === extra[j][0] && at[i] <= extra[j][1]);
+      if (fromBlocks) { const e = ev[i]; rows.t[r] = ds.times[at[i]]; rows.kind[r] = e > 0 ? 0 : 1; rows.x[r] = e > 0 ? e - 1 : -e - 1; i++; }
+      else { const [t, , kind, x] = extra[j++]; rows.t[r] = t; rows.kind[r] = kind; rows.x[r] = x; }
+    }
     cache.set(key, rows);
     return rows;
   };
 
   GB.fillEvents = function (app) {
     const ds = app.ds, s = app.state, rows = GB.eventList(app, s.lane), blocks = ds.blocks, end = ds.end;
-    if (s.eventAt === null || s.eventAt >= rows.length || s.eventLane !== s.lane) {  // the last event at or before the moment
-      let i = 0;
-      if (s.moment !== null) { let lo = 0, hi = rows.length; while (lo < hi) { const mid = (lo + hi) >> 1; if (rows[mid][0] <= s.moment) lo = mid + 1; else hi = mid; } i = Math.max(lo - 1, 0); }
-      s.eventAt = rows.length ? i : null; s.eventLane = s.lane;
+    if (s.eventAt === null || s.eventAt >= rows.n || s.eventLane !== s.lane) {  // the last event at or before the moment
+      const i = s.moment === null ? 0 : Math.max(GB.upperBound(rows.t, s.moment) - 1, 0);
+      s.eventAt = rows.n ? i : null; s.eventLane = s.lane;
     }
-    const at = s.eventAt === null ? 0 : s.eventAt, from = Math.max(0, at - 50), to = Math.min(rows.length, at + 150);
-    document.getElementById("events-title").textContent = rows.length ? "Event " + (at + 1) + " of " + rows.length.toLocaleString("en") +
+    const at = s.eventAt === null ? 0 : s.eventAt, from = Math.max(0, at - 50), to = Math.min(rows.n, at + 150);
+    document.getElementById("events-title").textContent = rows.n ? "Event " + (at + 1) + " of " + rows.n.toLocaleString("en") +
       (s.lane !== null ? " in " + ds.budgets[s.lane].name + " and below" : "") + " (↑/↓ or k/j: the previous or next event; a click: that one)" : "No events";
-    document.querySelector("#events tbody").replaceChildren(...rows.slice(from, to).map((row, j) => {
-      const [t, , kind, x] = row, i = from + j, tr = el("tr", { "data-event": i });
+    const shown = [];
+    for (let i = from; i < to; i++) shown.push(i);
+    document.querySelector("#events tbody").replaceChildren(...shown.map(i => {
+      const t = rows.t[i], kind = KINDS[rows.kind[i]], x = rows.x[i], tr = el("tr", { "data-event": i });
       let cells;
       if (kind === "alloc" || kind === "free") cells = [formatSize(blocks.size[x]), ds.budgets[blocks.b[x]].name, ds.tagText(x),
         blocks.addr[x] >= 0 ? "0x" + blocks.addr[x].toString(16) : "—", ds.streams[blocks.stream[x]], innermost(ds, x)];
@@ -174,7 +190,7 @@
       tr.addEventListener("click", () => app.stepTo(i));
       return tr;
     }));
-    return { at, n: rows.length, row: rows.length ? rows[at] : null };
+    return { at, n: rows.n, kind: rows.n ? KINDS[rows.kind[at]] : null };
   };
 
   GB.fillDenials = function (app) {
