@@ -50,13 +50,13 @@ def bomb() -> list[Any]:
 DEEP = b"(" * 200_000 + b"]" + b"l" * 200_000  # a list 200,000 lists deep
 
 
-def view(tmp_path: Path, data: bytes) -> subprocess.CompletedProcess[str]:
+def view(tmp_path: Path, data: bytes, limit: int = CAP) -> subprocess.CompletedProcess[str]:
     """``gpubudget view`` of ``data`` in a process of its own, its address space capped."""
     snapshot = tmp_path / "hostile.pickle"
     snapshot.write_bytes(data)
 
     def cap() -> None:  # pragma: no cover - runs in the child
-        resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     return subprocess.run([sys.executable, "-m", "gpubudget", "view", str(snapshot), "-o",
                            str(tmp_path / "out.html")], capture_output=True, text=True,
@@ -135,3 +135,16 @@ def test_a_frame_shared_thousands_of_times_is_formatted_once(tmp_path: Path) -> 
     page = tmp_path / "frames.html"
     write_page(model, page)
     assert page.stat().st_size < 4 << 20
+
+
+def test_a_memo_index_of_gigabytes_fails_in_one_line_not_by_taking_the_memory(
+        tmp_path: Path) -> None:
+    """Ten bytes: an empty list stored at memo index 2**28 - 1, for which the unpickler would
+    grow its memo to 2**29 entries (4 GiB, each written). ``gpubudget view`` reads a pickle
+    with its address space capped at what it holds plus room for the file: the load fails
+    as out of memory, one line, exit 2 (the test's own cap, 6 GiB, only guards the machine:
+    under it the memo would fit and the list be read)."""
+    done = view(tmp_path, b"\x80\x02]r\xff\xff\xff\x0f.", limit=6 << 30)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr == "gpubudget: error: " + str(tmp_path / "hostile.pickle") + (
+        ": out of memory while reading the pickle\n")
