@@ -85,6 +85,14 @@ def _steps(values: array[int]) -> dict[str, str]:
     return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
+def _rounding(sizes: array[float], requested: array[float]) -> array[int]:
+    """What rounding added to each block (its size less its request; -1 where the request is
+    not known): small numbers, where requests are as random as sizes, so they travel in a
+    byte or two and compress."""
+    return array("q", (int(size - asked) if asked >= 0 else -1
+                       for size, asked in zip(sizes, requested)))
+
+
 def _stream_names(streams: array[int]) -> list[str]:
     """The distinct streams of the blocks, in order of value, as the page names them."""
     return [f"stream {value:#x}" if value > 9 else f"stream {value}"
@@ -116,7 +124,7 @@ def _data(model: ViewModel) -> dict[str, Any]:
                    "from": _integers(model.block_from),
                    "to": _integers(model.block_to),
                    "stack": _integers(model.block_stack),
-                   "req": _integers(model.block_requested),
+                   "lost": _integers(_rounding(model.block_size, model.block_requested)),
                    "stream": _integers(_stream_numbers(model.block_stream))},
         "streams": _stream_names(model.block_stream),
         "denials": [list(d) for d in model.denials],

@@ -82,8 +82,10 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     ds.times = times;
     const points = await columns(raw.points, ["at", "b", "used"]);
-    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(raw.blocks.req ? ["req", "stream"] : []));
-    if (!blocks.req) { blocks.req = new Int8Array(blocks.n).fill(-1); blocks.stream = new Uint8Array(blocks.n); }
+    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(raw.blocks.lost ? ["lost", "stream"] : []));
+    blocks.req = new Float64Array(blocks.n).fill(-1);  // the bytes asked for, -1: not known
+    if (blocks.lost) for (let k = 0; k < blocks.n; k++) { if (blocks.lost[k] >= 0) blocks.req[k] = blocks.size[k] - blocks.lost[k]; }
+    else blocks.stream = new Uint8Array(blocks.n);
     ds.blocks = blocks;
     ds.streams = raw.streams && raw.streams.length ? raw.streams : ["stream 0"];
     ds.requested = k => blocks.req[k] >= 0 ? blocks.req[k] : blocks.size[k];  // what was asked for
