@@ -1,6 +1,7 @@
 // gpubudget's memory viewer, part 6 of 6: the page. Loads the records, keeps the state (the
-// time in view, the chosen moment, budget and block, the colouring), answers the mouse and
-// the keyboard, and opens on the first root's peak so every view shows something at once.
+// time in view, the chosen moment, budget, block and event, the colouring), answers the
+// mouse, the keyboard and the search, draws the minimap, and opens on the first root's peak
+// so every view shows something at once.
 // window.gpubudgetViewer is what tests and scripts read.
 (function () {
   const { el, formatSize } = GB;

@@ -2,7 +2,8 @@
 // chosen moment in the chosen budget (and its descendants), as a tree of their stacks:
 // outermost frame at the top, each frame as wide as the bytes allocated under it; with "tags
 // first", a level of tags above the frames. It opens below the frames all blocks share.
-// Hover: the frame and its bytes; click: zoom into it (click the top row to zoom out).
+// Hover: the frame and its bytes; click: zoom into it (click the top row to zoom out). By
+// segment: the segments held at the moment, their live blocks and free bytes.
 (function () {
   const { formatSize } = GB;
   const ROW = 18, MAX_ROWS = 40;

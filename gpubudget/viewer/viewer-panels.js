@@ -1,6 +1,8 @@
 // gpubudget's memory viewer, part 5 of 6: the panels below the timeline. The blocks live at
-// the chosen moment (largest first), the leaks (blocks live at the end whose scope had
-// exited), the denials (a click goes to the moment), a block's life, and the comparison of
+// the chosen moment (largest first, with what rounding added and their stream), the leaks
+// (blocks live at the end whose scope had exited), the denials (a click goes to the moment),
+// the event list (every allocation, free, denial and segment event, stepped through), what
+// the header's search finds (budgets, tags, addresses), a block's life, and the comparison of
 // two moments, of this record or of another one, by tag and by stack (its functions: the
 // lines they were called from may move between two versions of the code).
 (function () {
