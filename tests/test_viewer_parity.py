@@ -125,9 +125,9 @@ def test_requested_against_rounded_sizes_say_what_rounding_lost(browser: Any,
     browser.execute_script(f"{V}.select(0.00025, 0)")  # the weights live
     title = browser.find_element(By.ID, "blocks-title").text
     assert "1000 B of it lost to rounding" in title, title
-    browser.execute_script(f"{V}.select(0.00035, 0)")  # and the activations, not known
+    browser.execute_script(f"{V}.select(0.00035, 0)")  # and the activations, asked exactly
     title = browser.find_element(By.ID, "blocks-title").text
-    assert "(1000 B lost to rounding in the 4.00 MiB of blocks whose request is recorded)" in title
+    assert "8.00 MiB (1000 B of it lost to rounding: 8.00 MiB requested)" in title, title
     shot(browser, tmp_path, "rounding")
 
 

@@ -321,3 +321,38 @@ def test_view_refuses_a_pickle_with_code_in_one_line(tmp_path: Path,
     big = write(tmp_path / "big.pickle", snapshot_fixture())
     assert main(["view", str(big), "-o", str(tmp_path / "v.html"), "--max-size", "100"]) == 2
     assert "longer than 100 B" in capsys.readouterr().err
+
+
+def test_an_action_records_the_request_and_the_block_is_rounded_as_pytorch_rounds() -> None:
+    """PyTorch 2.x's actions carry the size asked for (2.11, checked on a GPU: 64 MiB + 1000
+    asked, recorded as such); its blocks are that rounded up to 512 bytes. A live block's
+    ``requested_size`` in the segments says the same."""
+    data = {"device_traces": [[
+        entry("alloc", BASE, 1000, 1, frames("main")),
+        entry("alloc", BASE + 4096, 300, 2, frames("main")),
+        entry("free_completed", BASE + 4096, 300, 3, frames("main")),
+        entry("free_completed", BASE + 8192, 513, 4, frames("main"))]]}
+    model = model_from_torch_data(data)
+    assert list(model.block_size) == [1024, 512, 1024]  # the last from before the record
+    assert list(model.block_requested) == [1000, 300, 513]
+
+
+REAL = Path(__file__).parent / "data" / "torch-2.11-snapshot.pickle"
+"""A snapshot PyTorch 2.11 wrote on an H200 (13 KB): 64 MiB + 1000 bytes asked for and kept,
+3 MiB + 7 and twenty small blocks on a side stream, an 8 MiB block freed."""
+
+
+def test_a_real_pytorch_2_11_snapshot_gives_requests_rounding_and_streams() -> None:
+    model = model_from_torch_snapshot(REAL)
+    assert [b.name for b in model.budgets] == ["cuda:0"]
+    sizes = {int(model.block_requested[k]): k for k in range(len(model.block_size))}
+    weights, side = sizes[64 * MiB + 1000], sizes[3 * MiB + 7]
+    assert model.block_size[weights] == 64 * MiB + 1024  # rounded to 512, as kept
+    assert model.block_to[weights] == -1 and model.block_to[side] == -1  # live at the end
+    assert model.block_stream[weights] == 0 and model.block_stream[side] != 0
+    small = [k for k in range(len(model.block_size)) if 1000 <= model.block_requested[k] < 1020]
+    assert len(small) == 20 and all(model.block_size[k] == 1024 for k in small)
+    assert all(model.block_stream[k] == model.block_stream[side] for k in small)
+    assert all(model.block_to[k] >= 0 for k in small)  # freed before the snapshot
+    frames = [model.frames[f] for f in model.stacks[model.block_stack[weights]]]
+    assert frames[-1].endswith("in load_weights")

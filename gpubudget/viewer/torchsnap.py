@@ -43,6 +43,15 @@ from .sources import read_bounded, shown
 __all__ = ["looks_like_pickle", "model_from_torch_snapshot", "model_from_torch_data"]
 
 _LIVE_STATES: Final = ("active_allocated", "active_pending_free", "active_awaiting_free")
+_MIN_BLOCK: Final = 512
+"""What PyTorch's caching allocator rounds a request up to a multiple of (``kMinBlockSize``;
+a ``roundup_power2_divisions`` setting rounds further, which a snapshot's actions do not
+show)."""
+
+
+def _rounded(size: int) -> int:
+    """``size`` as the caching allocator rounds a request: up to a multiple of 512 bytes."""
+    return max(_MIN_BLOCK, -(-size // _MIN_BLOCK) * _MIN_BLOCK)
 _DEFAULT_POOL: Final = (0, 0)
 
 
@@ -364,6 +373,11 @@ class _Reader:
             return
         address = check.integer(entry, "addr", where)
         size = check.integer(entry, "size", where)
+        asked = -1
+        if action in ("alloc", "free_completed", "free"):  # a block's action: its request
+            asked = self.requested(entry, where)
+            if asked < 0:  # PyTorch 2.x records what was asked (2.11: checked), not the block
+                asked, size = size, _rounded(size)
         at = model.tick(t)
         budget = state.budget(check.pool(entry, "pool_id", where), address)
         live = state.live
@@ -372,8 +386,7 @@ class _Reader:
             block = model.block(budget, size, model.tag_id(tag) if isinstance(tag, str)
                                 and tag else -1, address, at,
                                 self.stack(entry.get("frames"), f"{where}['frames']"),
-                                self.requested(entry, where),
-                                self.stream(entry, "stream", where))
+                                asked, self.stream(entry, "stream", where))
             previous = live.pop(address, None)
             if previous is not None:  # its free was not recorded
                 self.free(state, previous, at)
@@ -385,7 +398,7 @@ class _Reader:
             if block < 0:  # allocated before the record began
                 block = model.block(budget, size, -1, address, -1,
                                     self.stack(entry.get("frames"), f"{where}['frames']"),
-                                    -1, self.stream(entry, "stream", where))
+                                    asked, self.stream(entry, "stream", where))
                 model.budgets[budget].allocations += 1
                 state.change(-1, budget, 0, size)
             self.free(state, block, at)
@@ -447,10 +460,8 @@ class _Reader:
             at_address = check.integer(block, "address", inside, offset)
             offset = at_address + nbytes
             requested = self.requested(block, inside)
-            if block.get("state") in _LIVE_STATES and at_address in live:
-                known = live[at_address]  # its allocation was recorded: what it asked for
-                if model.block_requested[known] < 0 and model.block_size[known] == nbytes:
-                    model.block_requested[known] = requested
+            if block.get("state") in _LIVE_STATES and at_address in live and requested >= 0:
+                model.block_requested[live[at_address]] = requested  # the segment's word
             if block.get("state") not in _LIVE_STATES or at_address in live:
                 continue
             frames = block.get("frames")
