@@ -30,6 +30,7 @@ import random
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from typing import Any
@@ -196,8 +197,12 @@ def other_page(checkout: str, trace: str, page: str) -> float:
             "start = time.perf_counter()\n"
             "write_page(model, sys.argv[2])\n"
             "print(time.perf_counter() - start)\n")
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), GPUBUDGET_PURE="1")
-    done = subprocess.run([sys.executable, "-c", code, trace, page], env=env, check=True,
+    # -S: no .pth file runs, so an editable install of this checkout (its finder comes
+    # before the path) cannot answer for the other; its dependencies stay on the path
+    path = os.pathsep.join([os.path.abspath(checkout), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    env = dict(os.environ, PYTHONPATH=path, GPUBUDGET_PURE="1")
+    done = subprocess.run([sys.executable, "-S", "-c", code, trace, page], env=env, check=True,
                           capture_output=True, text=True, cwd=os.path.abspath(checkout))
     return float(done.stdout.strip().splitlines()[-1])
 
