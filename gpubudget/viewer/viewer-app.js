@@ -90,14 +90,19 @@
       ctx.fillStyle = "#667085"; ctx.font = "11px system-ui"; ctx.fillText("whole run", 4, 14);
       if (b === undefined) return null;
       ctx.fillText(ds.budgets[b].name, 4, 28);
-      const lane = ds.lanes[b], top = Math.max(ds.budgets[b].peak, 1), cols = Math.max(Math.ceil(w), 1), hi = new Float64Array(cols);
-      let used = 0, p = 0;
-      for (let c = 0; c < cols; c++) {
-        const until = (c + 1) / cols * ds.end;
-        let h = used;
-        while (p < lane.n && (lane.t[p] < until || c === cols - 1)) { used = lane.used[p++]; if (used > h) h = used; }
-        hi[c] = h;
+      const top = Math.max(ds.budgets[b].peak, 1), cols = Math.max(Math.ceil(w), 1), key = b + "/" + cols;
+      if (!app.minimapCache || app.minimapCache.key !== key) {  // the run's picture: once per budget and width
+        const lane = ds.lanes[b], hi = new Float64Array(cols);
+        let used = 0, p = 0;
+        for (let c = 0; c < cols; c++) {
+          const until = (c + 1) / cols * ds.end;
+          let h = used;
+          while (p < lane.n && (lane.t[p] < until || c === cols - 1)) { used = lane.used[p++]; if (used > h) h = used; }
+          hi[c] = h;
+        }
+        app.minimapCache = { key, hi };
       }
+      const hi = app.minimapCache.hi;
       ctx.fillStyle = "#eaecf0"; ctx.fillRect(GB.GUTTER, 2, w, height - 4);
       ctx.fillStyle = "#98a2b3";
       for (let c = 0; c < cols; c++) { const h = hi[c] / top * (height - 6); ctx.fillRect(GB.GUTTER + c, height - 3 - h, 1, h); }
