@@ -85,11 +85,13 @@ def _steps(values: array[int]) -> dict[str, str]:
     return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
-def _rounding(sizes: array[float], requested: array[float]) -> array[int]:
+def _rounding(sizes: array[float], requested: array[float]) -> array[float]:
     """What rounding added to each block (its size less its request; -1 where the request is
     not known): small numbers, where requests are as random as sizes, so they travel in a
     byte or two and compress."""
-    return array("q", (int(size - asked) if asked >= 0 else -1
+    if not len(requested) or min(requested) >= 0:  # every request known: in C
+        return array("d", map(sub, sizes, requested))
+    return array("d", (size - asked if asked >= 0 else -1
                        for size, asked in zip(sizes, requested)))
 
 
@@ -106,6 +108,7 @@ def _stream_numbers(streams: array[int]) -> array[int]:
 
 
 def _data(model: ViewModel) -> dict[str, Any]:
+    streams = _stream_names(model.block_stream)  # one (a trace's): no column, the page knows
     return {
         "title": model.title,
         "source": model.source,
@@ -125,8 +128,9 @@ def _data(model: ViewModel) -> dict[str, Any]:
                    "to": _integers(model.block_to),
                    "stack": _integers(model.block_stack),
                    "lost": _integers(_rounding(model.block_size, model.block_requested)),
-                   "stream": _integers(_stream_numbers(model.block_stream))},
-        "streams": _stream_names(model.block_stream),
+                   **({"stream": _integers(_stream_numbers(model.block_stream))}
+                      if len(streams) > 1 else {})},
+        "streams": streams,
         "denials": [list(d) for d in model.denials],
         "regions": [list(r) for r in model.regions],
         "mappings": [list(m) for m in model.mappings],

@@ -82,10 +82,11 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     ds.times = times;
     const points = await columns(raw.points, ["at", "b", "used"]);
-    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(raw.blocks.lost ? ["lost", "stream"] : []));
+    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(
+      raw.blocks.lost ? ["lost"] : [], raw.blocks.stream ? ["stream"] : []));
     blocks.req = new Float64Array(blocks.n).fill(-1);  // the bytes asked for, -1: not known
     if (blocks.lost) for (let k = 0; k < blocks.n; k++) { if (blocks.lost[k] >= 0) blocks.req[k] = blocks.size[k] - blocks.lost[k]; }
-    else blocks.stream = new Uint8Array(blocks.n);
+    if (!blocks.stream) blocks.stream = new Uint8Array(blocks.n);  // one stream: no column
     ds.blocks = blocks;
     ds.streams = raw.streams && raw.streams.length ? raw.streams : ["stream 0"];
     ds.requested = k => blocks.req[k] >= 0 ? blocks.req[k] : blocks.size[k];  // what was asked for
