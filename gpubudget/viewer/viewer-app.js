@@ -152,7 +152,7 @@
       if (kind === "block") showLife(x); else listBlocks();
       viewer.events = GB.fillEvents(app);
       const row = document.querySelector("#events tr.now");
-      if (row) row.scrollIntoView({ block: "nearest" });
+      if (row) row.scrollIntoView({ block: "nearest", inline: "start" });
     };
     app.refreshCompare = () => { if (!document.getElementById("tab-compare").hidden) viewer.compared = GB.compare(app); else app.compareDirty = true; };
 
