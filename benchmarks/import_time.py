@@ -22,7 +22,7 @@ from pathlib import Path
 
 HEAVY = ("asyncio", "ssl", "msgspec", "numpy", "matplotlib", "prometheus_client",
          "tensorrt", "torch", "cupy", "pycuda", "contextvars_extras",
-         "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.html")
+         "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.viewer")
 """Modules ``import gpubudget`` should leave for later (what tests/test_import_cost.py
 checks)."""
 _LIST = ("import sys, gpubudget; print(' '.join(sorted(m for m in sys.modules if "

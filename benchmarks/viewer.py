@@ -30,13 +30,14 @@ import random
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from typing import Any
 
 from gpubudget import gpu_budget
 from gpubudget.backends.host import HostBackend
-from gpubudget.html import model_from_trace, write_page
+from gpubudget.viewer import model_from_trace, write_page
 from gpubudget.perfetto import write_perfetto
 from gpubudget.tracefile import writer_for
 from gpubudget.units import MiB, format_size
@@ -188,13 +189,20 @@ def other_page(checkout: str, trace: str, page: str) -> float:
     """Write the page of ``trace`` with the viewer of the gpubudget at ``checkout``, in a
     process of its own (pure-Python core); the seconds it took."""
     code = ("import sys, time\n"
-            "from gpubudget.html import model_from_trace, write_page\n"
+            "try:\n"
+            "    from gpubudget.viewer import model_from_trace, write_page\n"
+            "except ImportError:  # a checkout from before the viewer's package was renamed\n"
+            "    from gpubudget.html import model_from_trace, write_page\n"
             "model = model_from_trace(sys.argv[1])\n"
             "start = time.perf_counter()\n"
             "write_page(model, sys.argv[2])\n"
             "print(time.perf_counter() - start)\n")
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), GPUBUDGET_PURE="1")
-    done = subprocess.run([sys.executable, "-c", code, trace, page], env=env, check=True,
+    # -S: no .pth file runs, so an editable install of this checkout (its finder comes
+    # before the path) cannot answer for the other; its dependencies stay on the path
+    path = os.pathsep.join([os.path.abspath(checkout), sysconfig.get_paths()["purelib"],
+                            sysconfig.get_paths()["platlib"]])
+    env = dict(os.environ, PYTHONPATH=path, GPUBUDGET_PURE="1")
+    done = subprocess.run([sys.executable, "-S", "-c", code, trace, page], env=env, check=True,
                           capture_output=True, text=True, cwd=os.path.abspath(checkout))
     return float(done.stdout.strip().splitlines()[-1])
 

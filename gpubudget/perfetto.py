@@ -34,7 +34,8 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
-from .html.model import ViewModel, model_from_report, model_from_trace
+from .viewer.model import ViewModel, model_from_report
+from .viewer.tracemodel import model_from_trace
 from .units import format_size
 
 if TYPE_CHECKING:

@@ -316,8 +316,8 @@ class BudgetReport:
         >>> open(path, encoding="utf-8").read(15)
         '<!DOCTYPE html>'
         """
-        from .html.model import model_from_report
-        from .html.page import write_page
+        from .viewer.model import model_from_report
+        from .viewer.page import write_page
 
         write_page(model_from_report(self), path, title=title or self.name)
 

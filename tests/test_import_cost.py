@@ -17,7 +17,7 @@ from tests.helpers import subprocess_env
 LATER = ("asyncio", "ssl", "numpy", "matplotlib", "msgspec", "contextvars_extras",
          "prometheus_client", "torch", "cupy", "tensorrt", "tensorrt_rtx", "pycuda", "ray",
          "selenium", "subprocess", "tempfile", "secrets", "traceback",
-         "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.html", "gpubudget.cli",
+         "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.viewer", "gpubudget.cli",
          "gpubudget.plot", "gpubudget.perfetto", "gpubudget.metrics", "gpubudget.torch",
          "gpubudget.cupy", "gpubudget.tensorrt")
 """Modules (and packages: any module under them) that ``import gpubudget`` must not import."""

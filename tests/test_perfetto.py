@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.trace_gen import record_server
 from gpubudget import gpu_budget
-from gpubudget.html import ViewModel, ViewBudget, model_from_trace
+from gpubudget.viewer import ViewModel, ViewBudget, model_from_trace
 from gpubudget.perfetto import RESOLUTIONS, perfetto_events, write_perfetto, write_perfetto_report
 from gpubudget.tracefile import writer_for
 

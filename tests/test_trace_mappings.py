@@ -14,7 +14,7 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.backends.host import HostBackend
-from gpubudget.html import model_from_trace
+from gpubudget.viewer import model_from_trace
 from gpubudget.replay import replay
 from gpubudget.tracefile import (
     Enter,

@@ -18,8 +18,8 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.html import ViewModel, model_from_report, model_from_trace, page_html
-from gpubudget.html.tracemodel import TraceState
+from gpubudget.viewer import ViewModel, model_from_report, model_from_trace, page_html
+from gpubudget.viewer.tracemodel import TraceState
 from gpubudget.perfetto import perfetto_events, write_perfetto
 from gpubudget.replay import replay
 from gpubudget.tracefile import Alloc, Enter, writer_for
@@ -265,3 +265,76 @@ def test_stacks_on_alloc_events_are_interned_frame_by_frame() -> None:
     assert model.frames == [outer, inner, other]
     assert model.stacks == [[0, 1], [0, 2]]
     assert list(model.block_stack) == [0, 0, 1, -1, -1]
+
+
+def page_data(page: Path) -> dict[str, Any]:
+    """The model the page carries (its data block, decoded)."""
+    text = page.read_text(encoding="utf-8")
+    found = re.search(r'<script type="application/json" id="gpubudget-data">(.*?)</script>',
+                      text, re.S)
+    assert found is not None
+    data: dict[str, Any] = json.loads(found.group(1))
+    return data
+
+
+def test_view_reads_a_report_as_report_json_or_to_json_writes_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``gpubudget view r.json`` of ``gpubudget report --json``'s output draws its first root,
+    and of ``to_json(timeline=True)`` the whole timeline: the budgets and the live blocks the
+    report lists, with their addresses."""
+    trace = record(tmp_path / "run.jsonl")
+    assert main(["report", "--json", str(trace)]) == 0
+    document = tmp_path / "r.json"
+    document.write_text(capsys.readouterr().out, encoding="utf-8")
+    page = tmp_path / "r.html"
+    assert main(["view", str(document), "-o", str(page)]) == 0
+    assert "viewer written to" in capsys.readouterr().out
+    data = page_data(page)["main"]
+    assert [b[0] for b in data["budgets"]] == ["pool", "reserved", "model"]
+    assert data["source"] == "report"
+    addresses = _column(data["blocks"]["addr"])
+    replayed = model_from_trace(trace)
+    live = sorted(int(replayed.block_address[k]) for k in range(len(replayed.block_size))
+                  if replayed.block_to[k] < 0)
+    assert sorted(a for a in addresses if a >= 0) == live
+    assert any("without its timeline" in note for note in data["notes"])
+
+    with gpu_budget("1MiB", name="alone", backend="host") as alone:
+        block = alone.allocate(1000, tag="weights")
+        assert block is not None and alone.free(block)
+        kept = alone.allocate(2000, tag="cache")
+        one = tmp_path / "one.json"
+        one.write_text(alone.report().to_json(timeline=True), encoding="utf-8")
+    assert kept is not None
+    assert main(["view", str(one), "-o", str(page)]) == 0
+    data = page_data(page)["main"]
+    assert [b[0] for b in data["budgets"]] == ["alone"] and data["tags"] == ["weights", "cache"]
+    assert len(_column(data["blocks"]["size"])) == 2  # both, from the timeline
+    assert _column(data["blocks"]["to"])[1] == -1  # the cache block, live at the end
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('{"name": "pool", "state": "open"}', "the report has no 'limit'"),
+    ('{"name": "pool", "state": "odd", "limit": 1, "used": 0, "peak": 0}',
+     "the report['state'] is 'odd'"),
+    ('{"name": "pool", "state": "open", "limit": -1, "used": 0, "peak": 0}',
+     "the report['limit'] is -1"),
+    ('{"name": "pool", "state": "open", "limit": ' + "9" * 5000 + ', "used": 0, "peak": 0}',
+     "not JSON"),
+    ('{"name": "pool", "state": "open", "limit": 1, "used": 0, "peak": 0, "live_blocks": '
+     '[{"address": 1, "size": 2, "tag": [[["x"]]]}]}', "['live_blocks'][0]['tag'] is a list"),
+    ('{"trace": "x", "roots": []}', "'roots' is empty"),
+    ('{"trace": "x", "roots": [5]}', "roots[0] is 5, not an object"),
+    ('{"name": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ('{\n"name": "pool", "state": "open", "limit": 1, "used": 0, "peak": 0, "children": '
+     '[{"name": "c", "state": "open", "limit": 1, "used": 0, "peak": 1.5}]}',
+     "the report['children'][0]['peak'] is 1.5"),
+])
+def test_a_bad_report_is_one_line_naming_the_file_and_field_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, said: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(text, encoding="utf-8")
+    assert main(["view", str(bad), "-o", str(tmp_path / "x.html")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and said in err, err
+    assert "Traceback" not in err and "internal error" not in err

@@ -7,7 +7,7 @@ import doctest
 import re
 from pathlib import Path
 
-from gpubudget.html import page_html, model_from_report
+from gpubudget.viewer import page_html, model_from_report
 from gpubudget import gpu_budget
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "viewer.md"

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from gpubudget.cli import EXIT_BAD_INPUT, main
-from gpubudget.html.plainpickle import SnapshotError, load_plain
-from gpubudget.html.torchsnap import model_from_torch_data, model_from_torch_snapshot
+from gpubudget.viewer.plainpickle import SnapshotError, load_plain
+from gpubudget.viewer.torchsnap import model_from_torch_data, model_from_torch_snapshot
 
 MiB = 2**20
 BASE = 0x7F00_0000_0000
@@ -151,9 +151,10 @@ def test_the_legacy_format_keeps_stacks_in_history() -> None:
 
 
 @pytest.mark.parametrize("data, where", [
-    ([], "the pickle is list"),
+    ("x", "the pickle is 'x', not a dictionary"),
+    ([5], "segments[0] is 5, not a dictionary"),
     ({"nothing": 1}, "neither 'segments' nor 'device_traces'"),
-    ({"segments": [1]}, "segments[0] is int"),
+    ({"segments": [1]}, "segments[0] is 1"),
     ({"segments": [{"device": 0, "address": -5, "total_size": 1, "blocks": []}]},
      "segments[0]['address'] is -5"),
     ({"segments": [{"device": 0, "address": 0, "total_size": True, "blocks": []}]},
@@ -161,9 +162,9 @@ def test_the_legacy_format_keeps_stacks_in_history() -> None:
     ({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]},
      "device_traces[0][0]['addr'] is 'x'"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "frames": 3}]]},
-     "device_traces[0][0]['frames'] is int"),
+     "device_traces[0][0]['frames'] is 3, not a list of frames"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1, "pool_id": (1,)}]]},
-     "['pool_id'] is (1,), not a pair"),
+     "['pool_id'] is a tuple of 1, not a pair"),
 ])
 def test_what_is_not_a_snapshot_is_named_where(data: object, where: str) -> None:
     with pytest.raises(SnapshotError) as caught:
@@ -320,3 +321,38 @@ def test_view_refuses_a_pickle_with_code_in_one_line(tmp_path: Path,
     big = write(tmp_path / "big.pickle", snapshot_fixture())
     assert main(["view", str(big), "-o", str(tmp_path / "v.html"), "--max-size", "100"]) == 2
     assert "longer than 100 B" in capsys.readouterr().err
+
+
+def test_an_action_records_the_request_and_the_block_is_rounded_as_pytorch_rounds() -> None:
+    """PyTorch 2.x's actions carry the size asked for (2.11, checked on a GPU: 64 MiB + 1000
+    asked, recorded as such); its blocks are that rounded up to 512 bytes. A live block's
+    ``requested_size`` in the segments says the same."""
+    data = {"device_traces": [[
+        entry("alloc", BASE, 1000, 1, frames("main")),
+        entry("alloc", BASE + 4096, 300, 2, frames("main")),
+        entry("free_completed", BASE + 4096, 300, 3, frames("main")),
+        entry("free_completed", BASE + 8192, 513, 4, frames("main"))]]}
+    model = model_from_torch_data(data)
+    assert list(model.block_size) == [1024, 512, 1024]  # the last from before the record
+    assert list(model.block_requested) == [1000, 300, 513]
+
+
+REAL = Path(__file__).parent / "data" / "torch-2.11-snapshot.pickle"
+"""A snapshot PyTorch 2.11 wrote on an H200 (13 KB): 64 MiB + 1000 bytes asked for and kept,
+3 MiB + 7 and twenty small blocks on a side stream, an 8 MiB block freed."""
+
+
+def test_a_real_pytorch_2_11_snapshot_gives_requests_rounding_and_streams() -> None:
+    model = model_from_torch_snapshot(REAL)
+    assert [b.name for b in model.budgets] == ["cuda:0"]
+    sizes = {int(model.block_requested[k]): k for k in range(len(model.block_size))}
+    weights, side = sizes[64 * MiB + 1000], sizes[3 * MiB + 7]
+    assert model.block_size[weights] == 64 * MiB + 1024  # rounded to 512, as kept
+    assert model.block_to[weights] == -1 and model.block_to[side] == -1  # live at the end
+    assert model.block_stream[weights] == 0 and model.block_stream[side] != 0
+    small = [k for k in range(len(model.block_size)) if 1000 <= model.block_requested[k] < 1020]
+    assert len(small) == 20 and all(model.block_size[k] == 1024 for k in small)
+    assert all(model.block_stream[k] == model.block_stream[side] for k in small)
+    assert all(model.block_to[k] >= 0 for k in small)  # freed before the snapshot
+    frames = [model.frames[f] for f in model.stacks[model.block_stack[weights]]]
+    assert frames[-1].endswith("in load_weights")

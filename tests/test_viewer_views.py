@@ -15,8 +15,8 @@ import pytest
 
 from gpubudget import gpu_budget
 from gpubudget.cli import main
-from gpubudget.html import model_from_trace, write_page
-from gpubudget.html.torchsnap import model_from_torch_data
+from gpubudget.viewer import model_from_trace, write_page
+from gpubudget.viewer.torchsnap import model_from_torch_data
 from gpubudget.tracefile import writer_for
 from gpubudget.units import format_size
 
@@ -351,20 +351,29 @@ def test_compare_two_records_before_and_after_a_change(browser: Any, tmp_path: P
     assert capsys.readouterr().err.count("\n") == 1
 
 
-def test_leaks_are_listed_clickable_and_hatched(browser: Any, tmp_path: Path) -> None:
+def test_leaks_are_listed_clickable_and_marked_by_the_reports_rule(browser: Any,
+                                                                   tmp_path: Path) -> None:
+    """A leak is what ``BudgetReport.leaks`` calls one: a block still live when the record
+    ends whose budget's scope had exited. Serving after the scope is no leak: the engine's
+    band keeps its colour after the exit (no red over it), and the leak is marked red where
+    the record ends, as the legend says."""
     trace = tmp_path / "leak.jsonl"
     with gpu_budget("16MiB", name="server", backend="host", trace=str(trace)):
         with gpu_budget("8MiB", name="model") as model:
             kept = model.allocate(4 * MiB, tag="engine")
             temp = model.allocate(MiB, tag="scratch")
             assert kept is not None and temp is not None and model.free(temp)
-        # the model's scope has exited with its engine live: a leak from here on
+        # the model's scope has exited with its engine live: it serves from here on
         other = model.allocate(MiB, tag="late")  # served after exit, freed: no leak
         assert other is not None and model.free(other)
+        # the record ends with the engine still live: a leak by report()'s rule
+        assert [block.tag for block in model.report().leaks] == ["engine"]
     writer_for(trace).flush()
     assert model.free(kept)
     data = model_from_trace(trace)
     load(browser, page_of(trace, tmp_path))
+    rule = browser.find_element(By.ID, "leak-rule").text
+    assert "still live when the record ends" in rule and "exited" in rule
     tab = browser.find_element(By.ID, "leaks-tab")
     assert tab.text == "Leaks (1)" and "alert" in tab.get_attribute("class")
     tab.click()
@@ -375,24 +384,25 @@ def test_leaks_are_listed_clickable_and_hatched(browser: Any, tmp_path: Path) ->
     assert exited is not None
     assert js(browser, f"{V}.state.moment") == exited and js(browser, f"{V}.state.lane") == 1
     assert "leaked 4.00 MiB" in browser.find_element(By.ID, "tree").text
-    # after the exit the engine's band is hatched red over its colour
     legend = dict(js(browser, f"{V}.app.keys.legend.map(e => [e.label, e.rank])"))
     engine = rgb(js(browser, "window.gpubudgetParts.PALETTE")[legend["engine"]])
+    red = [217, 45, 32]
+    browser.execute_script(f"{V}.state.block = null")  # no outline of the chosen block
     end = js(browser, f"{V}.end")
     top, height = lane_top(browser, 1), js(browser, f"{V}.LANE")
     base = top + height - 4
     scale = js(browser, "window.gpubudgetParts.laneScale(arguments[0])",
                {"limit": data.budgets[1].limit, "peak": data.budgets[1].peak})
     middle = base - 2 * MiB / scale * (height - 14)
-    browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
-                           f"{V}.draw()", data.block_start[0], exited)  # before the exit
-    before = js(browser, f"{V}.xOf(arguments[0])", (data.block_start[0] + exited) / 2)
-    assert pixel(browser, before, middle)[:3] == engine  # not a leak yet
-    browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
-                           f"{V}.draw()", exited, end)  # the time after the exit, whole
-    x = js(browser, f"{V}.xOf(arguments[0])", (exited + end) / 2)
-    after = [pixel(browser, x + dx, middle)[:3] for dx in range(8)]
-    assert after.count([217, 45, 32]) in (2, 3, 4) and engine in after  # red stripes
+    for v0, v1 in ((data.block_start[0], exited), (exited, end)):  # before and after the exit
+        browser.execute_script(f"{V}.state.v0 = arguments[0]; {V}.state.v1 = arguments[1]; "
+                               f"{V}.draw()", v0, v1 + (end - exited) * 0.05)
+        x = js(browser, f"{V}.xOf(arguments[0])", (v0 + v1) / 2)
+        row = [pixel(browser, x + dx, middle)[:3] for dx in range(8)]
+        assert row == [engine] * 8, (v0, row)  # its colour, no stripe: serving
+    x_end = js(browser, f"{V}.xOf(arguments[0])", end)
+    assert red in [pixel(browser, x_end + dx, middle)[:3] for dx in range(-3, 1)]
+    assert red in [pixel(browser, x_end + dx, top + 20)[:3] for dx in range(-3, 1)]
     shot(browser, tmp_path, "leaks")
 
 

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 from gpubudget.cli import main
-from gpubudget.html import write_page
-from gpubudget.html.torchsnap import model_from_torch_snapshot
+from gpubudget.viewer import write_page
+from gpubudget.viewer.torchsnap import model_from_torch_snapshot
 from tests.gpu.conftest import torch_or_skip
 
 MiB = 2**20

@@ -5,7 +5,8 @@ A trace gives everything: points for a budget and all its ancestors at each even
 from their allocation to their free, with their stacks where the trace carries them. A
 report gives its timeline (``EVENT_LOG_LIMIT`` events at most): a budget's points at its own
 events (the root's at every event), and its blocks only as they were when it was taken.
-A PyTorch memory snapshot gives its own model (:mod:`~gpubudget.html.torchsnap`).
+:mod:`~gpubudget.viewer.tracemodel` reads a trace into this model; a PyTorch memory snapshot
+gives its own (:mod:`~gpubudget.viewer.torchsnap`).
 
 Every event that changes something gets an index into :attr:`ViewModel.times` (its time,
 never earlier than the one before: threads may write a trace slightly out of order); points
@@ -34,7 +35,7 @@ from ..units import format_size
 if TYPE_CHECKING:
     from ..report import BudgetReport
 
-__all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report", "model_from_trace"]
+__all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report"]
 
 _NO_TAG = -1
 UNKNOWN = -1  # an event index not known (yet): a block still live, a root still open
@@ -93,6 +94,11 @@ class ViewModel:
     block_to: array[int] = field(default_factory=lambda: array("l"))
     """The event of its free, -1 while live at the end."""
     block_stack: array[int] = field(default_factory=lambda: array("l"))
+    block_requested: array[float] = field(default_factory=lambda: array("d"))
+    """The bytes asked for, before rounding to the block's size; -1 where not known."""
+    block_stream: array[int] = field(default_factory=lambda: array("l"))
+    """The CUDA stream the block was allocated on (a PyTorch snapshot's); 0 where the
+    record does not say (a trace, a report)."""
     denials: list[tuple[float, int, int, str, int]] = field(default_factory=list)
     """``(t, budget, bytes, reason, tag)``."""
     regions: list[tuple[int, int, int, int, int]] = field(default_factory=list)
@@ -161,8 +167,9 @@ class ViewModel:
             member.peak = used
 
     def block(self, budget: int, size: int, tag: int, address: int, at: int,
-              stack: int) -> int:
-        """A block allocated at event ``at`` (-1: before the record began): its index."""
+              stack: int, requested: int = -1, stream: int = 0) -> int:
+        """A block allocated at event ``at`` (-1: before the record began): its index;
+        ``requested`` the bytes asked for (-1: not known), ``stream`` its stream."""
         self.block_budget.append(budget)
         self.block_size.append(size)
         self.block_tag.append(tag)
@@ -172,6 +179,8 @@ class ViewModel:
         self.block_from.append(at)
         self.block_to.append(UNKNOWN)
         self.block_stack.append(stack)
+        self.block_requested.append(requested)
+        self.block_stream.append(stream)
         return len(self.block_budget) - 1
 
     def end_block(self, block: int, at: int) -> None:
@@ -288,6 +297,3 @@ def model_from_report(report: BudgetReport, *, title: str | None = None) -> View
                            f"was taken (at most {format_size(report.mapped_peak or 0)})")
     return model
 
-
-# The trace's half, which needs the classes above (and is imported from here by users).
-from .tracemodel import model_from_trace  # noqa: E402

@@ -1,13 +1,14 @@
 // gpubudget's memory viewer, part 2 of 6: the active-memory timeline. A lane per budget: its
 // live blocks stacked as bands (coloured by the legend's key, ordered by key then by
-// allocation), its used bytes as a line, its limit dashed, denials in red, the bytes its
-// exited scope leaked. Each pixel column shows the moment of its highest total. Few events in
+// allocation), its used bytes as a line, its limit dashed, denials in red, and at the
+// record's end what its subtree leaked there (a leak by BudgetReport.leaks' rule: still live
+// when the record ends, its budget's scope exited; before the end it is serving, drawn as
+// any block). Each pixel column shows the moment of its highest total. Few events in
 // view (and blocks a few pixels high): every block is its own band; many: bands per colour, from the events, or from a
 // summary of the whole run in NB buckets when a column spans two of them or more.
 (function () {
   const { formatSize, shortSize, sizeStep, lowerBound, upperBound, RGBA, RANKS } = GB;
   const GUTTER = 190, AXIS = 26, NB = 8192, FEW = 4000, SUMMARY_MIN = 20000;
-  const LEAK = (0xff << 24 | 0x20 << 16 | 0x2d << 8 | 0xd9) >>> 0;
   const LIGHT = RGBA.map(c => {  // each colour mixed with white, for a band's top edge
     const mix = s => Math.round(((c >>> s) & 0xff) * 0.55 + 255 * 0.45) << s;
     return (0xff << 24 | mix(16) | mix(8) | mix(0)) >>> 0;
@@ -45,9 +46,9 @@
   // RGBA words, top row first): row 0 of a lane at its base, rows going up.
   function Bands(px, columns, baseRow, rows) {
     return {
-      fill(c, from, to, colour, hatch) {  // rows [from, to) of column c, from the base up
+      fill(c, from, to, colour) {  // rows [from, to) of column c, from the base up
         const a = Math.max(0, Math.round(from)), b = Math.min(rows, Math.round(to));
-        for (let q = a; q < b; q++) px[(baseRow - 1 - q) * columns + c] = hatch && (c + q) % 8 < 3 ? LEAK : colour;
+        for (let q = a; q < b; q++) px[(baseRow - 1 - q) * columns + c] = colour;
         return b - a;
       },
     };
@@ -164,7 +165,7 @@
       };
       let i = first;
       for (let c = 0; c < lastCol; c++) {
-        const bound = colEnd(c), tCol = s.v0 + (c + 1) / cols * span;
+        const bound = colEnd(c);
         let peak = total, at = i;
         if (!few) best.set(sums);
         while (i < events.n && events.at[i] < bound) {
@@ -176,9 +177,8 @@
           let cum = 0;
           for (const key of order.keys) {
             const k = key % 4294967296, h = size[k] * pxPerByte, r = rank[k];
-            const leaked = ds.isLeak[k] && tCol > ds.budgets[ds.blocks.b[k]].exited;
-            const filled = bands.fill(c, cum, cum + h, RGBA[r], leaked);
-            if (filled >= 4) bands.fill(c, cum + h - 1, cum + h, leaked ? LEAK : LIGHT[r]);
+            const filled = bands.fill(c, cum, cum + h, RGBA[r]);
+            if (filled >= 4) bands.fill(c, cum + h - 1, cum + h, LIGHT[r]);
             cum += h;
           }
           for (let j = at; j < i; j++) apply(events.ev[j]);
@@ -235,14 +235,13 @@
       ctx.strokeStyle = "#475467"; ctx.setLineDash([5, 4]); ctx.beginPath();
       ctx.moveTo(GUTTER, y(budget.limit)); ctx.lineTo(GUTTER + w, y(budget.limit)); ctx.stroke(); ctx.setLineDash([]);
     }
-    // what its scope leaked, where it exited
-    if (budget.exited !== null && budget.exited >= s.v0 && budget.exited <= s.v1) {
-      const leaked = ds.leaked[b];
-      if (leaked > 0) {
-        const x = app.xOf(budget.exited);
-        ctx.fillStyle = "#d92d20"; ctx.fillRect(x - 1, base - plotH, 2, plotH);
-        ctx.font = "11px system-ui"; ctx.fillText("leaked " + formatSize(leaked), Math.min(x + 4, GUTTER + w - 90), base - plotH + 12);
-      }
+    // what its subtree leaked: at the record's end, where report()'s rule says so
+    const leaked = ds.leakedBelow[b];
+    if (leaked > 0 && ds.end >= s.v0 && ds.end <= s.v1) {
+      const x = app.xOf(ds.end), text = "leaked at the end: " + formatSize(leaked);
+      ctx.fillStyle = "#d92d20"; ctx.fillRect(x - 2, base - plotH, 3, plotH);
+      ctx.font = "11px system-ui";
+      ctx.fillText(text, Math.max(GUTTER + 4, x - 8 - ctx.measureText(text).width), base - plotH + 12);
     }
     const chosen = s.block;
     if (chosen !== null && ds.blocks.b[chosen] === b) {  // the chosen block's life
@@ -284,23 +283,28 @@
     return { lanes: lanes.length, denials, modes };
   };
 
-  // What is under (x, y) of the lanes: the lane, the moment, the block whose band it is.
+  // What is under (x, y) of the lanes: the lane, the block whose band it is, and the moment
+  // the column shows (its highest total, as drawn): a time, whose live blocks are what the
+  // tooltip counts and what a click lists, so both say one number.
   GB.laneHit = function (app, x, y) {
     const ds = app.ds, s = app.state, height = app.laneHeight, row = Math.floor((y - AXIS) / height);
     if (row < 0 || row >= app.drawnLanes.length || x < GUTTER) return null;
     const b = app.drawnLanes[row], budget = ds.budgets[b], w = app.plotWidth();
     const span = s.v1 - s.v0, c = Math.floor((x - GUTTER) / w * w), tA = s.v0 + c / w * span, tB = s.v0 + (c + 1) / w * span;
-    const t = Math.min(Math.max(app.tOf(x), 0), ds.end);
-    const events = ds.events(b), first = ds.eventsBefore(b, tA), bound = upperBound(ds.times, tB);
-    let i = first, total = 0, peak, at = first;
+    const times = ds.times, events = ds.events(b), first = ds.eventsBefore(b, tA), bound = upperBound(times, tB);
+    let i = first, total = 0, peak, at = first, t = Math.min(Math.max(tA, 0), ds.end);
     const live = ds.liveAtIndex(b, first), size = ds.blocks.size;
     for (const k of live) total += size[k];
     peak = total;
     while (i < events.n && events.at[i] < bound) {
       const e = events.ev[i++], k = e > 0 ? e - 1 : -e - 1;
       total += e > 0 ? size[k] : -size[k];
-      if (total > peak) { peak = total; at = i; }
+      // a state is a moment's only once every event of its time is in
+      if ((i === events.n || times[events.at[i]] !== times[events.at[i - 1]]) && total > peak) {
+        peak = total; at = i; t = times[events.at[i - 1]];
+      }
     }
+    if (at === first && i === first) t = Math.min(Math.max(app.tOf(x), 0), ds.end);  // nothing happens in the column
     const state = at === first ? live : ds.liveAtIndex(b, at), rank = app.keys.rank;
     const sorted = Array.from(state).sort((p, q) => rank[p] - rank[q] || p - q);
     const plotH = height - 14, base = AXIS + row * height + height - 4;

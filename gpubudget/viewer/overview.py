@@ -31,7 +31,7 @@ def leaks_per_budget(model: ViewModel) -> list[int]:
     Examples
     --------
     >>> from gpubudget import gpu_budget
-    >>> from gpubudget.html import model_from_report
+    >>> from gpubudget.viewer import model_from_report
     >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
     ...     block = pool.allocate(1000)
     >>> leaks_per_budget(model_from_report(pool.report()))

@@ -1,7 +1,7 @@
 """A PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``) as a viewer model, so that
 the viewer shows PyTorch's caching allocator too, with or without budgets.
 
-A snapshot is a pickled dictionary (read by :func:`~gpubudget.html.plainpickle.load_plain`,
+A snapshot is a pickled dictionary (read by :func:`~gpubudget.viewer.plainpickle.load_plain`,
 which refuses anything but plain data): ``segments``, the memory the allocator holds from the
 device when the snapshot was taken, each with its blocks (``active_allocated``,
 ``active_pending_free`` or ``inactive``: cached); and ``device_traces``, per device, the last
@@ -9,7 +9,9 @@ actions recorded since ``torch.cuda.memory._record_memory_history()`` (``alloc``
 ``free_requested``, ``free_completed``, ``segment_alloc``, ``segment_free``,
 ``segment_map``/``segment_unmap`` for expandable segments, ``oom``, ``snapshot``), each with
 ``addr``, ``size``, ``stream``, its stack in ``frames`` (innermost first) and, in the
-versions that have them, ``time_us``, ``pool_id`` and ``user_metadata``.
+versions that have them, ``time_us``, ``pool_id`` and ``user_metadata``. Before PyTorch 2.0
+a snapshot was the list of segments alone (each block's ``history`` its allocations, with
+their frames): read as a dictionary with those segments and no actions.
 
 The model: a root budget per device (``cuda:N``, no limit) and a child per private memory
 pool (``pool (a, b)``, from ``segment_pool_id``/``pool_id``; a CUDA graph's or a
@@ -31,15 +33,25 @@ import stat
 import sys
 from typing import Any, Final
 
-from ..tracefile import MAX_FRAMES, MAX_TRACE_BYTES
+from ..tracefile import MAX_FRAMES, MAX_TEXT, MAX_TRACE_BYTES
 from ..text import printable
 from ..units import format_size
 from .model import ViewBudget, ViewModel
 from .plainpickle import SnapshotError, load_plain
+from .sources import read_bounded, shown
 
 __all__ = ["looks_like_pickle", "model_from_torch_snapshot", "model_from_torch_data"]
 
 _LIVE_STATES: Final = ("active_allocated", "active_pending_free", "active_awaiting_free")
+_MIN_BLOCK: Final = 512
+"""What PyTorch's caching allocator rounds a request up to a multiple of (``kMinBlockSize``;
+a ``roundup_power2_divisions`` setting rounds further, which a snapshot's actions do not
+show)."""
+
+
+def _rounded(size: int) -> int:
+    """``size`` as the caching allocator rounds a request: up to a multiple of 512 bytes."""
+    return max(_MIN_BLOCK, -(-size // _MIN_BLOCK) * _MIN_BLOCK)
 _DEFAULT_POOL: Final = (0, 0)
 
 
@@ -62,30 +74,10 @@ def looks_like_pickle(path: str) -> bool:
         return False
 
 
-def _read(path: str, max_bytes: int) -> bytes:
-    name = printable(path)
-    try:
-        if path == "-":
-            data = sys.stdin.buffer.read(max_bytes + 1)
-        else:  # opened without waiting (a FIFO), then refused unless a regular file
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise SnapshotError(f"{name}: not a regular file")
-            with open(fd, "rb") as file:
-                data = file.read(max_bytes + 1)
-    except OSError as exc:
-        raise SnapshotError(f"cannot read snapshot {name}: "
-                            f"{printable(exc.strerror or str(exc))}") from None
-    if len(data) > max_bytes:
-        raise SnapshotError(f"{name}: longer than {format_size(max_bytes)} (--max-size)")
-    return data
-
-
 def model_from_torch_snapshot(path: str | os.PathLike[str], *, title: str | None = None,
                               max_bytes: int = MAX_TRACE_BYTES) -> ViewModel:
     """Read the PyTorch memory snapshot at ``path`` (``-``: standard input) into a model;
-    :class:`~gpubudget.html.plainpickle.SnapshotError` in one line if it cannot be read, is
+    :class:`~gpubudget.viewer.plainpickle.SnapshotError` in one line if it cannot be read, is
     not plain data or not a snapshot.
 
     Examples
@@ -106,7 +98,7 @@ def model_from_torch_snapshot(path: str | os.PathLike[str], *, title: str | None
     (['cuda:0'], [1024.0], ['train.py:7 in step'])
     """
     text = os.fspath(path)
-    data = load_plain(_read(text, max_bytes), printable(text))
+    data = load_plain(read_bounded(text, max_bytes, "snapshot", SnapshotError), printable(text))
     return model_from_torch_data(data, title=title or os.path.basename(text),
                                  name=printable(text))
 
@@ -121,6 +113,7 @@ class _Checked:
         self.seen: set[int] = set()
 
     def fail(self, where: str, what: str) -> SnapshotError:
+        """The error for ``where`` (a path into the snapshot) being ``what``."""
         return SnapshotError(f"{self.name}: not a PyTorch memory snapshot: {where} {what}")
 
     def once(self, value: object, where: str) -> None:
@@ -131,13 +124,13 @@ class _Checked:
 
     def as_dict(self, value: object, where: str) -> dict[Any, Any]:
         if not isinstance(value, dict):
-            raise self.fail(where, f"is {type(value).__name__}, not a dictionary")
+            raise self.fail(where, f"is {shown(value)}, not a dictionary")
         self.once(value, where)
         return value
 
     def as_list(self, value: object, where: str) -> list[Any]:
         if not isinstance(value, list):
-            raise self.fail(where, f"is {type(value).__name__}, not a list")
+            raise self.fail(where, f"is {shown(value)}, not a list")
         self.once(value, where)
         return value
 
@@ -145,7 +138,7 @@ class _Checked:
             default: int | None = None) -> int:
         value = entry.get(key, default)
         if type(value) is not int or not 0 <= value < 2**64:
-            raise self.fail(f"{where}[{key!r}]", f"is {value!r:.40}, not a whole number "
+            raise self.fail(f"{where}[{key!r}]", f"is {shown(value)}, not a whole number "
                                                  f"from 0 to 2**64")
         return value
 
@@ -155,8 +148,50 @@ class _Checked:
             return None
         if (not isinstance(value, (tuple, list)) or len(value) != 2
                 or not all(type(x) is int for x in value)):
-            raise self.fail(f"{where}[{key!r}]", f"is {value!r:.40}, not a pair of integers")
+            raise self.fail(f"{where}[{key!r}]", f"is {shown(value)}, not a pair of integers")
         return (value[0], value[1])
+
+
+class _Regions:
+    """A device's mapped regions by start address (``address -> (size, from, budget)``),
+    with their starts kept sorted: finding those a range overlaps costs a bisection, not a
+    pass over all of them (a snapshot may hold a hundred thousand)."""
+
+    def __init__(self) -> None:
+        self.by_start: dict[int, tuple[int, int, int]] = {}
+        self.starts: list[int] = []
+
+    def put(self, address: int, region: tuple[int, int, int]) -> None:
+        if address not in self.by_start:
+            bisect.insort(self.starts, address)
+        self.by_start[address] = region
+
+    def pop(self, address: int) -> tuple[int, int, int]:
+        del self.starts[bisect.bisect_left(self.starts, address)]
+        return self.by_start.pop(address)
+
+    def overlapping(self, start: int, end: int) -> list[int]:
+        """The starts of the regions that overlap ``[start, end)``, regions being apart as
+        a device's are: the one that begins last at or below ``start`` if it reaches past
+        it, and those that begin inside."""
+        first = bisect.bisect_right(self.starts, start)
+        last = bisect.bisect_left(self.starts, end, first)
+        below = self.starts[first - 1] if first else None
+        found = [below] if below is not None and below + self.by_start[below][0] > start else []
+        return found + self.starts[first:last]
+
+
+def _frame_text(frame: dict[Any, Any]) -> tuple[str, bool]:
+    """``file:line in function`` of a recorded frame (each part a string or a whole number,
+    else ``?``, cut to the trace format's text length), and whether it is a Python frame."""
+    parts = []
+    for key in ("filename", "line", "name"):
+        value = frame.get(key)
+        text = (value if isinstance(value, str) else str(value)
+                if type(value) is int and value.bit_length() <= 64 else "?")
+        parts.append(printable(text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 1] + "…"))
+    text = f"{parts[0]}:{parts[1]} in {parts[2]}"
+    return text, ".py:" in text
 
 
 class _Device:
@@ -172,7 +207,7 @@ class _Device:
         self.changes: list[tuple[int, int, int, int]] = []  # (event, budget, reserved, own)
         self.segments: list[tuple[int, int, tuple[int, int]]] = []  # (address, end, pool)
         self.live: dict[int, int] = {}  # address -> block index
-        self.regions: dict[int, tuple[int, int, int]] = {}  # address -> (size, from, budget)
+        self.regions = _Regions()
 
     def budget(self, pool: tuple[int, int] | None, address: int | None = None) -> int:
         if pool is None and address is not None and self.segments:
@@ -219,7 +254,12 @@ class _Reader:
         self.check = _Checked(name)
         self.model = ViewModel(title, "torch")
         self.stacks: dict[int, int] = {}  # id(frames list) -> stack index
-        self.data = self.check.as_dict(data, "the pickle")
+        # id(frame dict) -> (its text, whether a Python frame): a frame a pickle shares
+        # many times is formatted once
+        self.frame_texts: dict[int, tuple[str, bool]] = {}
+        self.old = isinstance(data, list)  # before PyTorch 2.0: the segments alone
+        self.data = ({"segments": data} if self.old
+                     else self.check.as_dict(data, "the pickle"))
         if "segments" not in self.data and "device_traces" not in self.data:
             raise self.check.fail("the pickle", "has neither 'segments' nor 'device_traces'")
 
@@ -230,17 +270,37 @@ class _Reader:
         if found is not None:
             return found
         if not isinstance(frames, list):
-            raise self.check.fail(where, f"is {type(frames).__name__}, not a list of frames")
-        texts = []
+            raise self.check.fail(where, f"is {shown(frames)}, not a list of frames")
+        texts, python, known = [], [], self.frame_texts
         for index, frame in enumerate(frames):
-            if not isinstance(frame, dict):
-                raise self.check.fail(f"{where}[{index}]", "is not a dictionary")
-            texts.append(f"{frame.get('filename', '?')}:{frame.get('line', '?')} in "
-                         f"{frame.get('name', '?')}")
-        python = [text for text in texts if ".py:" in text]
+            found_text = known.get(id(frame))
+            if found_text is None:
+                if not isinstance(frame, dict):
+                    raise self.check.fail(f"{where}[{index}]", f"is {shown(frame)}, not a "
+                                                               f"dictionary")
+                found_text = known[id(frame)] = _frame_text(frame)
+            texts.append(found_text[0])
+            if found_text[1]:
+                python.append(found_text[0])
         kept = (python or texts)[:MAX_FRAMES]
         found = self.stacks[id(frames)] = self.model.stack_id(kept[::-1])
         return found
+
+    def requested(self, entry: dict[Any, Any], where: str) -> int:
+        """The bytes a block's allocation asked for (``requested_size``; an old snapshot's
+        first ``history`` entry's ``real_size``), -1 where the record does not say."""
+        if "requested_size" in entry:
+            return self.check.integer(entry, "requested_size", where)
+        history = entry.get("history")
+        if isinstance(history, list) and history and isinstance(history[0], dict) \
+                and "real_size" in history[0]:
+            return self.check.integer(history[0], "real_size", f"{where}['history'][0]")
+        return -1
+
+    def stream(self, entry: dict[Any, Any], key: str, where: str) -> int:
+        """The stream an action or segment names (0 where it names none)."""
+        value = self.check.integer(entry, key, where, 0)
+        return value if value < 2**63 else -1
 
     def run(self) -> ViewModel:
         check, model = self.check, self.model
@@ -279,6 +339,9 @@ class _Reader:
         model.notes.append("a PyTorch memory snapshot: used is what the caching allocator "
                            "reserved from the device, the bands its live blocks" +
                            ("" if timed else "; it has no clock: times are action numbers"))
+        if self.old:
+            model.notes.append("an old snapshot (a list of segments, before PyTorch 2.0): "
+                               "the blocks live when it was taken, no history")
         return model
 
     def segments(self, device: int, segments: list[tuple[int, dict[Any, Any]]]) -> _Device:
@@ -310,6 +373,11 @@ class _Reader:
             return
         address = check.integer(entry, "addr", where)
         size = check.integer(entry, "size", where)
+        asked = -1
+        if action in ("alloc", "free_completed", "free"):  # a block's action: its request
+            asked = self.requested(entry, where)
+            if asked < 0:  # PyTorch 2.x records what was asked (2.11: checked), not the block
+                asked, size = size, _rounded(size)
         at = model.tick(t)
         budget = state.budget(check.pool(entry, "pool_id", where), address)
         live = state.live
@@ -317,7 +385,8 @@ class _Reader:
             tag = entry.get("user_metadata")
             block = model.block(budget, size, model.tag_id(tag) if isinstance(tag, str)
                                 and tag else -1, address, at,
-                                self.stack(entry.get("frames"), f"{where}['frames']"))
+                                self.stack(entry.get("frames"), f"{where}['frames']"),
+                                asked, self.stream(entry, "stream", where))
             previous = live.pop(address, None)
             if previous is not None:  # its free was not recorded
                 self.free(state, previous, at)
@@ -328,12 +397,13 @@ class _Reader:
             block = live.pop(address, -1)
             if block < 0:  # allocated before the record began
                 block = model.block(budget, size, -1, address, -1,
-                                    self.stack(entry.get("frames"), f"{where}['frames']"))
+                                    self.stack(entry.get("frames"), f"{where}['frames']"),
+                                    asked, self.stream(entry, "stream", where))
                 model.budgets[budget].allocations += 1
                 state.change(-1, budget, 0, size)
             self.free(state, block, at)
         elif action in ("segment_alloc", "segment_map"):
-            state.regions[address] = (size, at, budget)
+            state.regions.put(address, (size, at, budget))
             state.change(at, budget, size, 0)
         else:
             self.unmap(state, address, size, at, budget)
@@ -343,7 +413,7 @@ class _Reader:
         then every region."""
         for index, segment in segments:
             self.final_segment(state, segment, index)
-        for address, (size, first, _budget) in state.regions.items():
+        for address, (size, first, _budget) in state.regions.by_start.items():
             self.model.regions.append((state.root, address, size, first, -1))
 
     def free(self, state: _Device, block: int, at: int) -> None:
@@ -357,14 +427,14 @@ class _Reader:
         """End the regions ``[address, address + size)`` overlaps at ``at``; what they had
         outside it lives on as new regions."""
         regions, end, covered = state.regions, address + size, 0
-        for start in [a for a, (s, _, _) in regions.items() if a < end and a + s > address]:
+        for start in regions.overlapping(address, end):
             length, first, owner = regions.pop(start)
             self.model.regions.append((state.root, start, length, first, at))
             covered += min(end, start + length) - max(address, start)
             if start < address:
-                regions[start] = (address - start, at, owner)
+                regions.put(start, (address - start, at, owner))
             if start + length > end:
-                regions[end] = (start + length - end, at, owner)
+                regions.put(end, (start + length - end, at, owner))
         if covered < size:  # mapped before the record began
             self.model.regions.append((state.root, address, size, -1, at))
             state.change(-1, budget, size - covered, 0)
@@ -378,8 +448,8 @@ class _Reader:
         address = check.integer(segment, "address", where)
         size = check.integer(segment, "total_size", where)
         budget = state.budget(check.pool(segment, "segment_pool_id", where))
-        if not any(a <= address < a + s for a, (s, _, _) in regions.items()):
-            regions[address] = (size, -1, budget)
+        if not regions.overlapping(address, address + 1):
+            regions.put(address, (size, -1, budget))
             state.change(-1, budget, size, 0)
         offset = address
         for number, block in enumerate(check.as_list(segment.get("blocks", []),
@@ -389,6 +459,9 @@ class _Reader:
             nbytes = check.integer(block, "size", inside)
             at_address = check.integer(block, "address", inside, offset)
             offset = at_address + nbytes
+            requested = self.requested(block, inside)
+            if block.get("state") in _LIVE_STATES and at_address in live and requested >= 0:
+                model.block_requested[live[at_address]] = requested  # the segment's word
             if block.get("state") not in _LIVE_STATES or at_address in live:
                 continue
             frames = block.get("frames")
@@ -398,7 +471,8 @@ class _Reader:
                 frames = first.get("frames") if isinstance(first, dict) else None
             tag = block.get("user_metadata")
             model.block(budget, nbytes, model.tag_id(tag) if isinstance(tag, str) and tag
-                        else -1, at_address, -1, self.stack(frames, f"{inside}['frames']"))
+                        else -1, at_address, -1, self.stack(frames, f"{inside}['frames']"),
+                        requested, self.stream(segment, "stream", where))
             model.budgets[budget].allocations += 1
             state.change(-1, budget, 0, nbytes)
 
@@ -406,7 +480,7 @@ class _Reader:
 def model_from_torch_data(snapshot: object, *, title: str = "PyTorch memory snapshot",
                           name: str = "snapshot") -> ViewModel:
     """The model of a snapshot already in memory (what ``torch.cuda.memory._snapshot()``
-    returns); :class:`~gpubudget.html.plainpickle.SnapshotError` (naming ``name``) if it
+    returns); :class:`~gpubudget.viewer.plainpickle.SnapshotError` (naming ``name``) if it
     is not one."""
     return _Reader(snapshot, title, name).run()
 

@@ -82,8 +82,15 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     }
     ds.times = times;
     const points = await columns(raw.points, ["at", "b", "used"]);
-    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"]);
+    const blocks = await columns(raw.blocks, ["b", "size", "tag", "addr", "from", "to", "stack"].concat(
+      raw.blocks.lost ? ["lost"] : [], raw.blocks.stream ? ["stream"] : []));
+    blocks.req = new Float64Array(blocks.n).fill(-1);  // the bytes asked for, -1: not known
+    if (blocks.lost) for (let k = 0; k < blocks.n; k++) { if (blocks.lost[k] >= 0) blocks.req[k] = blocks.size[k] - blocks.lost[k]; }
+    if (!blocks.stream) blocks.stream = new Uint8Array(blocks.n);  // one stream: no column
     ds.blocks = blocks;
+    ds.streams = raw.streams && raw.streams.length ? raw.streams : ["stream 0"];
+    ds.requested = k => blocks.req[k] >= 0 ? blocks.req[k] : blocks.size[k];  // what was asked for
+    ds.rounding = k => blocks.req[k] >= 0 ? blocks.size[k] - blocks.req[k] : 0;  // lost to rounding
     ds.end = raw.end > 0 ? raw.end : 1e-6;
     const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
       limit: b[2], reserve: b[3], entered: b[4], exited: b[5], peak: b[6], allocations: b[7],
@@ -127,7 +134,28 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     ds.leaks.sort((a, b) => blocks.size[b] - blocks.size[a]);
     ds.isLeak = new Uint8Array(blocks.n);
     ds.leaked = new Float64Array(budgets.length);  // bytes each budget's scope leaked
-    for (const k of ds.leaks) { ds.isLeak[k] = 1; ds.leaked[blocks.b[k]] += blocks.size[k]; }
+    ds.leakedBelow = new Float64Array(budgets.length);  // ... and its descendants'
+    for (const k of ds.leaks) {
+      ds.isLeak[k] = 1; ds.leaked[blocks.b[k]] += blocks.size[k];
+      for (let a = blocks.b[k]; a >= 0; a = ds.parentOf[a]) ds.leakedBelow[a] += blocks.size[k];
+    }
+    // Where each budget's memory lived: from its entry to its release (its scope exited and
+    // its subtree's last block freed), the record's end while any is live then.
+    // (each budget's own blocks first, then children into parents: no walk up per block)
+    ds.lived = budgets.map(b => [b.entered, b.exited === null ? ds.end : b.exited]);
+    for (let k = 0; k < blocks.n; k++) {
+      const t1 = blocks.to[k] >= 0 ? times[blocks.to[k]] : ds.end, t0 = blocks.from[k] >= 0 ? times[blocks.from[k]] : 0;
+      const span = ds.lived[blocks.b[k]];
+      if (t1 > span[1]) span[1] = t1;
+      if (t0 < span[0]) span[0] = t0;
+    }
+    for (let i = order.length - 1; i >= 0; i--) {
+      const b = order[i], parent = budgets[b].parent;
+      if (parent === null) continue;
+      const span = ds.lived[b], up = ds.lived[parent];
+      if (span[1] > up[1]) up[1] = span[1];
+      if (span[0] < up[0]) up[0] = span[0];
+    }
     ds.events = laneEvents(ds);
     ds.liveAt = (lane, t) => liveAtIndex(ds, ds.events(lane), eventsBefore(ds, lane, t));
     ds.eventsBefore = (lane, t) => eventsBefore(ds, lane, t);
@@ -265,17 +293,23 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
 
   // Colour keys: what a block is coloured by (its tag, its innermost frame, its budget),
   // and each key's rank: the eleven keys with the most bytes allocated first.
-  GB.colourKeys = function (ds, mode) {
+  GB.colourKeys = function (ds, mode, focus) {
     const blocks = ds.blocks, n = blocks.n;
+    if (mode === "focus") {  // one tag's blocks in the first colour, every other block grey
+      const rank = new Uint8Array(n);
+      for (let k = 0; k < n; k++) rank[k] = blocks.tag[k] === focus ? 0 : NONE;
+      return { mode, focus, rank, legend: [{ rank: 0, label: ds.tags[focus], bytes: 0 }, { rank: NONE, label: "the other blocks", bytes: 0 }] };
+    }
     let key;
     if (mode === "tag") key = blocks.tag;
     else if (mode === "budget") key = blocks.b;
+    else if (mode === "stream") key = blocks.stream;
     else {
       const innermost = Int32Array.from(ds.stacks, s => s.length ? s[s.length - 1] : -1);
       key = new Int32Array(n);
       for (let k = 0; k < n; k++) key[k] = blocks.stack[k] >= 0 ? innermost[blocks.stack[k]] : -1;
     }
-    const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : ds.frames.length;
+    const keys = mode === "tag" ? ds.tags.length : mode === "budget" ? ds.budgets.length : mode === "stream" ? ds.streams.length : ds.frames.length;
     const bytes = new Float64Array(keys);
     for (let k = 0; k < n; k++) if (key[k] >= 0) bytes[key[k]] += blocks.size[k];
     const used = [];
@@ -285,7 +319,7 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     top.forEach(([k], i) => { rankOf[k] = i; });
     const rank = new Uint8Array(n);
     for (let k = 0; k < n; k++) rank[k] = key[k] < 0 ? NONE : rankOf[key[k]];
-    const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : ds.frames[k];
+    const label = k => mode === "tag" ? ds.tags[k] : mode === "budget" ? ds.budgets[k].name : mode === "stream" ? ds.streams[k] : ds.frames[k];
     const legend = top.map(([k, total], i) => ({ rank: i, label: label(k), bytes: total }));
     if (used.length > OTHER) legend.push({ rank: OTHER, label: "other " + mode + "s", bytes: 0 });
     if (rank.some(r => r === NONE)) legend.push({ rank: NONE, label: mode === "tag" ? "no tag" : mode === "frame" ? "no stack" : "none", bytes: 0 });

@@ -1,13 +1,13 @@
 // gpubudget's memory viewer, part 3 of 6: the address view. Where a root's blocks sit in its
 // memory over time: time across (the lanes' axis), addresses up from the root's base. The
 // root's memory (its reservation; a PyTorch device's segments, packed with a gap between
-// ranges that do not touch) is grey while held, each block a rectangle in its colour, leaked
-// blocks hatched red after their scope exited. A growable root's range is pale where only its
+// ranges that do not touch) is grey while held, each block a rectangle in its colour; a leak
+// (live when the record ends, its scope exited) marked red at the end. A growable root's range is pale where only its
 // addresses are held, and blue-grey where its granules are mapped. At the chosen moment: the
 // free bytes, in how many pieces, and the largest free block, outlined; what is mapped.
 (function () {
   const { formatSize, shortSize, lowerBound, RGBA } = GB;
-  const GAP_SHARE = 0.03, GRID_T = 2048, GRID_A = 384, HELD = 0xffece7e4 >>> 0, LEAK = (0xff << 24 | 0x20 << 16 | 0x2d << 8 | 0xd9) >>> 0;
+  const GAP_SHARE = 0.03, GRID_T = 2048, GRID_A = 384, HELD = 0xffece7e4 >>> 0;
   const ADDRESSED = 0xfff7f5f4 >>> 0, MAPPED = 0xffe6d2bf >>> 0;  // #f4f5f7, #bfd2e6 as ABGR words
   const growable = (ds, root) => ds.mappings.some(m => m[0] === root);
 
@@ -67,13 +67,12 @@
     const ds = app.ds, px = new Uint32Array(cols * rows), pos = layout.pos;
     const last = Math.min(ds.end, v1), perSecond = cols / (v1 - v0);
     const rowOf = a => rows - pos(a) * rows;
-    function paint(t0, t1, a0, a1, colour, hatch) {
+    function paint(t0, t1, a0, a1, colour) {
       const c0 = Math.max(0, Math.floor((t0 - v0) * perSecond)), c1 = Math.min(cols, Math.max(Math.ceil((t1 - v0) * perSecond), c0 + 1));
       const r0 = Math.max(0, Math.floor(rowOf(a1))), r1 = Math.min(rows, Math.max(Math.ceil(rowOf(a0)), r0 + 1));
       for (let r = r0; r < r1; r++) {
         const at = r * cols;
         if (c1 - c0 < 8) for (let c = c0; c < c1; c++) px[at + c] = colour; else px.fill(colour, at + c0, at + c1);
-        if (hatch) for (let c = c0 + (8 - (c0 + r) % 8) % 8; c < c1; c += 8) px.fill(LEAK, at + c, at + Math.min(c + 3, c1));
       }
     }
     const grows = growable(ds, root);
@@ -86,7 +85,7 @@
       }
     }
     const blocks = ds.blocks, rank = app.keys.rank, events = ds.events(root), times = ds.times;
-    const addrs = blocks.addr, sizes = blocks.size, from = blocks.from, to = blocks.to, isLeak = ds.isLeak;
+    const addrs = blocks.addr, sizes = blocks.size, from = blocks.from, to = blocks.to;
     const first = ds.eventsBefore(root, v0), stop = ds.eventsBefore(root, v1);
     const span = layout.spans.length === 1 ? layout.spans[0] : null, perByte = rows / layout.total;
     const block = k => {
@@ -94,11 +93,7 @@
       if (a < 0) return;
       const t0 = from[k] >= 0 && times[from[k]] > v0 ? times[from[k]] : v0, t1 = to[k] >= 0 && times[to[k]] < last ? times[to[k]] : last;
       const colour = RGBA[rank[k]];
-      if (isLeak[k]) {
-        const exit = ds.budgets[blocks.b[k]].exited;
-        if (exit > t0) paint(t0, Math.min(exit, t1), a, a + sizes[k], colour);
-        paint(Math.max(t0, exit), t1, a, a + sizes[k], colour, true);
-      } else if (span !== null) {  // the common case, inline: one range, no hatch
+      if (span !== null) {  // the common case, inline: one range
         const c0 = Math.max(0, Math.floor((t0 - v0) * perSecond)), c1 = Math.min(cols, Math.max(Math.ceil((t1 - v0) * perSecond), c0 + 1));
         const top = rows - (Math.min(a + sizes[k], span.end) - span.start) * perByte, bottom = rows - (Math.min(a, span.end) - span.start) * perByte;
         const r0 = Math.max(0, Math.floor(top)), r1 = Math.min(rows, Math.max(Math.ceil(bottom), r0 + 1));
@@ -165,6 +160,15 @@
     if (layout.spans.length === 1) for (let v = step; v < layout.bytes; v += step) ctx.fillText("+" + shortSize(v), GUTTER - 6, y(layout.spans[0].start + v) + 4);
     ctx.textAlign = "left";
     const blocks = ds.blocks;
+    if (ds.end >= s.v0 && ds.end <= s.v1) {  // the leaks, where the record ends
+      const x = app.xOf(ds.end);
+      ctx.fillStyle = "#d92d20";
+      for (const k of ds.leaks) {
+        if (blocks.addr[k] < 0 || !ds.within(blocks.b[k], root)) continue;
+        const y0 = y(blocks.addr[k] + blocks.size[k]), y1 = y(blocks.addr[k]);
+        ctx.fillRect(x - 3, y0, 3, Math.max(y1 - y0, 1));
+      }
+    }
     if (s.block !== null && blocks.addr[s.block] >= 0 && ds.within(blocks.b[s.block], root)) {
       const k = s.block, x0 = app.xOf(Math.max(ds.t0(k), s.v0)), x1 = app.xOf(Math.min(ds.t1(k), ds.end, s.v1));
       ctx.strokeStyle = "#f79009"; ctx.lineWidth = 2;

@@ -1,6 +1,7 @@
 // gpubudget's memory viewer, part 6 of 6: the page. Loads the records, keeps the state (the
-// time in view, the chosen moment, budget and block, the colouring), answers the mouse and
-// the keyboard, and opens on the first root's peak so every view shows something at once.
+// time in view, the chosen moment, budget, block and event, the colouring), answers the
+// mouse, the keyboard and the search, draws the minimap, and opens on the first root's peak
+// so every view shows something at once.
 // window.gpubudgetViewer is what tests and scripts read.
 (function () {
   const { el, formatSize } = GB;
@@ -20,7 +21,8 @@
   function blockText(ds, k, extra) {
     const blocks = ds.blocks, st = ds.stackText(k);
     return [formatSize(blocks.size[k]) + " · " + (ds.tagText(k) ? "tag " + ds.tagText(k) : "no tag") + " · " + ds.budgets[blocks.b[k]].name +
-      (ds.isLeak[k] ? " · leaked" : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
+      (ds.isLeak[k] ? " · leaked at the end" : "") + (ds.blocks.req[k] >= 0 ? " · requested " + GB.exactSize(ds.blocks.req[k]) : "") +
+      (ds.streams.length > 1 ? " · " + ds.streams[ds.blocks.stream[k]] : ""), (Number.isFinite(ds.t0(k)) ? "allocated " + ds.formatTime(ds.t0(k), ds.end) : "allocated before the record") +
       (Number.isFinite(ds.t1(k)) ? ", freed " + ds.formatTime(ds.t1(k), ds.end) : ", live at the end"), ...(extra || []),
       ...(st.length ? st.slice(-8).reverse() : ["(no stack)"])].join("\n");
   }
@@ -32,7 +34,7 @@
     const [ds, other] = await Promise.all([GB.loadDataset(raw.main), raw.other ? GB.loadDataset(raw.other) : null]);
     timings.loaded = performance.now();
     const roots = ds.order.filter(i => ds.budgets[i].parent === null);
-    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false };
+    const state = { v0: 0, v1: ds.end, moment: null, lane: null, block: null, query: "", colour: "tag", flameByTag: false, focus: null, bySegment: false, eventAt: null, eventLane: null };
     const app = { ds, other, state, summaries: new Map(), canvas: document.getElementById("lanes"),
       addressCanvas: document.getElementById("addresses"), flameCanvas: document.getElementById("flame"),
       drawnLanes: ds.order.slice(0, MAX_LANES), laneRow: new Map(), laneHeight: 64, flame: {}, layouts: new Map(), grids: new Map() };
@@ -60,7 +62,7 @@
       ds.notes.map(note => "; " + note).join("");
 
     function recolour() {
-      app.keys = GB.colourKeys(ds, state.colour);
+      app.keys = state.focus !== null ? GB.colourKeys(ds, "focus", state.focus) : GB.colourKeys(ds, state.colour);
       app.summaries.clear(); app.grids.clear();
       document.getElementById("legend").replaceChildren(...app.keys.legend.map(entry => {
         const item = el("span", { title: entry.label + (entry.bytes ? ": " + formatSize(entry.bytes) + " allocated in all" : "") });
@@ -68,9 +70,58 @@
         item.appendChild(swatch); item.appendChild(document.createTextNode(entry.label));
         return item;
       }));
+      if (ds.source !== "torch") {  // what red means, by the rule BudgetReport.leaks uses
+        const rule = el("span", { id: "leak-rule", class: "rule", title: "BudgetReport.leaks: blocks still live after their budget's scope exited, when the report is taken" });
+        const swatch = el("i"); swatch.style.background = "#d92d20";
+        rule.appendChild(swatch);
+        rule.appendChild(document.createTextNode("leak: still live when the record ends, its budget's with block exited (as report().leaks); serving after the block is not one"));
+        document.getElementById("legend").appendChild(rule);
+      }
     }
 
+    // The minimap: the whole run, the first root's used bytes (or the chosen budget's), the
+    // view as a window over it; a click or a drag there moves the view, keeping its span.
+    const minimap = document.getElementById("minimap");
+    function drawMinimap() {
+      const ctx = minimap.getContext("2d"), ratio = window.devicePixelRatio || 1, width = app.sizes.lanes, height = 36;
+      minimap.width = Math.round(width * ratio); minimap.height = Math.round(height * ratio);
+      ctx.setTransform(ratio, 0, 0, ratio, 0, 0); ctx.clearRect(0, 0, width, height);
+      const b = state.lane !== null ? state.lane : roots[0], w = app.plotWidth(), x = t => GB.GUTTER + t / ds.end * w;
+      ctx.fillStyle = "#667085"; ctx.font = "11px system-ui"; ctx.fillText("whole run", 4, 14);
+      if (b === undefined) return null;
+      ctx.fillText(ds.budgets[b].name, 4, 28);
+      const top = Math.max(ds.budgets[b].peak, 1), cols = Math.max(Math.ceil(w), 1), key = b + "/" + cols;
+      if (!app.minimapCache || app.minimapCache.key !== key) {  // the run's picture: once per budget and width
+        const lane = ds.lanes[b], hi = new Float64Array(cols);
+        let used = 0, p = 0;
+        for (let c = 0; c < cols; c++) {
+          const until = (c + 1) / cols * ds.end;
+          let h = used;
+          while (p < lane.n && (lane.t[p] < until || c === cols - 1)) { used = lane.used[p++]; if (used > h) h = used; }
+          hi[c] = h;
+        }
+        app.minimapCache = { key, hi };
+      }
+      const hi = app.minimapCache.hi;
+      ctx.fillStyle = "#eaecf0"; ctx.fillRect(GB.GUTTER, 2, w, height - 4);
+      ctx.fillStyle = "#98a2b3";
+      for (let c = 0; c < cols; c++) { const h = hi[c] / top * (height - 6); ctx.fillRect(GB.GUTTER + c, height - 3 - h, 1, h); }
+      const x0 = Math.max(x(state.v0), GB.GUTTER), x1 = Math.min(x(state.v1), GB.GUTTER + w);
+      ctx.fillStyle = "rgba(247, 144, 9, 0.18)"; ctx.fillRect(x0, 1, Math.max(x1 - x0, 2), height - 2);
+      ctx.strokeStyle = "#f79009"; ctx.lineWidth = 2; ctx.strokeRect(x0, 1, Math.max(x1 - x0, 2), height - 2); ctx.lineWidth = 1;
+      return { lane: b, x0, x1 };
+    }
+    function minimapTo(offsetX) {
+      const span = state.v1 - state.v0, t = (offsetX - GB.GUTTER) / app.plotWidth() * ds.end;
+      state.v0 = Math.min(Math.max(t - span / 2, -ds.end * 0.01), ds.end * 1.01 - span); state.v1 = state.v0 + span; draw();
+    }
+    let sliding = false;
+    minimap.addEventListener("mousedown", e => { if (e.offsetX >= GB.GUTTER) { sliding = true; minimapTo(e.offsetX); } });
+    minimap.addEventListener("mousemove", e => { if (sliding && e.buttons) minimapTo(e.offsetX); });
+    window.addEventListener("mouseup", () => { sliding = false; });
+
     function draw() {
+      viewer.minimap = drawMinimap();
       viewer.drawn = GB.drawLanes(app);
       viewer.addresses = GB.drawAddresses(app);
       document.getElementById("range").textContent = "showing " + ds.formatTime(state.v0, state.v1 - state.v0) +
@@ -81,14 +132,28 @@
 
     function flame() {
       const blocks = state.moment === null ? [] : GB.liveBlocks(ds, state.lane, state.moment);
-      app.flame.tree = GB.flameTree(ds, blocks, state.flameByTag);
+      app.flame.tree = state.bySegment && state.moment !== null ? GB.segmentTree(ds, blocks, state.moment, state.lane) : GB.flameTree(ds, blocks, state.flameByTag);
       app.flame.focus = GB.flameStart(app.flame.tree);
-      document.getElementById("flame-title").textContent = state.moment === null ? "Live bytes by stack" :
-        "Live bytes by stack" + (state.lane !== null ? " in " + ds.budgets[state.lane].name : "") + " at " + ds.formatTime(state.moment, ds.end) +
+      const what = state.bySegment ? "Segments held" : "Live bytes by stack";
+      document.getElementById("flame-title").textContent = state.moment === null ? what :
+        what + (state.lane !== null ? " in " + ds.budgets[state.lane].name : "") + " at " + ds.formatTime(state.moment, ds.end) +
         ": " + formatSize(app.flame.tree.bytes);
       viewer.flame = GB.drawFlame(app);
     }
-    function listBlocks() { viewer.listed = GB.listBlocks(app); }
+    function listBlocks() { viewer.listed = GB.listBlocks(app); if (!document.getElementById("tab-events").hidden) viewer.events = GB.fillEvents(app); }
+    // The event list's chosen event: its moment (after it), its budget kept, its block's life.
+    app.stepTo = i => {
+      const rows = GB.eventList(app, state.lane);
+      if (!rows.n) return;
+      i = Math.min(Math.max(i, 0), rows.n - 1);
+      const t = rows.t[i], kind = rows.kind[i] <= 1 ? "block" : "other", x = rows.x[i], lane = state.lane;
+      select(t, lane, true);
+      state.eventAt = i; state.eventLane = lane;
+      if (kind === "block") showLife(x); else listBlocks();
+      viewer.events = GB.fillEvents(app);
+      const row = document.querySelector("#events tr.now");
+      if (row) row.scrollIntoView({ block: "nearest", inline: "start" });
+    };
     app.refreshCompare = () => { if (!document.getElementById("tab-compare").hidden) viewer.compared = GB.compare(app); else app.compareDirty = true; };
 
     function showLane(i) {
@@ -114,6 +179,7 @@
         state.v0 = Math.max(t - span / 2, 0); state.v1 = state.v0 + span;
       }
       if (reveal && lane !== null) showLane(lane);
+      state.eventAt = null;  // the event list follows the moment
       markTree(); draw(); flame(); listBlocks(); app.refreshCompare();  // the canvases before the table
     }
     function showLife(k) { state.block = k; draw(); listBlocks(); GB.showLife(app, k); viewer.life = k; }
@@ -127,6 +193,10 @@
       state.v0 = v0; state.v1 = v0 + span; draw();
     }
     function whole() { state.v0 = 0; state.v1 = ds.end; draw(); }
+    function zoomTo(i) {  // where budget i's memory lived: entry to release, blocks after its scope too
+      const [from, until] = ds.lived[i], margin = Math.max((until - from) * 0.05, 1e-6);
+      state.v0 = Math.max(from - margin, 0); state.v1 = Math.min(until + margin, ds.end * 1.01); draw();
+    }
 
     function buildTree() {
       const top = el("ul"), nodes = new Map();
@@ -137,10 +207,7 @@
         if (b.denied) row.appendChild(el("span", { class: "num denied" }, " · " + b.denied + " denied"));
         if (ds.leaked[i]) row.appendChild(el("span", { class: "num denied" }, " · leaked " + formatSize(ds.leaked[i])));
         row.addEventListener("click", () => select(state.moment, i, true));
-        row.addEventListener("dblclick", () => {  // zoom to its life
-          const until = b.exited === null ? ds.end : b.exited, margin = Math.max((until - b.entered) * 0.05, 1e-6);
-          state.v0 = Math.max(b.entered - margin, 0); state.v1 = Math.min(until + margin, ds.end * 1.01); draw();
-        });
+        row.addEventListener("dblclick", () => zoomTo(i));
         li.appendChild(row); li.appendChild(el("ul"));
         (b.parent === null ? top : nodes.get(b.parent).lastChild).appendChild(li);
         nodes.set(i, li);
@@ -178,13 +245,14 @@
       const found = GB.laneHit(app, x, y);
       if (!found) return null;
       const head = ds.budgets[found.lane].name + " at " + ds.formatTime(found.t, ds.end) + ": " + formatSize(found.total) + " live in " + found.live.length + " blocks";
+      viewer.hovered = { t: found.t, bytes: found.total, count: found.live.length, lane: found.lane, x };
       if (found.block === null) return head;
       let tagged = 0, count = 0;
       for (const k of found.live) if (ds.blocks.tag[k] === ds.blocks.tag[found.block]) { tagged += ds.blocks.size[k]; count++; }
       return blockText(ds, found.block, [head, (ds.tagText(found.block) ? "tag " + ds.tagText(found.block) : "untagged") + ": " + formatSize(tagged) + " in " + count + " blocks"]);
     }, (x, y) => {
       const found = GB.laneHit(app, x, y), row = Math.floor((y - GB.AXIS) / app.laneHeight);
-      select(app.tOf(x), found ? found.lane : (row >= 0 && row < app.drawnLanes.length ? app.drawnLanes[row] : null));
+      select(found ? found.t : app.tOf(x), found ? found.lane : (row >= 0 && row < app.drawnLanes.length ? app.drawnLanes[row] : null));
     });
     pointer(app.addressCanvas, (x, y) => {
       const found = GB.addressHit(app, x, y);
@@ -208,19 +276,58 @@
       viewer.flameFocus = GB.flamePath(app.flame.focus);
     });
     document.getElementById("flame-by-tag").addEventListener("change", e => { state.flameByTag = e.target.checked; flame(); });
+    document.getElementById("flame-by-segment").addEventListener("change", e => { state.bySegment = e.target.checked; flame(); });
     document.getElementById("zoom-in").addEventListener("click", () => zoom(0.5));
     document.getElementById("zoom-out").addEventListener("click", () => zoom(2));
     document.getElementById("zoom-reset").addEventListener("click", whole);
-    document.getElementById("search").addEventListener("input", e => { state.query = e.target.value; listBlocks(); });
-    document.getElementById("colour-by").addEventListener("change", e => { state.colour = e.target.value; recolour(); draw(); });
+    // The search: budgets, tags and addresses, answered in a list under the box; a choice
+    // shows it where the eye is (the lane, the tag's blocks coloured, the block's life).
+    const search = document.getElementById("search"), results = document.getElementById("search-results");
+    function lookFor(text) {
+      state.query = text; viewer.matches = GB.searchMatches(ds, text, state.moment);
+      results.replaceChildren(...viewer.matches.map((m, i) => {
+        const row = el("div", { "data-kind": m.kind, class: i === 0 ? "first" : "" });
+        row.appendChild(el("span", { class: "kind" }, m.kind)); row.appendChild(document.createTextNode(m.label));
+        row.addEventListener("mousedown", e => { e.preventDefault(); take(m); });
+        return row;
+      }));
+      results.hidden = !viewer.matches.length;
+      if (!text && state.focus !== null) { state.focus = null; recolour(); draw(); }
+      listBlocks();
+    }
+    function take(m) {
+      results.hidden = true; viewer.taken = m;
+      if (m.kind === "budget") select(state.moment, m.index, true);
+      else if (m.kind === "tag") { state.focus = m.index; recolour(); draw(); }
+      else {
+        const k = m.index, t0 = Math.max(ds.t0(k), 0), t1 = Math.min(ds.t1(k), ds.end);
+        const t = state.moment !== null && state.moment >= t0 && state.moment < t1 ? state.moment : t0;
+        select(t, ds.blocks.b[k], true); showLife(k);
+      }
+      document.getElementById("timeline").scrollIntoView({ block: "nearest" });
+    }
+    search.addEventListener("input", e => lookFor(e.target.value));
+    search.addEventListener("keydown", e => {
+      if (e.key === "Enter" && viewer.matches && viewer.matches.length) take(viewer.matches[0]);
+      else if (e.key === "Escape") { search.value = ""; lookFor(""); results.hidden = true; }
+    });
+    search.addEventListener("blur", () => { results.hidden = true; });
+    search.addEventListener("focus", () => { results.hidden = !(viewer.matches && viewer.matches.length); });
+    document.getElementById("colour-by").addEventListener("change", e => { state.colour = e.target.value; state.focus = null; recolour(); draw(); });
     document.querySelectorAll(".tabs button").forEach(button => button.addEventListener("click", () => {
       document.querySelectorAll(".tabs button").forEach(b => b.classList.toggle("active", b === button));
       document.querySelectorAll(".tab").forEach(tab => { tab.hidden = tab.id !== "tab-" + button.dataset.tab; });
       if (button.dataset.tab === "compare" && app.compareDirty) { app.compareDirty = false; viewer.compared = GB.compare(app); }
+      if (button.dataset.tab === "events") viewer.events = GB.fillEvents(app);
     }));
     window.addEventListener("keydown", e => {
       if (e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
       if (e.key === "+" || e.key === "=") zoom(0.5); else if (e.key === "-") zoom(2);
+      else if (!document.getElementById("tab-events").hidden && ["ArrowDown", "ArrowUp", "j", "k"].includes(e.key)) {
+        e.preventDefault();
+        const now = viewer.events ? viewer.events.at : 0;
+        app.stepTo(now + (e.key === "ArrowDown" || e.key === "j" ? 1 : -1));
+      }
     });
     window.addEventListener("resize", () => { app.measure(); draw(); flame(); });
 

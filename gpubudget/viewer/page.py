@@ -1,5 +1,5 @@
 """The viewer's page: one self-contained HTML file (its script, style and data inline; no
-network at view time), written for a :class:`~gpubudget.html.model.ViewModel`.
+network at view time), written for a :class:`~gpubudget.viewer.model.ViewModel`.
 
 The data travels as one JSON object; its numeric columns as little-endian typed arrays,
 each in the narrowest width that holds its values, compressed with zlib and written in
@@ -9,7 +9,7 @@ once, in the model's event order (as nanoseconds from one to the next where they
 nanoseconds); points as the steps from one's event to the next's, their budget and
 ``used`` (a budget's own bytes do not travel: its blocks say them); blocks name their events
 by index. A summary of the
-budgets is written as plain HTML (:mod:`~gpubudget.html.overview`), so the page shows it
+budgets is written as plain HTML (:mod:`~gpubudget.viewer.overview`), so the page shows it
 before, or without, its script.
 """
 
@@ -67,7 +67,10 @@ def _times(values: array[float]) -> dict[str, Any]:
     """The events' times: where every one is a whole number of nanoseconds (a trace's, a
     snapshot's, as written: nine decimals at most), the nanoseconds from one to the next as
     integers (a quarter of the bytes, and they compress), which the page adds up; else
-    little-endian float64."""
+    little-endian float64 (so too where the times reach beyond 2**63 nanoseconds, 292 years:
+    a snapshot's odd clock)."""
+    if len(values) and not 0 <= max(values) < 2**63 / 1e9:
+        return _packed(values, "d", "f64")
     nanoseconds = array("q", map(round, map(mul, values, repeat(1e9))))
     if all(map(eq, map(truediv, nanoseconds, repeat(1e9)), values)):
         steps = array("q", map(sub, nanoseconds, chain((0,), nanoseconds)))
@@ -82,7 +85,30 @@ def _steps(values: array[int]) -> dict[str, str]:
     return _integers(array("l", map(sub, values, chain((0,), values))))
 
 
+def _rounding(sizes: array[float], requested: array[float]) -> array[float]:
+    """What rounding added to each block (its size less its request; -1 where the request is
+    not known): small numbers, where requests are as random as sizes, so they travel in a
+    byte or two and compress."""
+    if not len(requested) or min(requested) >= 0:  # every request known: in C
+        return array("d", map(sub, sizes, requested))
+    return array("d", (size - asked if asked >= 0 else -1
+                       for size, asked in zip(sizes, requested)))
+
+
+def _stream_names(streams: array[int]) -> list[str]:
+    """The distinct streams of the blocks, in order of value, as the page names them."""
+    return [f"stream {value:#x}" if value > 9 else f"stream {value}"
+            for value in sorted(set(streams))]
+
+
+def _stream_numbers(streams: array[int]) -> array[int]:
+    """Each block's stream as its index in :func:`_stream_names`' list."""
+    index = {value: i for i, value in enumerate(sorted(set(streams)))}
+    return array("l", (index[value] for value in streams))
+
+
 def _data(model: ViewModel) -> dict[str, Any]:
+    streams = _stream_names(model.block_stream)  # one (a trace's): no column, the page knows
     return {
         "title": model.title,
         "source": model.source,
@@ -100,7 +126,11 @@ def _data(model: ViewModel) -> dict[str, Any]:
                    "addr": _integers(model.block_address),
                    "from": _integers(model.block_from),
                    "to": _integers(model.block_to),
-                   "stack": _integers(model.block_stack)},
+                   "stack": _integers(model.block_stack),
+                   "lost": _integers(_rounding(model.block_size, model.block_requested)),
+                   **({"stream": _integers(_stream_numbers(model.block_stream))}
+                      if len(streams) > 1 else {})},
+        "streams": streams,
         "denials": [list(d) for d in model.denials],
         "regions": [list(r) for r in model.regions],
         "mappings": [list(m) for m in model.mappings],
@@ -128,7 +158,7 @@ def page_html(model: ViewModel, *, title: str | None = None,
     Examples
     --------
     >>> from gpubudget import gpu_budget
-    >>> from gpubudget.html import model_from_report
+    >>> from gpubudget.viewer import model_from_report
     >>> with gpu_budget("1MiB", name="pool", backend="host") as pool:
     ...     block = pool.allocate(1000, tag="weights")
     >>> page = page_html(model_from_report(pool.report()))

@@ -1,6 +1,6 @@
-"""Reading a trace into a :class:`~gpubudget.html.model.ViewModel`: its accounting replayed
+"""Reading a trace into a :class:`~gpubudget.viewer.model.ViewModel`: its accounting replayed
 (``used`` with reserves, as the ledger charges it), every block's life, the roots' regions
-and a growable root's mapped granules (see :mod:`gpubudget.html.model`)."""
+and a growable root's mapped granules (see :mod:`gpubudget.viewer.model`)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class TraceState:
         member.allocations += 1
         stack = model.stack_id(getattr(event, "stack", None))
         self.live[(self.roots[budget], event.ptr)] = model.block(
-            budget, event.nbytes, model.tag_id(event.tag), event.ptr, at, stack)
+            budget, event.nbytes, model.tag_id(event.tag), event.ptr, at, stack, event.size)
         self.own[budget] += event.nbytes
         self.blocks[budget] += 1
         self.charge(at, budget, event.nbytes)
@@ -128,7 +128,7 @@ class TraceState:
         if type(event) is Resize:  # the block's new life, same address and stack
             self.live[(self.roots[budget], event.ptr)] = model.block(
                 budget, event.nbytes, int(model.block_tag[block]), event.ptr, at,
-                int(model.block_stack[block]))
+                int(model.block_stack[block]), event.size)
             self.own[budget] += event.nbytes
             self.blocks[budget] += 1
             self.charge(at, budget, event.nbytes)
