@@ -121,10 +121,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Write one self-contained HTML page (no network needed to open it): a "
         "lane per budget with its live blocks as bands, its limit and denials, where blocks "
         "sit in memory, the live bytes by stack at a moment, leaks, and a comparison of two "
-        "moments or two records. Reads gpubudget traces and PyTorch memory snapshots "
+        "moments or two records. Reads gpubudget traces, a report's JSON (report --json, "
+        "BudgetReport.to_json()) and PyTorch memory snapshots "
         "(torch.cuda.memory._dump_snapshot; only plain data is read from the pickle).")
-    view_parser.add_argument("trace", help="a .jsonl trace file, a PyTorch memory snapshot "
-                             "(.pickle), or - for standard input")
+    view_parser.add_argument("trace", help="a .jsonl trace file, a report's JSON, a PyTorch "
+                             "memory snapshot (.pickle), or - for standard input")
     view_parser.add_argument("-o", "--output", required=True, metavar="FILE",
                              help="where to write the page (.html)")
     view_parser.add_argument("--compare", metavar="OTHER",

@@ -96,11 +96,21 @@ def overview_html(model: ViewModel, compare: ViewModel | None = None) -> str:
     head = ("<tr><th>budget</th><th class=\"num\">limit</th>"
             f"<th class=\"num\">{peak}</th><th>of its limit</th><th class=\"num\">allocations"
             "</th><th class=\"num\">denied</th><th class=\"num\">leaked blocks</th></tr>")
-    said = [f"{len(model.budgets):,} budgets, {len(model.block_budget):,} blocks, "
-            f"{len(model.denials):,} denials, {sum(leaks):,} leaked blocks"]
+    said = [", ".join(_counted(n, what) for n, what in (
+        (len(model.budgets), "budget"), (len(model.block_budget), "block"),
+        (len(model.denials), "denial"), (sum(leaks), "leaked block")))]
     said += model.notes
     if compare is not None:
         said.append(f"compared with {compare.title}")
     return ('<section id="overview"><p>' + _text("; ".join(said)) + "</p>"
             '<table class="overview"><thead>' + head + "</thead><tbody>" + "".join(rows) +
             "</tbody></table><p class=\"help\">Drawing the timeline…</p></section>")
+
+
+def _counted(count: int, what: str) -> str:
+    """``count`` and ``what``, plural unless there is one.
+
+    >>> _counted(1, "denial"), _counted(2, "leaked block")
+    ('1 denial', '2 leaked blocks')
+    """
+    return f"{count:,} {what}{'' if count == 1 else 's'}"

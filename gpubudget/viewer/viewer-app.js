@@ -57,7 +57,7 @@
 
     document.getElementById("note").textContent = (ds.source === "report" ? "from a report: its timeline's last events; " : "") +
       ds.budgets.length + " budgets, " +
-      ds.times.length.toLocaleString() + " events, " + ds.blocks.n.toLocaleString() + " blocks, " + ds.denials.length + " denials" +
+      ds.times.length.toLocaleString() + " events, " + ds.blocks.n.toLocaleString() + " blocks, " + ds.denials.length + (ds.denials.length === 1 ? " denial" : " denials") +
       (other ? "; compared with " + other.title : "") + (ds.order.length > MAX_LANES ? "; " + MAX_LANES + " budgets drawn at once (pick one in the tree)" : "") +
       ds.notes.map(note => "; " + note).join("");
 
