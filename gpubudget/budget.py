@@ -32,6 +32,7 @@ from ._budget import (
     watch_leaks,
 )
 from .backends import Backend, get_backend
+from . import door  # the driver door (gpubudget run): told which budget is current
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from .interrupts import STATE, protect
@@ -179,6 +180,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
         else:
             self._open_child(parent)
         self._token = context.ACTIVE.set(chain + (self,))
+        door.entered(self, node.account)  # the driver door, where loaded: this budget's account
+        door.follow()
         if STATE.pending and (due := interrupts.due()) is not None:  # all or nothing: undo
             context.ACTIVE.reset(self._token)
             node.close()
@@ -246,6 +249,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
         else:  # an inner budget is still active, or an outer one was mis-exited meanwhile
             context.ACTIVE.set(tuple(budget for budget in chain if budget is not self))
         self._token = None
+        door.follow()  # the driver door, where loaded: the budget now current here
         self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "

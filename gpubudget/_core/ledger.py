@@ -39,7 +39,7 @@ class Account:
     """
 
     __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "depth",
-                 "plain", "published")
+                 "plain", "published", "door")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -57,6 +57,9 @@ class Account:
         # child's row), which every change of ``used`` stores into: plain stores, for other
         # processes to read.
         self.published: memoryview | None = None
+        # The driver door's words for this budget (gpubudget.door): [0] bytes the door
+        # charged here, [2] the part that is a root's own memory; [1] gets ``used``.
+        self.door: memoryview | None = None
 
 
 def passed_up(account: Account, used: int) -> int:
@@ -67,20 +70,27 @@ def passed_up(account: Account, used: int) -> int:
 _passed_up: Final = passed_up  # the Python one, for the Python functions below
 
 
+def _foreign(account: Account) -> int:
+    """Bytes the driver door charged ``account`` that are not its own memory (0 without)."""
+    door = account.door
+    return 0 if door is None else max(door[0] - door[2], 0)
+
+
 def refusal(account: Account, delta: int) -> Account | None:
     """The first account of ``account``'s chain whose limit ``delta`` more bytes would
     exceed, or ``None`` when all of them can take it. Changes nothing."""
     link: Account | None = account
     if account.plain:
         while link is not None:
-            if link.used + delta > link.limit:
+            if link.used + delta > link.limit or (
+                    link.door is not None and link.used + delta + _foreign(link) > link.limit):
                 return link
             link = link.parent
         return None
     node: Account | None = account
     while node is not None and delta > 0:
         used = node.used + delta
-        if used > node.limit:
+        if used + _foreign(node) > node.limit:
             return node
         if node.reserve:  # only what rises above the floor reaches the parent
             delta = _passed_up(node, used) - _passed_up(node, node.used)
@@ -97,6 +107,8 @@ def charge(account: Account, delta: int) -> None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+            if link.door is not None:  # the driver door reads it: ledger.c does the same
+                link.door[1] = used
             published = link.published
             if published is not None:
                 published[0] = used
@@ -110,6 +122,8 @@ def charge(account: Account, delta: int) -> None:
         used = node.used = old + delta
         if used > node.peak:
             node.peak = used
+        if node.door is not None:
+            node.door[1] = used
         if node.published is not None:
             node.published[0] = used
             if used == node.peak:

@@ -1,0 +1,281 @@
+/* A fake CUDA driver for the driver door's tests: libcuda.so.1 serving the allocation entry
+ * points from host memory, with a device of FAKECUDA_TOTAL bytes (default 1 GiB), its own
+ * cuGetProcAddress, and fake_* functions the tests read the device through.
+ *
+ * Built by the tests with the system's C compiler; not part of the package. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define EXPORT __attribute__((visibility("default")))
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned int CUdeviceptr32;
+typedef unsigned long long CUhandle;
+enum { OK = 0, INVALID = 1, OOM = 2, NOT_FOUND = 500 };
+
+static _Atomic int64_t used, allocations, frees;
+static int64_t total_bytes;
+
+static int64_t total(void) {
+    if (total_bytes == 0) {
+        const char *t = getenv("FAKECUDA_TOTAL");
+        total_bytes = t ? strtoll(t, NULL, 0) : (int64_t)1 << 30;
+    }
+    return total_bytes;
+}
+
+/* Live blocks: address -> size, so that a free of anything else is refused, not a crash. */
+#define CAP (1 << 18)
+static struct { uint64_t key; int64_t size; int kind; } live[CAP];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t home(uint64_t k) { return (size_t)((k * 0x9E3779B97F4A7C15ULL) >> 46) & (CAP - 1); }
+
+static int add(uint64_t key, int64_t size, int kind) {
+    pthread_mutex_lock(&lock);
+    size_t i = home(key);
+    while (live[i].key != 0) i = (i + 1) & (CAP - 1);
+    live[i].key = key;
+    live[i].size = size;
+    live[i].kind = kind;
+    pthread_mutex_unlock(&lock);
+    return 0;
+}
+
+static int64_t removed(uint64_t key, int kind) { /* its size, or -1 */
+    pthread_mutex_lock(&lock);
+    size_t i = home(key);
+    while (live[i].key != 0 && !(live[i].key == key && live[i].kind == kind))
+        i = (i + 1) & (CAP - 1);
+    if (live[i].key == 0) {
+        pthread_mutex_unlock(&lock);
+        return -1;
+    }
+    int64_t size = live[i].size;
+    size_t j = i;
+    for (;;) { /* backward shift */
+        j = (j + 1) & (CAP - 1);
+        if (live[j].key == 0) break;
+        size_t h = home(live[j].key);
+        if (((j - h) & (CAP - 1)) >= ((j - i) & (CAP - 1))) {
+            live[i] = live[j];
+            i = j;
+        }
+    }
+    live[i].key = 0;
+    pthread_mutex_unlock(&lock);
+    return size;
+}
+
+static int take_room(uint64_t n) {
+    int64_t u = atomic_load(&used);
+    do {
+        if (n == 0 || n > (uint64_t)(total() - u)) return 0;
+    } while (!atomic_compare_exchange_weak(&used, &u, u + (int64_t)n));
+    return 1;
+}
+
+static CUresult alloc(CUdeviceptr *p, uint64_t n, int low) {
+    if (p == NULL || n == 0) return INVALID;
+    if (!take_room(n)) return OOM;
+    void *m = mmap(NULL, n, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (low ? MAP_32BIT : 0), -1, 0);
+    if (m == MAP_FAILED) {
+        atomic_fetch_sub(&used, (int64_t)n);
+        return OOM;
+    }
+    add((uint64_t)(uintptr_t)m, (int64_t)n, 0);
+    atomic_fetch_add(&allocations, 1);
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+
+static CUresult release(uint64_t p) {
+    if (p == 0) return INVALID;
+    int64_t n = removed(p, 0);
+    if (n < 0) return INVALID;
+    munmap((void *)(uintptr_t)p, (size_t)n);
+    atomic_fetch_sub(&used, n);
+    atomic_fetch_add(&frees, 1);
+    return OK;
+}
+
+EXPORT CUresult cuInit(unsigned flags) { (void)flags; return OK; }
+EXPORT CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID; *v = 12080; return OK; }
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n, 0); }
+EXPORT CUresult cuMemAlloc(CUdeviceptr32 *p, unsigned n) {
+    CUdeviceptr q;
+    if (p == NULL) return INVALID;
+    CUresult r = alloc(&q, n, 1);
+    if (r == OK) *p = (CUdeviceptr32)q;
+    return r;
+}
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned f) { (void)f; return alloc(p, n, 0); }
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *s) { (void)s; return alloc(p, n, 0); }
+EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *s) { (void)s; return alloc(p, n, 0); }
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *q, void *s) {
+    (void)q; (void)s; return alloc(p, n, 0);
+}
+EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, void *q, void *s) {
+    (void)q; (void)s; return alloc(p, n, 0);
+}
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h, unsigned e) {
+    (void)e;
+    if (pitch == NULL || w == 0 || h == 0) return INVALID;
+    size_t rounded = (w + 511) / 512 * 512;
+    if (rounded < w || h > SIZE_MAX / rounded) return OOM;
+    CUresult r = alloc(p, rounded * h, 0);
+    if (r == OK) *pitch = rounded;
+    return r;
+}
+EXPORT CUresult cuMemAllocPitch(CUdeviceptr32 *p, unsigned *pitch, unsigned w, unsigned h, unsigned e) {
+    (void)e;
+    if (p == NULL || pitch == NULL || w == 0 || h == 0) return INVALID;
+    unsigned rounded = (w + 511) / 512 * 512;
+    CUdeviceptr q;
+    CUresult r = alloc(&q, (uint64_t)rounded * h, 1);
+    if (r == OK) { *p = (CUdeviceptr32)q; *pitch = rounded; }
+    return r;
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return release(p); }
+EXPORT CUresult cuMemFree(CUdeviceptr32 p) { return release(p); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, void *s) { (void)s; return release(p); }
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *s) { (void)s; return release(p); }
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *f, size_t *t) {
+    if (f == NULL || t == NULL) return INVALID;
+    *t = (size_t)total();
+    *f = (size_t)(total() - atomic_load(&used));
+    return OK;
+}
+EXPORT CUresult cuMemGetInfo(unsigned *f, unsigned *t) {
+    if (f == NULL || t == NULL) return INVALID;
+    int64_t free_ = total() - atomic_load(&used);
+    *t = total() > UINT32_MAX ? UINT32_MAX : (unsigned)total();
+    *f = free_ > UINT32_MAX ? UINT32_MAX : (unsigned)free_;
+    return OK;
+}
+
+/* Virtual memory: a handle is physical memory counted on the device until it is released
+ * and unmapped; mapping makes a reserved range readable and writable. */
+struct handle { int64_t size; _Atomic int refs; };
+EXPORT CUresult cuMemCreate(CUhandle *h, size_t n, const void *prop, unsigned long long f) {
+    (void)prop; (void)f;
+    if (h == NULL || n == 0) return INVALID;
+    if (!take_room(n)) return OOM;
+    struct handle *x = malloc(sizeof *x);
+    if (x == NULL) { atomic_fetch_sub(&used, (int64_t)n); return OOM; }
+    x->size = (int64_t)n;
+    x->refs = 1;
+    add((uint64_t)(uintptr_t)x, (int64_t)n, 1);
+    atomic_fetch_add(&allocations, 1);
+    *h = (CUhandle)(uintptr_t)x;
+    return OK;
+}
+static void handle_unref(struct handle *x) {
+    if (atomic_fetch_sub(&x->refs, 1) == 1) {
+        atomic_fetch_sub(&used, x->size);
+        atomic_fetch_add(&frees, 1);
+        free(x);
+    }
+}
+EXPORT CUresult cuMemRelease(CUhandle h) {
+    if (removed(h, 1) < 0) return INVALID;
+    handle_unref((struct handle *)(uintptr_t)h);
+    return OK;
+}
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *p, size_t n, size_t align, CUdeviceptr addr,
+                                    unsigned long long f) {
+    (void)align; (void)addr; (void)f;
+    if (p == NULL || n == 0) return INVALID;
+    void *m = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return OOM;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+EXPORT CUresult cuMemAddressFree(CUdeviceptr p, size_t n) {
+    return munmap((void *)(uintptr_t)p, n) == 0 ? OK : INVALID;
+}
+/* mappings: start address -> handle, in the live table as kind 2 (size: the handle) */
+EXPORT CUresult cuMemMap(CUdeviceptr p, size_t n, size_t off, CUhandle h, unsigned long long f) {
+    (void)off; (void)f;
+    struct handle *x = (struct handle *)(uintptr_t)h;
+    if (p == 0 || n == 0 || h == 0) return INVALID;
+    if (mprotect((void *)(uintptr_t)p, n, PROT_READ | PROT_WRITE) != 0) return INVALID;
+    atomic_fetch_add(&x->refs, 1);
+    add(p, (int64_t)h, 2);
+    return OK;
+}
+EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t n) {
+    int64_t h = removed(p, 2);
+    if (h < 0) return INVALID;
+    madvise((void *)(uintptr_t)p, n, MADV_DONTNEED);
+    mprotect((void *)(uintptr_t)p, n, PROT_NONE);
+    handle_unref((struct handle *)(uintptr_t)h);
+    return OK;
+}
+EXPORT CUresult cuMemSetAccess(CUdeviceptr p, size_t n, const void *desc, size_t count) {
+    (void)p; (void)n; (void)desc; (void)count;
+    return OK;
+}
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    (void)prop; (void)option;
+    if (g == NULL) return INVALID;
+    *g = 2 << 20;
+    return OK;
+}
+
+/* cuGetProcAddress: base names, versioned as the real driver does. */
+#define PER_THREAD 2ULL
+EXPORT CUresult cuGetProcAddress_v2(const char *s, void **fn, int v, unsigned long long fl, int *st);
+static void *lookup(const char *s, int v, unsigned long long fl) {
+    static const struct { const char *name; void *v1, *v2; int since; } versioned[] = {
+        {"cuMemAlloc", (void *)cuMemAlloc, (void *)cuMemAlloc_v2, 3020},
+        {"cuMemFree", (void *)cuMemFree, (void *)cuMemFree_v2, 3020},
+        {"cuMemAllocPitch", (void *)cuMemAllocPitch, (void *)cuMemAllocPitch_v2, 3020},
+        {"cuMemGetInfo", (void *)cuMemGetInfo, (void *)cuMemGetInfo_v2, 3020},
+        {"cuMemAllocAsync", (void *)cuMemAllocAsync, (void *)cuMemAllocAsync_ptsz, -1},
+        {"cuMemFreeAsync", (void *)cuMemFreeAsync, (void *)cuMemFreeAsync_ptsz, -1},
+        {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync,
+         (void *)cuMemAllocFromPoolAsync_ptsz, -1},
+    };
+    for (size_t i = 0; i < sizeof versioned / sizeof *versioned; i++) {
+        if (strcmp(s, versioned[i].name) != 0) continue;
+        if (versioned[i].since < 0) return (fl & PER_THREAD) ? versioned[i].v2 : versioned[i].v1;
+        return v >= versioned[i].since ? versioned[i].v2 : versioned[i].v1;
+    }
+    if (strcmp(s, "cuGetProcAddress") == 0) return (void *)cuGetProcAddress_v2;
+    static const char *const plain[] = {"cuInit", "cuDriverGetVersion", "cuMemAllocManaged",
+        "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemAddressReserve",
+        "cuMemAddressFree", "cuMemSetAccess", "cuMemGetAllocationGranularity", NULL};
+    for (int i = 0; plain[i]; i++)
+        if (strcmp(s, plain[i]) == 0) {
+            Dl_info info;
+            dladdr((void *)lookup, &info);
+            void *self = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+            void *f = self ? dlsym(self, s) : NULL; /* this library's own, as the driver would */
+            if (self) dlclose(self);
+            return f;
+        }
+    return NULL;
+}
+EXPORT CUresult cuGetProcAddress_v2(const char *s, void **fn, int v, unsigned long long fl, int *st) {
+    if (s == NULL || fn == NULL) return INVALID;
+    *fn = lookup(s, v, fl);
+    if (st) *st = *fn ? 0 : 1;
+    return *fn ? OK : NOT_FOUND;
+}
+EXPORT CUresult cuGetProcAddress(const char *s, void **fn, int v, unsigned long long fl) {
+    return cuGetProcAddress_v2(s, fn, v, fl, NULL);
+}
+
+/* For the tests: what the device holds, and how many allocations and frees it served. */
+EXPORT int64_t fake_used(void) { return atomic_load(&used); }
+EXPORT int64_t fake_allocations(void) { return atomic_load(&allocations); }
+EXPORT int64_t fake_frees(void) { return atomic_load(&frees); }
