@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/mman.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -81,16 +82,22 @@ static int take_room(uint64_t n) {
     return 1;
 }
 
+/* Small blocks from malloc (cheap, for the benchmark), the rest and 32-bit ones mmapped. */
+#define SMALL (1 << 16)
+static int small(uint64_t n, int low) { return !low && n <= SMALL; }
+
 static CUresult alloc(CUdeviceptr *p, uint64_t n, int low) {
     if (p == NULL || n == 0) return INVALID;
     if (!take_room(n)) return OOM;
-    void *m = mmap(NULL, n, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (low ? MAP_32BIT : 0), -1, 0);
-    if (m == MAP_FAILED) {
+    void *m = small(n, low) ? aligned_alloc(256, (n + 255) / 256 * 256)
+                            : mmap(NULL, n, PROT_READ | PROT_WRITE,
+                                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
+                                       (low ? MAP_32BIT : 0), -1, 0);
+    if (m == MAP_FAILED || m == NULL) {
         atomic_fetch_sub(&used, (int64_t)n);
         return OOM;
     }
-    add((uint64_t)(uintptr_t)m, (int64_t)n, 0);
+    add((uint64_t)(uintptr_t)m, (int64_t)n, small(n, low) ? 3 : 0);
     atomic_fetch_add(&allocations, 1);
     *p = (CUdeviceptr)(uintptr_t)m;
     return OK;
@@ -99,8 +106,9 @@ static CUresult alloc(CUdeviceptr *p, uint64_t n, int low) {
 static CUresult release(uint64_t p) {
     if (p == 0) return INVALID;
     int64_t n = removed(p, 0);
-    if (n < 0) return INVALID;
-    munmap((void *)(uintptr_t)p, (size_t)n);
+    if (n >= 0) munmap((void *)(uintptr_t)p, (size_t)n);
+    else if ((n = removed(p, 3)) >= 0) free((void *)(uintptr_t)p);
+    else return INVALID;
     atomic_fetch_sub(&used, n);
     atomic_fetch_add(&frees, 1);
     return OK;
@@ -109,6 +117,7 @@ static CUresult release(uint64_t p) {
 EXPORT CUresult cuInit(unsigned flags) { (void)flags; return OK; }
 EXPORT CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID; *v = 12080; return OK; }
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) { return alloc(p, n, 0); }
+static CUresult alloc_entry(CUdeviceptr *p, size_t n) { return alloc(p, n, 0); }
 EXPORT CUresult cuMemAlloc(CUdeviceptr32 *p, unsigned n) {
     CUdeviceptr q;
     if (p == NULL) return INVALID;
@@ -144,6 +153,7 @@ EXPORT CUresult cuMemAllocPitch(CUdeviceptr32 *p, unsigned *pitch, unsigned w, u
     return r;
 }
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { return release(p); }
+static CUresult free_entry(CUdeviceptr p) { return release(p); }
 EXPORT CUresult cuMemFree(CUdeviceptr32 p) { return release(p); }
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, void *s) { (void)s; return release(p); }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *s) { (void)s; return release(p); }
@@ -231,6 +241,23 @@ EXPORT CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int o
     return OK;
 }
 
+/* Page-locked host memory and copies: plain host memory here. */
+EXPORT CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags) {
+    (void)flags;
+    if (p == NULL) return INVALID;
+    *p = malloc(n ? n : 1);
+    return *p ? OK : OOM;
+}
+EXPORT CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+EXPORT CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    memcpy(dst, (void *)(uintptr_t)src, n);
+    return OK;
+}
+EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    memcpy((void *)(uintptr_t)dst, src, n);
+    return OK;
+}
+
 /* cuGetProcAddress: base names, versioned as the real driver does. */
 #define PER_THREAD 2ULL
 EXPORT CUresult cuGetProcAddress_v2(const char *s, void **fn, int v, unsigned long long fl, int *st);
@@ -279,3 +306,66 @@ EXPORT CUresult cuGetProcAddress(const char *s, void **fn, int v, unsigned long 
 EXPORT int64_t fake_used(void) { return atomic_load(&used); }
 EXPORT int64_t fake_allocations(void) { return atomic_load(&allocations); }
 EXPORT int64_t fake_frees(void) { return atomic_load(&frees); }
+
+/* The deadlock test: a thread of this library's own takes `lock`, calls `alloc` (the hook,
+ * with `account` current there) and lets go; the caller (holding the interpreter lock, called
+ * through ctypes.PyDLL) waits for `lock` meanwhile. 1 if both finished within timeout_ms. */
+#include <time.h>
+static pthread_mutex_t held = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int inside, finished;
+static CUresult (*test_alloc)(CUdeviceptr *, size_t);
+static CUresult (*test_free)(CUdeviceptr);
+static void *test_account;
+static CUresult test_result;
+static void *in_hook(void *unused) {
+    (void)unused;
+    void (*set_current)(void *) = (void (*)(void *))dlsym(RTLD_DEFAULT, "gbd_set_current");
+    if (set_current) set_current(test_account);
+    pthread_mutex_lock(&held);
+    atomic_store(&inside, 1);
+    CUdeviceptr p = 0;
+    test_result = test_alloc(&p, 4096);
+    if (test_result == OK) test_free(p);
+    pthread_mutex_unlock(&held);
+    if (set_current) set_current(NULL);
+    atomic_store(&finished, 1);
+    return NULL;
+}
+EXPORT int fake_deadlock_test(void *alloc_, void *free_, void *account, int timeout_ms) {
+    test_alloc = (CUresult (*)(CUdeviceptr *, size_t))alloc_;
+    test_free = (CUresult (*)(CUdeviceptr))free_;
+    test_account = account;
+    atomic_store(&inside, 0);
+    atomic_store(&finished, 0);
+    pthread_t t;
+    if (pthread_create(&t, NULL, in_hook, NULL) != 0) return -1;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    while (!atomic_load(&inside)) sched_yield();
+    int got = pthread_mutex_timedlock(&held, &until) == 0; /* waits while it is in the hook */
+    if (got) pthread_mutex_unlock(&held);
+    if (!got) return 0; /* left running: the process ends anyway */
+    pthread_join(t, NULL);
+    return atomic_load(&finished) && test_result == OK ? 1 : 0;
+}
+
+/* The benchmark: nanoseconds for `rounds` pairs of alloc(size) + free through the given
+ * entry points, timed in C. */
+EXPORT double fake_pairs_ns(void *alloc_, void *free_, size_t size, long rounds) {
+    CUresult (*a)(CUdeviceptr *, size_t) = (CUresult (*)(CUdeviceptr *, size_t))alloc_;
+    CUresult (*f)(CUdeviceptr) = (CUresult (*)(CUdeviceptr))free_;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < rounds; i++) {
+        CUdeviceptr p;
+        if (a(&p, size) != OK) return -1;
+        f(p);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / (double)rounds;
+}
+
+/* The driver's own entry points, reached without any lookup a preloaded library could see. */
+EXPORT void *fake_unhooked_alloc(void) { return (void *)alloc_entry; }
+EXPORT void *fake_unhooked_free(void) { return (void *)free_entry; }
