@@ -49,15 +49,18 @@ def environment(lab: Path, pure: bool = False, **extra: str) -> dict[str, str]:
 
 
 def run(lab: Path, argv: list[str], pure: bool = False, door: bool = True,
-        **extra: str) -> subprocess.CompletedProcess[str]:
-    prefix = [sys.executable, "-m", "gpubudget", "run"] if door else []
-    flags = [flag for flag in ("--attribute-only", "--device-info") if extra.pop(flag, "")]
-    return subprocess.run(prefix + flags + (["--"] if door else []) + argv,
-                          env=environment(lab, pure, **extra), capture_output=True, text=True,
+        flags: tuple[str, ...] = (),
+        extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv`` under ``gpubudget run FLAGS --`` (``door=False``: as it is)."""
+    prefix = [sys.executable, "-m", "gpubudget", "run", *flags, "--"] if door else []
+    return subprocess.run(prefix + argv,
+                          env=environment(lab, pure, **(extra or {})), capture_output=True,
+                          text=True,
                           timeout=120, check=False)
 
 
-def python(lab: Path, code: str, pure: bool = False, **extra: str) -> dict[str, object]:
+def python(lab: Path, code: str, pure: bool = False, flags: tuple[str, ...] = (),
+           **extra: str) -> dict[str, object]:
     """Run ``code`` under the door; what it printed last, as JSON."""
     preamble = textwrap.dedent("""
         import ctypes, json, sys, threading
@@ -70,7 +73,7 @@ def python(lab: Path, code: str, pure: bool = False, **extra: str) -> dict[str, 
         out = {"native": core.native is not None, "loaded": door.loaded()}
     """)
     done = run(lab, [sys.executable, "-c", preamble + textwrap.dedent(code)
-                     + "\nprint(json.dumps(out))\n"], pure, **extra)
+                     + "\nprint(json.dumps(out))\n"], pure, flags=flags, extra=extra)
     assert done.returncode == 0, done.stderr
     result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
     assert result.pop("loaded") is True
@@ -140,7 +143,7 @@ def test_mem_get_info_answers_the_budget(lab: Path, pure: bool) -> None:
     out = python(lab, code, pure, FAKECUDA_TOTAL=str(1 << 30))
     assert out == {"device": [1 << 30, 1 << 30], "child": [(1 << 20) - (384 << 10), 1 << 20],
                    "root": [4 << 20, 4 << 20]}
-    seen = python(lab, code, pure, FAKECUDA_TOTAL=str(1 << 30), **{"--device-info": "1"})
+    seen = python(lab, code, pure, ("--device-info",), FAKECUDA_TOTAL=str(1 << 30))
     assert seen["child"] == [(1 << 30) - (128 << 10), 1 << 30]
     assert seen["root"] == [1 << 30, 1 << 30]
 
@@ -284,7 +287,7 @@ def test_attribute_only_counts_without_refusing(lab: Path) -> None:
             n = door.numbers(root)
             out["result"] = [status, n.held, n.refusals, n.attribute_only,
                              [(lib.name, lib.live_bytes) for lib in n.libraries]]
-    """, **{"--attribute-only": "1"})
+    """, flags=("--attribute-only",))
     assert out == {"result": [0, 1 << 20, 0, True, [["libffi.so.8", 1 << 20]]]}
 
 
@@ -351,3 +354,41 @@ def test_run_without_a_command_or_a_compiler_says_so_in_one_line(lab: Path,
     assert "no C compiler was found" in bare.stderr
     missing = run(lab, ["/nonexistent/program"])
     assert missing.returncode == 2 and "cannot run '/nonexistent/program'" in missing.stderr
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_report_shows_the_door_by_library_and_names_who_was_refused(lab: Path,
+                                                                    pure: bool) -> None:
+    out = python(lab, """
+        with gpu_budget("1MiB", backend="host", name="root") as root:
+            with gpu_budget("256KiB", name="child") as child:
+                status, a = driver.alloc(100_000)
+                driver.alloc(200_000)  # refused
+                report = root.report()
+                out["available"] = report.children[0].available
+                out["door"] = report.children[0].as_dict()["driver_door"]
+                out["root held"] = report.driver_door.held
+                out["text"] = [line.strip() for line in str(report).splitlines()
+                               if "driver allocations" in line]
+                driver.free(a)
+    """, pure)
+    assert out["available"] == (256 << 10) - 100_000
+    assert out["door"] == {"held": 100_000, "peak": 100_000, "allocations": 1, "refusals": 1,
+                           "last_refused": 200_000, "last_refused_by": "libffi.so.8",
+                           "libraries": [{"name": "libffi.so.8", "live": 100_000,
+                                          "refusals": 1}], "attribute_only": False}
+    assert out["root held"] == 100_000
+    assert out["text"] == [
+        "driver allocations (through the door): 97.66 KiB held, peak 97.66 KiB",
+        "driver allocations (through the door): 97.66 KiB held, peak 97.66 KiB; by library: "
+        "libffi.so.8 97.66 KiB; 1 refused, the last 195.31 KiB asked by libffi.so.8",
+    ]
+
+
+def test_report_has_no_door_line_without_the_door() -> None:
+    from gpubudget import gpu_budget
+
+    with gpu_budget("1MiB", backend="host") as root:
+        report = root.report()
+    assert report.driver_door is None
+    assert "driver allocations" not in str(report)

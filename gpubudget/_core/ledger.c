@@ -328,11 +328,12 @@ PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
 PyObject *py_available(PyObject *module, PyObject *arg) {
     AccountObject *account = as_account(arg);
     if (account == NULL) return NULL;
-    i64 best = account->limit - account->used, slack = 0;
+    i64 best = account->limit - account->used - (account->door ? door_foreign(account) : 0);
+    i64 slack = 0;
     for (AccountObject *link = account; link->parent != NULL; link = link->parent) {
         slack += link->reserve > link->used ? link->reserve - link->used : 0;
         AccountObject *parent = link->parent;
-        i64 here = parent->limit - parent->used + slack;
+        i64 here = parent->limit - parent->used - (parent->door ? door_foreign(parent) : 0) + slack;
         if (here < best) best = here;
     }
     return PyLong_FromLongLong(best > 0 ? best : 0);

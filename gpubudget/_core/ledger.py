@@ -146,13 +146,13 @@ def publish(account: Account) -> None:
 def available(account: Account) -> int:
     """Bytes one allocation could still be charged to ``account`` by every limit of its
     chain, counting reserved but unused bytes below each level as usable there."""
-    best = account.limit - account.used
+    best = account.limit - account.used - _foreign(account)
     slack = 0  # reserved but unused bytes of the accounts walked so far
     link = account
     while link.parent is not None:
         slack += max(link.reserve - link.used, 0)
         parent = link.parent
-        best = min(best, parent.limit - parent.used + slack)
+        best = min(best, parent.limit - parent.used - _foreign(parent) + slack)
         link = parent
     return max(best, 0)
 
