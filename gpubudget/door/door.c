@@ -24,6 +24,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -33,6 +34,13 @@
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ volatile("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
 #define TLS __thread __attribute__((tls_model("initial-exec")))
 
 typedef int CUresult;
@@ -59,7 +67,7 @@ struct gbd_account {
     _Atomic int64_t live;  /* word 4: door allocations live that were charged here first */
     struct gbd_account *parent;
     _Atomic int64_t refs;  /* Python's, each child's, each live allocation's */
-    _Atomic int64_t refusals, granted, peak;
+    _Atomic int64_t refusals, peak;
     _Atomic int64_t bylib[LIBS];     /* bytes live, per library (innermost account only) */
     _Atomic int64_t refusedlib[LIBS]; /* refusals per library */
     _Atomic int64_t last_refused;    /* size of the last refusal */
@@ -141,16 +149,28 @@ struct entry {
     int maps, released; /* a handle's mappings, and whether it was released */
     uint64_t handle;  /* a mapping's handle */
 };
-struct table { pthread_mutex_t lock; struct entry *slots; size_t cap, count; };
+/* A shard's lock is a spin lock: held for a probe or two, never across a call. */
+struct table { atomic_flag lock; struct entry *slots; size_t cap, count; };
+
+static inline void lock_table(struct table *t) {
+    for (unsigned spins = 0;
+         atomic_flag_test_and_set_explicit(&t->lock, memory_order_acquire); spins++) {
+        if (spins < 64) cpu_relax();
+        else sched_yield(); /* the holder was preempted: let it run */
+    }
+}
+static inline void unlock_table(struct table *t) {
+    atomic_flag_clear_explicit(&t->lock, memory_order_release);
+}
 #define SHARDS 32
 static struct table pointers[SHARDS], handles[SHARDS], mappings[SHARDS];
 static _Atomic int64_t outside_bytes, outside_bylib[LIBS];
 
-static void tables_init(void) {
+static void tables_init(void) { /* also in a forked child: a lock another thread held */
     for (int i = 0; i < SHARDS; i++) {
-        pthread_mutex_init(&pointers[i].lock, NULL);
-        pthread_mutex_init(&handles[i].lock, NULL);
-        pthread_mutex_init(&mappings[i].lock, NULL);
+        atomic_flag_clear(&pointers[i].lock);
+        atomic_flag_clear(&handles[i].lock);
+        atomic_flag_clear(&mappings[i].lock);
     }
 }
 
@@ -216,22 +236,22 @@ static void drop(struct table *t, struct entry *e) { /* backward-shift deletion 
 /* Take the entry for `key` out of `set` into *out; 0 if there was none. */
 static int take(struct table *set, uint64_t key, struct entry *out) {
     struct table *t = shard(set, key);
-    pthread_mutex_lock(&t->lock);
+    lock_table(t);
     struct entry *e = find(t, key);
     int found = e != NULL;
     if (found) {
         *out = *e;
         drop(t, e);
     }
-    pthread_mutex_unlock(&t->lock);
+    unlock_table(t);
     return found;
 }
 
 static int record(struct table *set, const struct entry *e) {
     struct table *t = shard(set, e->key);
-    pthread_mutex_lock(&t->lock);
+    lock_table(t);
     int r = put(t, e);
-    pthread_mutex_unlock(&t->lock);
+    unlock_table(t);
     return r;
 }
 
@@ -348,7 +368,6 @@ static int remember(struct table *set, uint64_t key, int64_t size, account *a, i
     if (a != NULL) {
         atomic_fetch_add(&a->refs, 1);
         atomic_fetch_add(&a->live, 1);
-        atomic_fetch_add(&a->granted, 1);
         if (kind == CHARGED) atomic_fetch_add(&a->bylib[lib], size);
     } else {
         atomic_fetch_add(&outside_bytes, size);
@@ -675,7 +694,7 @@ static void handle_changed(uint64_t h, int delta, int release) {
     struct table *t = shard(handles, h);
     struct entry gone;
     int done = 0;
-    pthread_mutex_lock(&t->lock);
+    lock_table(t);
     struct entry *e = find(t, h);
     if (e != NULL) {
         e->maps += delta;
@@ -686,7 +705,7 @@ static void handle_changed(uint64_t h, int delta, int release) {
             done = 1;
         }
     }
-    pthread_mutex_unlock(&t->lock);
+    unlock_table(t);
     if (done) forget(&gone);
 }
 
@@ -830,7 +849,7 @@ EXPORT account *gbd_set_owner(account *a) {
     return before;
 }
 
-/* An account's numbers: [held, core, own, limit, live, refusals, granted, peak,
+/* An account's numbers: [held, core, own, limit, live, refusals, 0, peak,
  * last_refused, last_refused_lib]. */
 EXPORT void gbd_account_numbers(account *a, int64_t out[10]) {
     out[0] = atomic_load(&a->held);
@@ -839,7 +858,7 @@ EXPORT void gbd_account_numbers(account *a, int64_t out[10]) {
     out[3] = atomic_load(&a->limit);
     out[4] = atomic_load(&a->live);
     out[5] = atomic_load(&a->refusals);
-    out[6] = atomic_load(&a->granted);
+    out[6] = 0; /* unused */
     out[7] = atomic_load(&a->peak);
     out[8] = atomic_load(&a->last_refused);
     out[9] = atomic_load(&a->last_refused_lib);
