@@ -116,8 +116,8 @@ class DoorUsage:
     peak: int
     """The most bytes held at once, a root's own memory included."""
     allocations: int
-    """Driver allocations live that were made in this budget itself (a root's own
-    reservation or granules included)."""
+    """Driver allocations live that were made in this budget itself (not counting a root's
+    own reservation or granules)."""
     refusals: int
     """Requests refused by this budget's limit (with ``CUDA_ERROR_OUT_OF_MEMORY``)."""
     last_refused: int

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 __all__ = ["DoorLibrary", "DoorNumbers", "entered", "follow", "loaded", "numbers", "outside",
            "owning", "owner_of"]
 
-WORDS: Final = 5
-"""How many 64-bit words of an account the ledger shares: held, core, own, limit, live."""
+WORDS: Final = 4
+"""How many 64-bit words of an account the ledger shares: held, core, own, limit."""
 
 
 class Ledgered(Protocol):
@@ -65,7 +65,7 @@ class DoorNumbers:
 
     held: int  # bytes charged through the door here and below, a root's own included
     own: int  # a root's own backend memory (reservation, mapped granules)
-    live: int  # driver allocations live that this budget was charged first
+    live: int  # driver allocations live made in this budget itself (a root's own memory not)
     peak: int  # highest ``held``
     refusals: int  # requests refused here (asked here, or below and refused by this limit)
     last_refused: int  # the size of the last request refused here, 0 if none
@@ -114,8 +114,11 @@ def _find() -> ctypes.CDLL | None:
     process.gbd_account_numbers.argtypes = [_P, ctypes.POINTER(_I64)]
     process.gbd_library.restype = ctypes.c_char_p
     process.gbd_library.argtypes = [ctypes.c_int]
-    process.gbd_library_numbers.argtypes = [_P, ctypes.c_int, ctypes.POINTER(_I64)]
-    process.gbd_outside_bytes.restype = _I64
+    process.gbd_library_refusals.restype = _I64
+    process.gbd_library_refusals.argtypes = [_P, ctypes.c_int]
+    process.gbd_live_bytes.restype = _I64
+    process.gbd_live_bytes.argtypes = [_P, ctypes.POINTER(_I64), ctypes.c_int,
+                                       ctypes.POINTER(_I64)]
     process.gbd_attribute_only.restype = ctypes.c_int
     return process
 
@@ -212,16 +215,26 @@ def owner_of(budget: Budget) -> Callable[[], contextlib.AbstractContextManager[N
     return lambda: _owning(lib, account)
 
 
-def _libraries(lib: ctypes.CDLL, address: int | None) -> tuple[DoorLibrary, ...]:
+LIBRARIES: Final = 64
+"""Libraries the door tells apart (door.c's LIBS); the rest count as "(other)"."""
+
+
+def _libraries(lib: ctypes.CDLL,
+               address: int | None) -> tuple[int, tuple[DoorLibrary, ...], int]:
+    """The bytes live that ``address``'s account (``None``: nobody) was charged for itself,
+    their libraries (largest first), and how many allocations hold them."""
+    live = (_I64 * LIBRARIES)()
+    count = _I64()
+    total = int(lib.gbd_live_bytes(address, live, LIBRARIES, ctypes.byref(count)))
     found = []
-    out = (_I64 * 2)()
     index = 0
     while (name := lib.gbd_library(index)) is not None:
-        lib.gbd_library_numbers(address, index, out)
-        if out[0] or out[1]:
-            found.append(DoorLibrary(name.decode("utf-8", "replace"), out[0], out[1]))
+        refusals = int(lib.gbd_library_refusals(address, index)) if address else 0
+        if live[index] or refusals:
+            found.append(DoorLibrary(name.decode("utf-8", "replace"), live[index], refusals))
         index += 1
-    return tuple(sorted(found, key=lambda item: (-item.live_bytes, item.name)))
+    return (total, tuple(sorted(found, key=lambda item: (-item.live_bytes, item.name))),
+            count.value)
 
 
 def numbers(budget: Budget) -> DoorNumbers | None:
@@ -234,10 +247,11 @@ def numbers(budget: Budget) -> DoorNumbers | None:
     out = (_I64 * 10)()
     lib.gbd_account_numbers(account.address, out)
     name = lib.gbd_library(out[9]) if out[8] else None
-    return DoorNumbers(held=out[0], own=out[2], live=out[4], peak=out[7], refusals=out[5],
+    _, libraries, count = _libraries(lib, account.address)
+    return DoorNumbers(held=out[0], own=out[2], live=count, peak=out[7], refusals=out[5],
                        last_refused=out[8],
                        last_refused_by=name.decode("utf-8", "replace") if name else None,
-                       libraries=_libraries(lib, account.address),
+                       libraries=libraries,
                        attribute_only=bool(lib.gbd_attribute_only()))
 
 
@@ -247,4 +261,5 @@ def outside() -> tuple[int, tuple[DoorLibrary, ...]] | None:
     lib = _door()
     if lib is None:
         return None
-    return int(lib.gbd_outside_bytes()), _libraries(lib, None)
+    total, libraries, _ = _libraries(lib, None)
+    return total, libraries

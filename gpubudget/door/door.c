@@ -58,17 +58,18 @@ enum { GBD_VERSION = 1 };
 #define LIBS 64      /* libraries told apart per account; the rest count as "other" */
 #define NAME 64
 
-/* The first five words are read and written by gpubudget's ledger (as 64-bit words). */
+/* The first four words are shared with gpubudget's ledger (as 64-bit words). */
 struct gbd_account {
     _Atomic int64_t held;  /* word 0: charged through the door here and below, own included */
     _Atomic int64_t core;  /* word 1: the ledger's `used`, stored at each change */
     _Atomic int64_t own;   /* word 2: a root's own backend allocations (part of held) */
     _Atomic int64_t limit; /* word 3 */
-    _Atomic int64_t live;  /* word 4: door allocations live that were charged here first */
-    struct gbd_account *parent;
-    _Atomic int64_t refs;  /* Python's, each child's, each live allocation's */
+    /* References: Python's, each child's, each thread's that has it current. With none left
+     * it is buried, and freed once nothing is charged to it (held 0): a live allocation
+     * keeps its account without a count of its own, which spares the hooks two atomics. */
+    _Atomic int64_t refs;
+    struct gbd_account *parent, *next_buried;
     _Atomic int64_t refusals, peak;
-    _Atomic int64_t bylib[LIBS];     /* bytes live, per library (innermost account only) */
     _Atomic int64_t refusedlib[LIBS]; /* refusals per library */
     _Atomic int64_t last_refused;    /* size of the last refusal */
     _Atomic int last_refused_lib;
@@ -83,12 +84,42 @@ static int device_info = -1;            /* GPUBUDGET_DOOR_DEVICE_INFO=1: cuMemGe
 static TLS account *current;            /* the calling thread's innermost budget's account */
 static TLS account *owner;              /* set while gpubudget's own backend calls the driver */
 
-static void account_unref(account *a) {
-    while (a != NULL && atomic_fetch_sub(&a->refs, 1) == 1) {
-        account *parent = a->parent;
-        free(a);
-        a = parent;
+/* Accounts with no reference left, waiting for what is charged to them to be freed. Only the
+ * control functions (gpubudget's Python side) touch this list, never a hook. Nothing
+ * charged (held 0) means no live allocation points at the account: each one adds its size,
+ * above 0, to its account's held and takes it back on its way out, after which that hook
+ * never reads the account again (uncharge reads each link's parent first). */
+static account *buried;
+static pthread_mutex_t buried_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void sweep_locked(void) {
+    for (int again = 1; again;) {
+        again = 0;
+        for (account **at = &buried; *at != NULL;) {
+            account *a = *at;
+            if (atomic_load(&a->held) != 0) {
+                at = &a->next_buried;
+                continue;
+            }
+            *at = a->next_buried;
+            account *parent = a->parent;
+            free(a);
+            if (parent != NULL && atomic_fetch_sub(&parent->refs, 1) == 1) {
+                parent->next_buried = buried; /* the child's reference was the last */
+                buried = parent;
+                again = 1;
+            }
+        }
     }
+}
+
+static void account_unref(account *a) {
+    if (a == NULL || atomic_fetch_sub(&a->refs, 1) != 1) return;
+    pthread_mutex_lock(&buried_lock);
+    a->next_buried = buried;
+    buried = a;
+    sweep_locked();
+    pthread_mutex_unlock(&buried_lock);
 }
 
 /* -- libraries: the caller's address, named once ----------------------------------------- */
@@ -164,7 +195,6 @@ static inline void unlock_table(struct table *t) {
 }
 #define SHARDS 32
 static struct table pointers[SHARDS], handles[SHARDS], mappings[SHARDS];
-static _Atomic int64_t outside_bytes, outside_bylib[LIBS];
 
 static void tables_init(void) { /* also in a forked child: a lock another thread held */
     for (int i = 0; i < SHARDS; i++) {
@@ -293,11 +323,13 @@ static account *charge(account *a, int64_t size, int is_own) {
     return NULL;
 }
 
+/* Take `size` back from `a` and its ancestors. Each link's parent is read before its bytes
+ * go: an account with nothing held may be freed at once (see buried). */
 static void uncharge(account *a, int64_t size, int is_own) {
     if (is_own) atomic_fetch_sub(&a->own, size); /* own first: held - own never too small */
-    for (account *link = a; link != NULL; link = link->parent) {
+    for (account *link = a, *next; link != NULL; link = next) {
+        next = is_own ? NULL : link->parent;
         atomic_fetch_sub(&link->held, size);
-        if (is_own) break;
     }
 }
 
@@ -365,14 +397,8 @@ static int remember(struct table *set, uint64_t key, int64_t size, account *a, i
                     int kind) {
     struct entry e = {key, size, a, lib, kind, 0, 0, 0};
     if (record(set, &e) < 0) return -1;
-    if (a != NULL) {
-        atomic_fetch_add(&a->refs, 1);
-        atomic_fetch_add(&a->live, 1);
-        if (kind == CHARGED) atomic_fetch_add(&a->bylib[lib], size);
-    } else {
-        atomic_fetch_add(&outside_bytes, size);
-        atomic_fetch_add(&outside_bylib[lib], size);
-    }
+    (void)a; /* what it holds keeps its account (see buried); bytes by library are summed
+              * from the tables when asked (gbd_live_bytes) */
     return 0;
 }
 
@@ -382,15 +408,7 @@ static void unadmit(account *a, int64_t size, int kind) {
 
 /* An allocation given back: uncharge whoever paid, whichever thread this is. */
 static void forget(const struct entry *e) {
-    if (e->acct != NULL) {
-        uncharge(e->acct, e->size, e->kind == OWN);
-        if (e->kind == CHARGED) atomic_fetch_sub(&e->acct->bylib[e->lib], e->size);
-        atomic_fetch_sub(&e->acct->live, 1);
-        account_unref(e->acct);
-    } else {
-        atomic_fetch_sub(&outside_bytes, e->size);
-        atomic_fetch_sub(&outside_bylib[e->lib], e->size);
-    }
+    if (e->acct != NULL) uncharge(e->acct, e->size, e->kind == OWN);
 }
 
 /* -- the real driver --------------------------------------------------------------------- */
@@ -473,7 +491,11 @@ static void *real(int i) {
     return fn;
 }
 
-#define REAL(name) ((name##_fn)real(H_##name))
+static inline void *real_fast(int i) {
+    void *fn = atomic_load_explicit(&reals[i], memory_order_acquire);
+    return fn != NULL ? fn : real(i);
+}
+#define REAL(name) ((name##_fn)real_fast(H_##name))
 #define CALLER() __builtin_extract_return_addr(__builtin_return_address(0))
 
 /* The real entry points of the driver that `fn` belongs to, all of them, found once. */
@@ -849,14 +871,14 @@ EXPORT account *gbd_set_owner(account *a) {
     return before;
 }
 
-/* An account's numbers: [held, core, own, limit, live, refusals, 0, peak,
+/* An account's numbers: [held, core, own, limit, 0, refusals, 0, peak,
  * last_refused, last_refused_lib]. */
 EXPORT void gbd_account_numbers(account *a, int64_t out[10]) {
     out[0] = atomic_load(&a->held);
     out[1] = atomic_load(&a->core);
     out[2] = atomic_load(&a->own);
     out[3] = atomic_load(&a->limit);
-    out[4] = atomic_load(&a->live);
+    out[4] = 0; /* live allocations: gbd_live_bytes counts them */
     out[5] = atomic_load(&a->refusals);
     out[6] = 0; /* unused */
     out[7] = atomic_load(&a->peak);
@@ -870,17 +892,36 @@ EXPORT const char *gbd_library(int i) {
     return i == 0 ? "(other)" : libs[i].name;
 }
 
-/* Library `i`'s live bytes and refusals in `a`, or outside every budget (a NULL). */
-EXPORT void gbd_library_numbers(account *a, int i, int64_t out[2]) {
-    if (i < 0 || i >= LIBS) {
-        out[0] = out[1] = 0;
-        return;
-    }
-    out[0] = a ? atomic_load(&a->bylib[i]) : atomic_load(&outside_bylib[i]);
-    out[1] = a ? atomic_load(&a->refusedlib[i]) : 0;
+/* Library `i`'s requests refused by `a`. */
+EXPORT int64_t gbd_library_refusals(account *a, int i) {
+    return a != NULL && i >= 0 && i < LIBS ? atomic_load(&a->refusedlib[i]) : 0;
 }
 
-EXPORT int64_t gbd_outside_bytes(void) { return atomic_load(&outside_bytes); }
+/* The bytes live now that `a` was charged for itself (NULL: outside every budget), by
+ * library, summed over the tables (the hooks keep no per-library counters: a report is rare,
+ * an allocation is not). out[n] for the first n libraries, *count the allocations; returns
+ * the total. */
+EXPORT int64_t gbd_live_bytes(account *a, int64_t *out, int n, int64_t *count) {
+    int64_t total = 0;
+    *count = 0;
+    for (int i = 0; i < n; i++) out[i] = 0;
+    struct table *sets[] = {pointers, handles};
+    for (int s = 0; s < 2; s++) {
+        for (int k = 0; k < SHARDS; k++) {
+            struct table *t = &sets[s][k];
+            lock_table(t);
+            for (size_t j = 0; j < t->cap; j++) {
+                const struct entry *e = &t->slots[j];
+                if (e->key == 0 || e->acct != a || (a != NULL && e->kind != CHARGED)) continue;
+                total += e->size;
+                *count += 1;
+                if (e->lib < n) out[e->lib] += e->size;
+            }
+            unlock_table(t);
+        }
+    }
+    return total;
+}
 EXPORT int gbd_attribute_only(void) { settings(); return attribute_only; }
 
 /* -- process events ---------------------------------------------------------------------- */
@@ -893,6 +934,7 @@ static void child_after_fork(void) {
     owner = NULL;
     tables_init();
     pthread_mutex_init(&libs_lock, NULL);
+    pthread_mutex_init(&buried_lock, NULL);
 }
 
 __attribute__((constructor)) static void door_init(void) {
