@@ -383,6 +383,9 @@ def test_report_shows_the_door_by_library_and_names_who_was_refused(lab: Path,
         "driver allocations (through the door): 97.66 KiB held, peak 97.66 KiB; by library: "
         "libffi.so.8 97.66 KiB; 1 refused, the last 195.31 KiB asked by libffi.so.8",
     ]
+    page = (ROOT / "docs" / "door.md").read_text(encoding="utf-8")  # the line it shows
+    shown = page.split("checked by tests/test_door.py", 1)[1].split("```text\n", 1)[1]
+    assert shown.split("\n```", 1)[0] == out["text"][1]
 
 
 def test_report_has_no_door_line_without_the_door() -> None:
