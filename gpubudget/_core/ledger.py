@@ -15,6 +15,11 @@ used in this order with the tree's lock held:
    (so after ``reset_peak()`` the published peak follows once ``used`` reaches the new one):
    plain stores, one or two per level of the chain that has words, nothing else.
 
+Under the driver door (:mod:`gpubudget.door`), an account also has the door's words for its
+budget (``door``): :func:`refusal` and :func:`available` count the bytes the door charged it
+(that are not a root's own memory) against its limit, and :func:`charge` stores ``used`` into
+them, for the door to count against the same limit. Without the door ``door`` is ``None``.
+
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
 ``used <= limit`` always.
