@@ -167,8 +167,10 @@ def test_threads_allocate_and_free_across_each_other(lab: Path) -> None:
             for t in threads: t.start()
             for t in threads: t.join()
             out["held"] = held(pool)
-            freers = [threading.Thread(target=lambda: [driver.free(handed.get()) for _ in range(20)])
-                      for _ in range(4)]  # threads in no budget free them
+            def free_some():
+                for _ in range(20):
+                    driver.free(handed.get())
+            freers = [threading.Thread(target=free_some) for _ in range(4)]  # in no budget
             for t in freers: t.start()
             for t in freers: t.join()
             out["after"] = held(pool)
@@ -398,3 +400,73 @@ def test_report_has_no_door_line_without_the_door() -> None:
         report = root.report()
     assert report.driver_door is None
     assert "driver allocations" not in str(report)
+
+
+def test_every_entry_point_is_charged_and_given_back(lab: Path) -> None:
+    out = python(lab, """
+        c = ctypes
+        P, S, U = driver.P, driver.SIZE, c.c_uint
+        h = driver.handle
+        got = {}
+        with gpu_budget("64MiB", backend="host") as root:
+            def step(name, call, free):
+                before = held(root)
+                status = call()
+                after = held(root)
+                free()
+                got[name] = [status, after - before, held(root) - before]
+            p = P()
+            step("cuMemAllocManaged", lambda: h.cuMemAllocManaged(c.byref(p), S(5000), U(1)),
+                 lambda: h.cuMemFree_v2(p))
+            step("cuMemAllocAsync", lambda: h.cuMemAllocAsync(c.byref(p), S(6000), None),
+                 lambda: h.cuMemFreeAsync(p, None))
+            step("cuMemAllocFromPoolAsync",
+                 lambda: h.cuMemAllocFromPoolAsync(c.byref(p), S(7000), None, None),
+                 lambda: h.cuMemFreeAsync_ptsz(p, None))
+            pitch = S()
+            step("cuMemAllocPitch_v2",
+                 lambda: h.cuMemAllocPitch_v2(c.byref(p), c.byref(pitch), S(1000), S(3), U(4)),
+                 lambda: h.cuMemFree_v2(p))
+            q, qpitch = U(), U()
+            step("cuMemAlloc", lambda: h.cuMemAlloc(c.byref(q), U(3000)), lambda: h.cuMemFree(q))
+            step("cuMemAllocPitch", lambda: h.cuMemAllocPitch(c.byref(q), c.byref(qpitch), U(100),
+                 U(2), U(4)), lambda: h.cuMemFree(q))
+            # the per-thread-stream forms, through cuGetProcAddress with its flag
+            get = h.cuGetProcAddress_v2
+            get.argtypes = [c.c_char_p, c.POINTER(c.c_void_p), c.c_int, c.c_ulonglong, c.c_void_p]
+            fn = c.c_void_p()
+            assert get(b"cuMemAllocAsync", c.byref(fn), 12000, 2, None) == 0
+            alloc_ptsz = c.CFUNCTYPE(c.c_int, c.POINTER(P), S, c.c_void_p)(fn.value)
+            step("cuMemAllocAsync_ptsz", lambda: alloc_ptsz(c.byref(p), 8000, None),
+                 lambda: h.cuMemFreeAsync(p, None))
+            # cuGetProcAddress found through cuGetProcAddress is the door's too
+            assert get(b"cuGetProcAddress", c.byref(fn), 12000, 0, None) == 0
+            inner = c.CFUNCTYPE(c.c_int, c.c_char_p, c.POINTER(c.c_void_p), c.c_int,
+                                c.c_ulonglong, c.c_void_p)(fn.value)
+            assert inner(b"cuMemAlloc", c.byref(fn), 12000, 0, None) == 0
+            alloc = driver.ALLOC(fn.value)
+            step("cuMemAlloc via two lookups", lambda: alloc(c.byref(p), 9000),
+                 lambda: h.cuMemFree_v2(p))
+            # virtual memory: charged at create, given back once released and unmapped
+            handle, address = c.c_ulonglong(), P()
+            assert h.cuMemAddressReserve(c.byref(address), S(4 << 20), S(0), P(0),
+                                         c.c_ulonglong(0)) == 0
+            out["create"] = h.cuMemCreate(c.byref(handle), S(2 << 20), None, c.c_ulonglong(0))
+            out["created"] = held(root)
+            assert h.cuMemMap(address, S(2 << 20), S(0), handle, c.c_ulonglong(0)) == 0
+            assert h.cuMemRelease(handle) == 0
+            out["released, mapped"] = held(root)
+            assert h.cuMemUnmap(address, S(2 << 20)) == 0
+            out["unmapped"] = held(root)
+            out["pitch"] = [pitch.value, qpitch.value]
+            out["device"] = driver.used()
+        out["got"] = got
+    """)
+    got = out.pop("got")
+    assert got == {
+        "cuMemAllocManaged": [0, 5000, 0], "cuMemAllocAsync": [0, 6000, 0],
+        "cuMemAllocFromPoolAsync": [0, 7000, 0], "cuMemAllocPitch_v2": [0, 1024 * 3, 0],
+        "cuMemAlloc": [0, 3000, 0], "cuMemAllocPitch": [0, 512 * 2, 0],
+        "cuMemAllocAsync_ptsz": [0, 8000, 0], "cuMemAlloc via two lookups": [0, 9000, 0]}
+    assert out == {"create": 0, "created": 2 << 20, "released, mapped": 2 << 20, "unmapped": 0,
+                   "pitch": [1024, 512], "device": 0}

@@ -437,7 +437,8 @@ static void *(*real_dlsym)(void *, const char *);
     X(cuMemCreate, CUresult, (CUhandle * h, size_t n, const void *prop, unsigned long long f), \
       (h, n, prop, f))                                                                       \
     X(cuMemRelease, CUresult, (CUhandle h), (h))                                             \
-    X(cuMemMap, CUresult, (CUdeviceptr p, size_t n, size_t off, CUhandle h, unsigned long long f), \
+    X(cuMemMap, CUresult,                                                                    \
+      (CUdeviceptr p, size_t n, size_t off, CUhandle h, unsigned long long f),               \
       (p, n, off, h, f))                                                                     \
     X(cuMemUnmap, CUresult, (CUdeviceptr p, size_t n), (p, n))                               \
     X(cuMemGetInfo_v2, CUresult, (size_t * f, size_t *t), (f, t))                            \
