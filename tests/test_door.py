@@ -43,7 +43,7 @@ def environment(lab: Path, pure: bool = False, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUBUDGET_")}
     env.update(LD_LIBRARY_PATH=str(lab), GPUBUDGET_DOOR_CACHE=str(lab / "cache"),
                GPUBUDGET_LEDGER="0", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-    if pure:
+    if pure or not gpubudget.compiled:  # the suite's core, unless a test asks for the pure one
         env["GPUBUDGET_PURE"] = "1"
     env.update(extra)
     return env

@@ -130,8 +130,11 @@ static _Atomic int nlibs = 1;
 static pthread_mutex_t libs_lock = PTHREAD_MUTEX_INITIALIZER;
 
 #define CALLERS 1024 /* a direct-mapped cache: return address -> library index */
-static _Atomic(uintptr_t) caller_pc[CALLERS];
-static _Atomic int caller_lib[CALLERS];
+/* Each slot one word: the address in the low 56 bits, its library's index in the top 8, so
+ * that a reader never pairs one address with another's library. */
+static _Atomic uint64_t callers[CALLERS];
+#define ADDRESS_BITS 56
+#define ADDRESS_MASK (((uint64_t)1 << ADDRESS_BITS) - 1)
 
 static int lib_of_base(uintptr_t base, const char *path) {
     int n = atomic_load(&nlibs);
@@ -155,17 +158,16 @@ static int lib_of_base(uintptr_t base, const char *path) {
 }
 
 static int lib_of(void *pc) {
-    uintptr_t key = (uintptr_t)pc;
+    uint64_t key = (uint64_t)(uintptr_t)pc & ADDRESS_MASK;
     unsigned slot = (unsigned)((key >> 4) ^ (key >> 14)) % CALLERS;
-    if (atomic_load_explicit(&caller_pc[slot], memory_order_acquire) == key)
-        return atomic_load_explicit(&caller_lib[slot], memory_order_relaxed);
+    uint64_t word = atomic_load_explicit(&callers[slot], memory_order_relaxed);
+    if ((word & ADDRESS_MASK) == key && key != 0) return (int)(word >> ADDRESS_BITS);
     Dl_info info;
     int lib = 0;
     if (dladdr(pc, &info) && info.dli_fbase != NULL)
         lib = lib_of_base((uintptr_t)info.dli_fbase, info.dli_fname);
-    atomic_store_explicit(&caller_pc[slot], 0, memory_order_release);
-    atomic_store_explicit(&caller_lib[slot], lib, memory_order_relaxed);
-    atomic_store_explicit(&caller_pc[slot], key, memory_order_release);
+    atomic_store_explicit(&callers[slot], key | ((uint64_t)lib << ADDRESS_BITS),
+                          memory_order_relaxed);
     return lib;
 }
 
