@@ -5,19 +5,10 @@ and the names of ``gpubudget``, ``gpubudget.backends``, ``gpubudget.tracefile``,
 plumbing around it stay free to change. ``tests/test_layers.py`` checks that adapters and
 tools import nothing else.
 
-Callbacks, which a framework calls from C or C++ and which must never raise:
-
-- :func:`callback` marks one (a Ctrl-C that lands inside is deferred);
-- :func:`callback_failed` records what went wrong inside one, on its budget's report (a
-  Ctrl-C, or a signal handler's exception, is passed on to be raised once control is back
-  in Python), and never raises;
-- :func:`pass_on_interrupt` ends one: a Ctrl-C deferred inside, or an exception held for
-  its thread, is delivered where it is safe.
-
-Public methods of adapters (a ``with`` block's ``__enter__``/``__exit__``):
-
-- :func:`protect` marks one; :func:`interrupt_due` says, on its way out, whether a Ctrl-C
-  arrived meanwhile and must be raised now (``__enter__`` first undoes what it did).
+Callbacks, which a framework calls from C or C++ and which must never raise, catch
+everything; :func:`callback_failed` then records what went wrong on the budget's report and
+gives the callback its answer (a ``KeyboardInterrupt`` armed again for the main thread,
+anything else sent to ``sys.unraisablehook``: see :mod:`gpubudget.interrupts`).
 
 Devices, threads, contexts:
 
@@ -31,13 +22,13 @@ Devices, threads, contexts:
   core reads without calling Python.
 
 Usage probes (what an adapter holds of a budget, for its report) are methods of ``Budget``
-itself: ``add_probe``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
+itself: ``report_usage``, ``pin``/``unpin``, ``record_denial``, ``record_error``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import interrupts
 from ._budget import holder
@@ -48,49 +39,32 @@ from .context import SEPARATE_ROOTS
 if TYPE_CHECKING:
     from .budget import Budget
 
-__all__ = ["HandClock", "by_device", "callback", "callback_failed", "current_device",
-           "hand_clock", "holder", "interrupt_due", "pass_on_interrupt", "protect",
-           "separate_roots"]
+__all__ = ["HandClock", "by_device", "callback_failed", "current_device", "hand_clock",
+           "holder", "separate_roots"]
 
 R = TypeVar("R")
 
-callback: Final = interrupts.callback
-protect: Final = interrupts.protect
 
+def callback_failed(budget: Budget, where: str, exc: BaseException, answer: int = 0) -> int:
+    """Inside a callback that caught ``exc``: what it returns (``answer``, its denial).
 
-def callback_failed(budget: Budget, where: str, exc: BaseException, *,
-                    other_threads: bool = False) -> None:
-    """Inside a callback that caught ``exc``: an exception that came from outside (a Ctrl-C,
-    a signal handler's, see :func:`gpubudget.interrupts.foreign`) counts as a denial with
-    reason ``interrupted`` and is raised again once control is back in Python: at the end of
-    the callback (:func:`pass_on_interrupt`), or at once when ``other_threads`` (a
-    framework's own threads may call, and the callback may end without passing it on).
-    Anything else is kept for ``budget``'s report, as an error naming ``where``. Never
-    raises."""
+    A ``KeyboardInterrupt`` counts as a denial with reason ``interrupted`` and is armed again
+    for the main thread; anything else is kept for ``budget``'s report as an error naming
+    ``where`` and sent to ``sys.unraisablehook`` (see :func:`gpubudget.interrupts.pass_on`).
+    In the main thread the answer carries the interrupt: return it as it is, as the
+    callback's last step. Never raises."""
     try:
-        if interrupts.foreign(exc):
-            interrupts.defer(exc)  # before anything else: nothing may lose it
+        if isinstance(exc, KeyboardInterrupt):
             budget.record_denial(0, "interrupted")
-            if other_threads:
-                interrupts.pass_on()
         else:
             budget.record_error(f"{where}: {type(exc).__name__}: {exc}")
     except BaseException as late:  # noqa: BLE001 - nothing may leave a callback
-        if interrupts.foreign(late):
-            interrupts.defer(late)
-
-
-def pass_on_interrupt() -> None:
-    """At the end of a callback: a Ctrl-C deferred inside it, or an exception held for its
-    thread, is delivered where it is safe."""
-    if interrupts.STATE.pending:
-        interrupts.pass_on()
-
-
-def interrupt_due() -> bool:
-    """On the way out of a protected public method: whether a Ctrl-C arrived inside and is
-    to be raised now (the caller undoes what it must, then raises ``KeyboardInterrupt``)."""
-    return interrupts.STATE.pending and interrupts.raise_here()
+        interrupts.unraisable(late, f"Exception ignored in gpubudget's {where} (recording "
+                                    f"{type(exc).__name__})")
+    try:
+        return interrupts.pass_on(exc, f"{where} callback of budget {budget.name!r}", answer)
+    except BaseException as late:  # noqa: BLE001 - another signal meanwhile: passed on too
+        return interrupts.pass_on(late, where, answer)
 
 
 def separate_roots() -> None:

@@ -18,7 +18,7 @@ from contextvars import Token
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, final, overload
 
-from . import context, interrupts
+from . import context
 from ._budget import (
     FORKED,
     THREAD_ROOT,
@@ -35,7 +35,6 @@ from .backends import Backend, get_backend
 from . import door  # the driver door (gpubudget run): told which budget is current
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
-from .interrupts import STATE, protect
 from ._core import Denied, Node, install_fast_path
 from .tracefile import writer_for, writer_from_env
 from .units import DEFAULT_ALIGN, as_int, as_size, format_size, parse_size
@@ -165,7 +164,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
 
     # -- the with protocol -----------------------------------------------------------------
 
-    @protect
     def __enter__(self) -> Self:
         node = self._node
         if node.state != "new":
@@ -175,18 +173,21 @@ class Budget(BudgetView, AdapterHooks, Residency):
         parent = self._parent if self._parent is not None else chain[-1] if chain else None
         if parent is not None and parent is not self._parent and parent._node.refusal == FORKED:
             parent = None  # in a forked child, inside an inherited budget: a root of its own
-        if parent is None:
-            self._open_root()
-        else:
-            self._open_child(parent)
-        self._token = context.ACTIVE.set(chain + (self,))
-        door.entered(self, node.account)  # the driver door, where loaded: this budget's account
-        door.follow()
-        if STATE.pending and (due := interrupts.due()) is not None:  # all or nothing: undo
-            context.ACTIVE.reset(self._token)
+        try:
+            if parent is None:
+                self._open_root()
+            else:
+                self._open_child(parent)
+            self._token = context.ACTIVE.set(chain + (self,))
+            door.entered(self, node.account)  # the driver door, where loaded: its account
+            door.follow()
+        except BaseException:  # all or nothing: an exception landing once it was open
+            if self._token is not None:
+                context.ACTIVE.reset(self._token)
+                self._token = None
+                door.follow()
             node.close()
-            interrupts.undone()
-            raise due
+            raise
         return self
 
     def _open_root(self) -> None:
@@ -201,7 +202,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
         open_root(node, backend, writer, self._share or node.account.limit, self._initial)
         if untraced is not None and node.tree is not None:
             node.tree.recorder.trace_error = untraced  # the report says why
-        interrupts.install()
         opened(self)
         watch_leaks(self)  # leaks said at interpreter exit
 
@@ -232,7 +232,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
         if self._node.track_stacks and not parent._node.track_stacks:
             watch_leaks(self)
 
-    @protect
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         chain = context.ACTIVE.get()
@@ -241,21 +240,21 @@ class Budget(BudgetView, AdapterHooks, Residency):
                        f"{self.state}); {ADVICE}", exc_type)
             return
         innermost = chain[-1] is self
-        if innermost and self._token is not None and self._token.old_value == chain[:-1]:
-            try:
-                context.ACTIVE.reset(self._token)
-            except ValueError:  # the token is another context's (a task copied it)
-                context.ACTIVE.set(chain[:-1])
-        else:  # an inner budget is still active, or an outer one was mis-exited meanwhile
-            context.ACTIVE.set(tuple(budget for budget in chain if budget is not self))
-        self._token = None
-        door.follow()  # the driver door, where loaded: the budget now current here
-        self._node.close()
+        try:
+            if innermost and self._token is not None and self._token.old_value == chain[:-1]:
+                try:
+                    context.ACTIVE.reset(self._token)
+                except ValueError:  # the token is another context's (a task copied it)
+                    context.ACTIVE.set(chain[:-1])
+            else:  # an inner budget is still active, or an outer one was mis-exited meanwhile
+                context.ACTIVE.set(tuple(budget for budget in chain if budget is not self))
+        finally:  # closed whatever lands meanwhile
+            self._token = None
+            door.follow()  # the driver door, where loaded: the budget now current here
+            self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "
                        f"inside it is still active; {ADVICE}", exc_type)
-        if STATE.pending and (due := interrupts.due()) is not None:
-            raise due
 
     async def __aenter__(self) -> Self:
         return self.__enter__()
@@ -276,7 +275,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: Literal[True]) -> int: ...
 
-    @protect
     def allocate(self, size: SupportsIndex | str, alignment: SupportsIndex = 0, *,
                  tag: str | None = None, stream: int | None = None,
                  raise_on_denial: bool = False) -> int | None:
@@ -331,11 +329,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
                 tag = _current_label()
             stack = user_stack() if node.track_stacks else None
             address = tree.allocate(node, size, alignment, tag, stream, stack, why)
-            if STATE.pending and (due := interrupts.due()) is not None:  # all or nothing: undo
-                if address is not None:
-                    tree.free(node, address, None)
-                    interrupts.undone()
-                raise due
         if address is None and why:
             raise self._denied(size, why[0])
         return address
@@ -365,7 +358,6 @@ class Budget(BudgetView, AdapterHooks, Residency):
             f"({format_size(nbytes)} aligned): {explained}", budget=self.name,
             refused_by=refused_by, reason=reason, size=as_size(size) or 0, charged=nbytes)
 
-    @protect
     def free(self, address: SupportsIndex, *, stream: int | None = None) -> bool:
         """Free the block at ``address``, allocated by this budget or a descendant.
 
@@ -391,12 +383,8 @@ class Budget(BudgetView, AdapterHooks, Residency):
             with node.lock:
                 node.stats.invalid_frees += 1
             return False
-        done = tree.free(node, address, stream)
-        if STATE.pending and (due := interrupts.due()) is not None:
-            raise due
-        return done
+        return tree.free(node, address, stream)
 
-    @protect
     def resize(self, address: SupportsIndex, new_size: SupportsIndex | str,
                alignment: SupportsIndex = 0) -> int | None:
         """Grow or shrink a block, keeping ``min(old, new)`` bytes; return its address.
@@ -422,10 +410,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
         if tree is None:
             self._refuse_unentered(new_size)
             return None
-        moved = tree.resize(node, address, new_size, alignment)
-        if STATE.pending and (due := interrupts.due()) is not None:
-            raise due
-        return moved
+        return tree.resize(node, address, new_size, alignment)
 
     def reset_peak(self) -> None:
         """Start the peaks of this budget and its descendants again from now (``peak``,

@@ -53,7 +53,7 @@ import threading
 import weakref
 from typing import Any, ClassVar, Final
 
-from .adapter import by_device, callback, callback_failed, holder, pass_on_interrupt
+from .adapter import by_device, callback_failed, holder
 from .budget import Budget
 from .errors import AllocationDenied, BudgetError
 from .routing import RoutedPool, Routing, target_budget
@@ -90,16 +90,16 @@ class _Block:
         self.nbytes = nbytes
         self.stream = stream
 
-    @callback
-    def __del__(self) -> None:  # runs inside CuPy's deallocation: never raises
+    def __del__(self) -> int | None:  # runs inside CuPy's deallocation: never raises
         try:
             if self.pool is not None:
                 self.pool.synchronize()
             if self.budget.free(self.address, stream=self.stream) and self.pool is not None:
                 self.pool.forget(self.address)
         except BaseException as exc:  # noqa: BLE001
-            callback_failed(self.budget, "cupy free", exc)
-        pass_on_interrupt()
+            # returned: Python drops it in C, after the finalizer's last instruction
+            return callback_failed(self.budget, "cupy free", exc)
+        return None
 
 
 class _Pool(RoutedPool):

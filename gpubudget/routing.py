@@ -28,7 +28,6 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from .budget import Budget
 from .errors import BudgetError
-from .adapter import interrupt_due, protect
 from .scope import current_budget
 
 __all__ = ["RoutedPool", "Routing", "target_budget"]
@@ -126,7 +125,6 @@ class Routing(ABC, Generic[P]):
         self._budget = budget
         self._entered: dict[int, list[tuple[P, Any]]] = {}
 
-    @protect
     def __enter__(self) -> Budget:
         module = self.framework_module()
         budget = target_budget(self._budget, f"gpubudget.{self.framework}.allocations()")
@@ -140,17 +138,11 @@ class Routing(ABC, Generic[P]):
             raise
         entered = self._entered.setdefault(threading.get_ident(), [])
         entered.append((pool, manager))
-        if interrupt_due():  # all or nothing: undo, then raise
-            self._leave(None, None, None)
-            raise KeyboardInterrupt
         return budget
 
-    @protect
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._leave(exc_type, exc, tb)
-        if interrupt_due():
-            raise KeyboardInterrupt
 
     def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                tb: TracebackType | None) -> None:

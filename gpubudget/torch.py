@@ -57,7 +57,7 @@ import threading
 import weakref
 from typing import Any, ClassVar, Final, NamedTuple
 
-from .adapter import callback, callback_failed, pass_on_interrupt
+from .adapter import callback_failed
 from .budget import Budget
 from .errors import AllocationDenied
 from .routing import RoutedPool, Routing
@@ -136,7 +136,6 @@ class _Pool(RoutedPool):
         with self.lock:
             self.idle.append(mempool)
 
-    @callback
     def _allocate(self, size: int, device: int, stream: int) -> int | None:
         if self.closed:
             return None
@@ -159,12 +158,18 @@ class _Pool(RoutedPool):
             self.refused[threading.get_ident()] = denied
             address = None
         except BaseException as exc:  # noqa: BLE001 - nothing may cross the C callback
-            callback_failed(self.budget, "torch alloc", exc)
-            if address is not None and address not in self.segments:
-                self.budget.free(address)  # all or nothing: PyTorch gets no pointer
-            address = None
-        pass_on_interrupt()
+            return self._failed(exc, address)
         return address
+
+    def _failed(self, exc: BaseException, address: int | None) -> int:
+        """All or nothing: PyTorch gets no pointer (a block it never got is given back);
+        the null address to answer (see :func:`gpubudget.adapter.callback_failed`)."""
+        try:
+            if address is not None and address not in self.segments:
+                self.budget.free(address)
+        except BaseException as late:  # noqa: BLE001 - another signal meanwhile
+            callback_failed(self.budget, "torch alloc", late)
+        return callback_failed(self.budget, "torch alloc", exc)
 
     def usage(self) -> tuple[int, ...]:
         """(bytes charged for segments, bytes of them in live tensors, 0, bytes of library

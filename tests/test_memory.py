@@ -107,19 +107,24 @@ def test_offload_and_restore_are_all_or_nothing() -> None:
     assert fake.on == set() and mapping.count == 0 and mapping.admit(at(fake, 0), 1) == "asleep"
     fake.capacity = 2  # the device has less now: restore refused, still asleep, nothing lost
     with pytest.raises(MemoryError):
-        mapping.restore(live, lambda: False)
+        mapping.restore(live)
     assert mapping.asleep is not None and fake.on == set()
     fake.capacity = 8
+    copy = fake.to_device
     calls: list[int] = []
 
-    def interrupted() -> bool:
+    def interrupted(device: int, host: int, nbytes: int) -> None:
         calls.append(1)
-        return len(calls) == 2  # a Ctrl-C after the first block's copy
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a Ctrl-C lands after the first block's copy
+        copy(device, host, nbytes)
 
+    fake.to_device = interrupted
     with pytest.raises(KeyboardInterrupt):
-        mapping.restore(live, interrupted)
+        mapping.restore(live)
+    fake.to_device = copy
     assert mapping.asleep is not None and fake.on == set()
-    assert mapping.restore(live, lambda: False) == 100 + 2 * fake.granule
+    assert mapping.restore(live) == 100 + 2 * fake.granule
     assert mapping.asleep is None and fake.on == {0, 3, 4} and mapping.count == 3
     mapping.release()
     assert fake.released
@@ -144,11 +149,11 @@ def test_host_memory_kept_by_a_restore_serves_the_next_offload() -> None:
     live = [(at(fake, 0), 100)]
     mapping.admit(*live[0])
     mapping.offload(live)
-    mapping.restore(live, lambda: False, keep=True)
+    mapping.restore(live, keep=True)
     assert len(fake.staged) == 1 and mapping.kept_bytes == 100
     mapping.offload(live)  # no new host memory
     assert len(fake.staged) == 1 and mapping.kept_bytes == 0
-    mapping.restore(live, lambda: False, keep=True)
+    mapping.restore(live, keep=True)
     assert mapping.admit(at(fake, 2), 200) is None
     mapping.offload(live + [(at(fake, 2), 200)])  # more than was kept: new host memory
     assert len(fake.staged) == 2 and fake.staged[0].nbytes == 100

@@ -39,7 +39,6 @@ REACH = {
     "tree": "child._node.tree",
     "recorder": "child._node.tree.recorder",
     "pending": "child._node.tree.pending",
-    "state": "interrupts.STATE",
     "Stats": "child._node.stats",
     "registry": "child._node.tree.live",  # a live block's owner, read by the fast free
     "mapping": "child._node.tree.mapping",  # a growable root's granules
@@ -69,7 +68,7 @@ ATTACKS = slots_read_at_offsets() + writable_object_members() + [("registry", "o
 
 _SCRIPT = """
     import sys
-    from gpubudget import gpu_budget, interrupts
+    from gpubudget import gpu_budget
 
     where, slot = sys.argv[1], sys.argv[2]
 
@@ -105,7 +104,7 @@ _SCRIPT = """
                           "a PendingFrees": child._node.tree.pending, "a Budget": root}
                 value = others.get(label, value)
                 restore = []
-                target = eval(where, {"child": child, "interrupts": interrupts})
+                target = eval(where, {"child": child})
                 attempt("put", lambda: restore.append(put(target, value, blocks[0])))
                 for budget in (child, root):
                     attempt("allocate", lambda: budget.allocate(256))
@@ -130,7 +129,6 @@ _SCRIPT = """
             attack(value, label)
         except BaseException as exc:
             print(f"  raised {type(exc).__name__}", flush=True)
-    interrupts.STATE.pending = False
     print("done", flush=True)
 """
 

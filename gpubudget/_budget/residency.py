@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .. import interrupts
 from ..errors import BudgetError
-from ..interrupts import STATE, protect
-from .._core import Mapping, Node, Tree, let_in, unlock
+from .._core import Mapping, Node, Tree, let_in
 
 __all__ = ["Residency"]
 
@@ -51,7 +49,6 @@ class Residency:
         raise BudgetError(f"{what} is for a growable root budget (entered with initial=) that "
                           f"has not released; budget {node.name!r} is {why}")
 
-    @protect
     def trim(self) -> int:
         """Give back the device memory of every granule that no block touches; the bytes.
         A thread may call it in a loop: each call lets threads waiting to allocate or free
@@ -69,20 +66,11 @@ class Residency:
         (True, True, 0)
         """
         tree, _ = self._growable("trim()")
-        lock = tree.lock
-        try:  # see ``tree.unlock``
-            lock.acquire()
+        with tree.lock:
             freed = tree.trim()
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
         let_in(tree.turns)  # called in a loop, trim() must not keep allocations out
-        if STATE.pending and (due := interrupts.due()) is not None:
-            raise due
         return freed
 
-    @protect
     def offload(self, *, pinned: bool = True) -> int:
         """Put the budget to sleep: wait for the stream-ordered frees, copy every live block
         to host memory, unmap all its device memory; the bytes copied. ``pinned``: page-locked
@@ -94,7 +82,6 @@ class Residency:
         budget's memory until :meth:`restore`."""
         return self._move("offload", pinned)
 
-    @protect
     def restore(self, *, keep_host: bool = False) -> int:
         """Wake the budget: map device memory for its live blocks and copy their bytes back
         to the same addresses; the bytes copied (0 if it was awake). ``keep_host``: keep the
@@ -107,18 +94,9 @@ class Residency:
 
     def _move(self, way: Literal["offload", "restore"], option: bool) -> int:
         tree, mapping = self._growable(f"{way}()")
-        lock = tree.lock
-        try:  # see ``tree.unlock``
-            lock.acquire()
-            moved = (_offload(tree, mapping, option) if way == "offload"
-                     else _restore(tree, mapping, option))
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
-        if STATE.pending and (due := interrupts.due()) is not None:
-            raise due
-        return moved
+        with tree.lock:
+            return (_offload(tree, mapping, option) if way == "offload"
+                    else _restore(tree, mapping, option))
 
 
 def _offload(tree: Tree, mapping: Mapping, pinned: bool) -> int:
@@ -131,9 +109,4 @@ def _offload(tree: Tree, mapping: Mapping, pinned: bool) -> int:
 
 def _restore(tree: Tree, mapping: Mapping, keep: bool) -> int:
     return mapping.restore(((address, entry.nbytes) for address, entry in tree.entries()),
-                           _interrupted, keep)
-
-
-def _interrupted() -> bool:
-    """Whether a Ctrl-C came during the copies (taken: it is raised by ``restore``)."""
-    return STATE.pending and interrupts.take()
+                           keep)

@@ -21,7 +21,6 @@ import sys
 import weakref
 from typing import TYPE_CHECKING
 
-from .. import interrupts
 from .._core import Node, Probe, Tree, available
 from .. import door
 from ..report import (
@@ -36,7 +35,6 @@ from ..report import (
     Totals,
     Usage,
 )
-from ..interrupts import STATE, protect
 from ..text import printable
 from ..units import format_size
 
@@ -54,8 +52,8 @@ def snapshot(node: Node) -> BudgetReport:
     outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
     with node.lock:
         probed = [(member, tuple(member.probes.items())) for member in node.subtree()]
-    usage = {member: _usage(member, probes) for member, probes in probed}  # adapters' code:
-    with node.lock:  # outside the lock
+    usage = {member: _usage(member, probes) for member, probes in probed}
+    with node.lock if tree is None else tree.read():  # adapters' code ran outside it
         nodes = node.subtree()
         own: dict[Node, list[LiveBlock]] = {}
         free_bytes = largest_free = 0
@@ -161,8 +159,6 @@ def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ..
             library, outside, waiting_in_use, waiting_cached = (
                 [int(value) for value in more] + [0, 0, 0, 0])[:4]
         except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
-            if interrupts.foreign(exc):  # a signal handler's, say: the program's to see
-                raise
             with node.lock:
                 node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
             continue
@@ -256,10 +252,7 @@ def leaks_at_exit(budget: Budget) -> str | None:
 
 
 @atexit.register
-@protect  # a Ctrl-C meanwhile waits for gpubudget's exit handler, which delivers it
 def _report_leaks_at_exit() -> None:
-    if STATE.pending or interrupts.undelivered():
-        return  # the program was interrupted: its exit says so, and nothing else
     watched = list(_watched)
     for budget in watched:
         ancestor = budget.parent

@@ -135,7 +135,7 @@ native: Final[ModuleType | None] = load_native()
 
 # The door: the names the budget layer uses. Imported after ``native``, which they read.
 from .ledger import available  # noqa: E402
-from .locks import let_in, unlock  # noqa: E402
+from .locks import let_in  # noqa: E402
 from .memory import Mapping  # noqa: E402
 from .node import Node, Probe, State, install_fast_path  # noqa: E402
 from .recorder import EVENT_LOG_LIMIT  # noqa: E402
@@ -143,4 +143,4 @@ from .registry import LiveEntry  # noqa: E402
 from .tree import Denied, Tree, unreleased  # noqa: E402
 
 __all__ += ["EVENT_LOG_LIMIT", "Denied", "LiveEntry", "Mapping", "Node", "Probe", "State", "Tree",
-            "available", "install_fast_path", "let_in", "unlock", "unreleased"]
+            "available", "install_fast_path", "let_in", "unreleased"]

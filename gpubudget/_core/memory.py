@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Final
 
-from .. import interrupts
 from ..backends import Backend, Reservation
 from ..backends.virtual import Staging, VirtualRange
 from ..errors import BudgetError, InvariantError
@@ -114,9 +113,6 @@ class Mapping:
                     done.append(index)
         except Exception as exc:  # noqa: BLE001 - the device cannot back it: undo, say so
             self._undo(done)
-            if interrupts.foreign(exc):  # a signal handler's: raised once the call returns
-                interrupts.hold(exc)
-                return "interrupted"
             self._note(f"growth of {format_size(nbytes)} refused: {type(exc).__name__}: {exc}")
             return "device_full"
         self._tell("map", done)
@@ -177,14 +173,12 @@ class Mapping:
         self._unmap(self._mapped())
         return total
 
-    def restore(self, live: Iterable[tuple[int, int]], interrupted: Callable[[], bool],
-                keep: bool = False) -> int:
+    def restore(self, live: Iterable[tuple[int, int]], keep: bool = False) -> int:
         """Map the granules the blocks ``live`` touch and copy their bytes back to the same
         addresses; the bytes copied. ``keep``: the host memory is kept for the next offload
         (which then need not get, or lock, any). If the device cannot back them, a copy
-        fails, or ``interrupted()`` says so between two blocks, what was mapped here is
-        unmapped, the range stays asleep, and the error (or ``KeyboardInterrupt``) is
-        raised."""
+        fails, or an exception lands meanwhile (a Ctrl-C), what was mapped here is
+        unmapped, the range stays asleep, and the exception propagates."""
         asleep = self.asleep
         if asleep is None:
             return 0
@@ -196,8 +190,6 @@ class Mapping:
                 done.append(index)
             copied = 0
             for address, nbytes in blocks:
-                if interrupted():
-                    raise KeyboardInterrupt
                 self.memory.to_device(address, asleep.staging.address + asleep.offsets[address],
                                       nbytes)
                 copied += nbytes
@@ -264,16 +256,11 @@ class Mapping:
         never heard of)."""
         unmapped = 0
         gone: list[int] = []
-        landed: Exception | None = None  # a signal handler's, raised once this is done
         for index in indices:
             try:
                 self.memory.unmap(index)
             except Exception as exc:  # noqa: BLE001 - a broken driver: keep going, say so
-                if interrupts.foreign(exc):
-                    landed = landed or exc
-                else:
-                    self._note(f"unmapping granule {index} failed: {type(exc).__name__}: "
-                               f"{exc}")
+                self._note(f"unmapping granule {index} failed: {type(exc).__name__}: {exc}")
                 continue
             self.mapped[index] = 0
             unmapped += 1
@@ -283,8 +270,6 @@ class Mapping:
             self.published[0] = self.count * self.granule
         if told:
             self._tell("unmap", gone)
-        if landed is not None:
-            interrupts.hold(landed)
         return unmapped
 
     def _note(self, message: str) -> None:
@@ -324,8 +309,6 @@ def reserve(backend: Backend, capacity: int, align: int, name: str,
     except BudgetError:
         raise
     except Exception as exc:  # MemoryError, or whatever a backend of the user's raises
-        if interrupts.foreign(exc):  # a signal handler's: the entry fails with it
-            raise
         info = free_memory(backend)
         where = (f"{format_size(info[0])} free of {format_size(info[1])} total" if info
                  else "free memory unknown")
@@ -358,7 +341,5 @@ def free_memory(backend: Backend) -> tuple[int, int] | None:
     """The backend's ``(free, total)`` bytes, or ``None`` if it cannot say."""
     try:
         return backend.mem_info()
-    except Exception as exc:  # noqa: BLE001 - only a statistic
-        if interrupts.foreign(exc):
-            interrupts.hold(exc)
+    except Exception:  # noqa: BLE001 - the backend's failure: only a statistic
         return None

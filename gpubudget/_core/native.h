@@ -16,7 +16,7 @@
  *                             EventLog: a tree's bounded timeline, a ring of C records
  *   locks.c     locks.py      Lock: a tree's re-entrant lock; Python code holds it with
  *                             `with`, the fast path takes it without waiting
- *   registry.c  tree.py       Registry: a tree's live blocks (Tree.live), a dict's interface
+ *   registry.c  registry.py   Registry: a tree's live blocks (Tree.live), a dict's interface
  *   tree.c      tree.py       the fast path: the common case of Tree.allocate and Tree.free,
  *                             whole, as Budget.allocate and Budget.free (node.py installs it)
  *   adapter.c   ../adapter.py Router (by_device) and Clock (hand_clock)

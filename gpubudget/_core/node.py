@@ -19,15 +19,12 @@ from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import Backend
 from ..context import LABEL
-from .. import interrupts
-from ..interrupts import STATE
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
 from .memory import Mapping
 from . import native
 from .recorder import Recorder, Stats
 from .streams import PendingFrees
-from .locks import take
 from .tree import Tree, new_lock
 from ..units import format_size, round_up
 
@@ -70,7 +67,7 @@ class Node:
         self.track_stacks = track_stacks  # also true when an ancestor tracks stacks
         self.account = Account(self.name, limit, reserve)  # re-made under the parent at entry
         self.stats: Final = Stats()
-        self.lock = new_lock()  # the tree's once entered (see ``tree.unlock``)
+        self.lock = new_lock()  # the tree's once entered
         self.tree: Tree | None = None
         self.parent: Node | None = None
         self.children: list[Node] = []  # unreleased ones and the last released ones
@@ -121,13 +118,13 @@ class Node:
         if tree is None:
             raise BudgetNestingError(f"budget {self.name!r} entered inside {parent.name!r}, "
                                      f"which is {parent.state}")
-        lock = tree.lock
-        try:  # see ``tree.unlock``
-            take(lock, tree.turns)
-            self._open_under(parent, tree)
-            lock.release()
+        try:
+            tree.turns.waiting += 1  # counted (see locks.let_in)
+            with tree.lock:
+                tree.turns.arrived()
+                self._open_under(parent, tree)
         except BaseException:
-            tree.fault(lock)
+            tree.fault()
             raise
 
     def _open_under(self, parent: Node, tree: Tree) -> None:
@@ -176,28 +173,26 @@ class Node:
             return
         if self.parent is None:
             tree.note_free_at_exit()
-        lock = tree.lock
-        try:  # see ``tree.unlock``
-            take(lock, tree.turns)
-            hooks: list[Callable[[], None]] = []
-            if self.state == "open":
-                self.state = "exited"
-                tree.recorder.exited(self.id, root=self.parent is None)
-                self.release_if_unused()
-                hooks, self.exit_hooks = self.exit_hooks, []
-                if self.parent is not None and tree.root.trim_on_exit:
-                    tree.trim()
-            lock.release()
+        hooks: list[Callable[[], None]] = []
+        try:
+            tree.turns.waiting += 1  # counted (see locks.let_in)
+            with tree.lock:
+                tree.turns.arrived()
+                if self.state == "open":
+                    self.state = "exited"
+                    hooks, self.exit_hooks = self.exit_hooks, []
+                    tree.recorder.exited(self.id, root=self.parent is None)
+                    self.release_if_unused()
+                    if self.parent is not None and tree.root.trim_on_exit:
+                        tree.trim()
         except BaseException:
-            tree.fault(lock)
+            tree.fault()
             raise
-        for hook in hooks:
-            try:
-                hook()
-            except Exception as exc:  # noqa: BLE001 - leaving a scope never fails for an adapter
-                if interrupts.foreign(exc):  # a signal handler's: raised once __exit__ is done
-                    interrupts.hold(exc)
-                else:
+        finally:
+            for hook in hooks:  # run whatever lands meanwhile: an adapter's pools go back
+                try:
+                    hook()
+                except Exception as exc:  # noqa: BLE001 - leaving never fails for an adapter
                     tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:
@@ -266,6 +261,6 @@ def install_fast_path(budget: type) -> bool:
     if native is None:
         return False
     native.install(budget=budget, node=Node, tree=Tree, recorder=Recorder,
-                   pending=PendingFrees, mapping=Mapping, state=STATE, label=LABEL,
+                   pending=PendingFrees, mapping=Mapping, label=LABEL,
                    clock=time.perf_counter)
     return True

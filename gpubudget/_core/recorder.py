@@ -4,11 +4,11 @@
 budget that refused, bytes per tag, errors caught in callbacks). :class:`Recorder` holds a
 tree's event log and trace writer; its methods are the only place where an event is
 counted, logged and traced, so the three always agree. Every method is called with the
-tree's lock held, after the operation it records has been committed, and never raises: a
-trace writer that fails (a full disk) is dropped with one ``RuntimeWarning``, and the
-report's ``trace_error`` says why the trace stops there; any other exception raised in the
-clock or the writer (a signal handler's ``TimeoutError``, a Ctrl-C) is held and raised once
-the operation is whole (see :mod:`gpubudget.interrupts`).
+tree's lock held, after the operation it records has been committed: a trace writer that
+fails (a full disk) is dropped with one ``RuntimeWarning``, and the report's
+``trace_error`` says why the trace stops there; any other exception raised in the clock or
+the writer (a signal handler's ``TimeoutError``, a Ctrl-C) propagates, and the tree undoes
+the operation it cut short.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, Protocol
 
-from .. import interrupts
 from ..callers import user_stacklevel
 from ..errors import TraceError
 from . import native
@@ -170,17 +169,9 @@ class Recorder:
         self.root: int | None = None  # the root's budget id, once entered
 
     def _now(self) -> float:
-        """The clock's time for an event being recorded (the operation is already committed):
-        ``nan`` if the clock raises. A clock of the backend's that fails (its own code raised)
-        only leaves this event without a time; any other exception (a Ctrl-C, a signal
-        handler's landing here) is held, to be raised once the operation is whole (see
-        :func:`~gpubudget.interrupts.hold`)."""
-        try:
-            return float(self.clock())
-        except BaseException as exc:  # noqa: BLE001 - the accounting is committed: kept whole
-            if not _clock_failed(exc):
-                interrupts.hold(exc)
-        return float("nan")
+        """The clock's time for an event being recorded (the backend's clock, or
+        ``time.perf_counter``)."""
+        return float(self.clock())
 
     @property
     def logged(self) -> int:
@@ -286,25 +277,19 @@ class Recorder:
             self._shown(self.family.released, account)
 
     def _shown(self, change: Callable[..., None], *args: object) -> None:
-        """One change of what the host ledger shows. It is only shown: an exception in it
-        (a bug) stops showing this root's children and is told once as a warning; one from
-        outside (a signal handler's) is held for delivery once the operation is whole."""
+        """One change of what the host ledger shows. It is only shown: its file's failure
+        (an ``OSError``) stops showing this root's children and is told once as a warning."""
         try:
             change(*args)
-        except BaseException as exc:  # noqa: BLE001 - the accounting is committed: kept whole
-            if interrupts.foreign(exc):
-                interrupts.hold(exc)
-                return
+        except OSError as exc:
+            if exc.errno is None:  # not a system call's: raised into it (a signal handler's)
+                raise
             family, self.family = self.family, None
-            try:
-                if family is not None:
-                    family.close()
-                warnings.warn(f"gpubudget: child budgets are no longer shown in the host "
-                              f"ledger: {type(exc).__name__}: {exc}", RuntimeWarning,
-                              stacklevel=user_stacklevel())
-            except Exception as late:  # noqa: BLE001 - warnings turned into errors
-                if interrupts.foreign(late):
-                    interrupts.hold(late)
+            if family is not None:
+                family.close()
+            warnings.warn(f"gpubudget: child budgets are no longer shown in the host "
+                          f"ledger: {type(exc).__name__}: {exc}", RuntimeWarning,
+                          stacklevel=user_stacklevel())
 
     def exited(self, budget: int, root: bool) -> None:
         if self.writer is not None:
@@ -320,34 +305,22 @@ class Recorder:
         The writer's own failure (an ``OSError`` of its file: a full disk; a
         :class:`~gpubudget.errors.TraceError`: the file replaced or closed) ends the trace
         with one warning. Any other exception (a Ctrl-C, a signal handler's ``TimeoutError``
-        landing in the writer) is held for delivery once the operation is whole, and the
-        trace goes on: the event is written again if it was not queued (the writer counts
-        the events it queued, in one step with each). Nothing propagates: this runs inside
-        allocator callbacks.
+        landing in the writer) propagates: the operation it cut short is undone (see
+        :meth:`~gpubudget._core.tree.Tree.fault`).
         """
-        writer, queued = self.writer, -1
         try:
-            queued = writer.events if writer is not None else -1
             write(*args)
-        except BaseException as exc:  # noqa: BLE001 - see the docstring
-            if _writer_failed(exc):
-                self._trace_failed(exc)
-            else:
-                interrupts.hold(exc)
-                if writer is not None and self.writer is writer and (
-                        queued < 0 or writer.events == queued):
-                    self._trace(write, *args)  # not queued: once more
+        except (OSError, TraceError) as exc:
+            if not _writer_failed(exc):
+                raise
+            self._trace_failed(exc)
 
     def _trace_failed(self, exc: BaseException) -> None:
         writer, self.writer = self.writer, None
         path = writer.path if writer is not None else "?"
         self.trace_error = f"trace to {path!r} stopped: {type(exc).__name__}: {exc}"
-        try:
-            warnings.warn(f"gpubudget: {self.trace_error}; budgets go on without it",
-                          RuntimeWarning, stacklevel=user_stacklevel())
-        except Exception as late:  # noqa: BLE001 - warnings turned into errors must not escape
-            if interrupts.foreign(late):
-                interrupts.hold(late)
+        warnings.warn(f"gpubudget: {self.trace_error}; budgets go on without it",
+                      RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def _runs(indices: list[int]) -> Iterator[tuple[int, int]]:
@@ -364,16 +337,9 @@ def _runs(indices: list[int]) -> Iterator[tuple[int, int]]:
             start = at
 
 
-def _clock_failed(exc: BaseException) -> bool:
-    """Whether the clock's own code raised ``exc`` (an ``Exception`` raised below the frame
-    that called it, not from outside); not ``time.perf_counter``, which cannot fail."""
-    below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-    return below is not None and not interrupts.foreign(exc)
-
-
 def _writer_failed(exc: BaseException) -> bool:
     """Whether the trace writer raised ``exc`` because its file cannot be written: its own
     error, or an operating system's (which has an error number), not one from outside."""
     if isinstance(exc, TraceError):
         return True
-    return isinstance(exc, OSError) and exc.errno is not None and not interrupts.foreign(exc)
+    return isinstance(exc, OSError) and exc.errno is not None

@@ -1,11 +1,12 @@
 """A tree put right after an exception cut one of its operations short.
 
-An exception raised into gpubudget from outside (a signal handler's ``TimeoutError``, one
-given to ``PyThreadState_SetAsyncExc``, a trace function's) can land between any two
-instructions of an operation that holds the tree's lock: inside the pure-Python arena's or
-ledger's loops, or between two steps of a commit. The live-block registry and the pending
-stream-ordered frees change in one step each (an item set or deleted), so they are the
-truth: :func:`recover`, the tree's lock held, makes everything else agree with them again.
+An exception raised into gpubudget from outside (a Ctrl-C, a signal handler's
+``TimeoutError``) lands wherever Python runs a signal handler: after a call returns, at a
+function's start, at a loop's end; so, in the pure-Python core, inside the arena's or the
+ledger's loops, or between two steps of a commit, while the operation holds the tree's lock.
+The live-block registry and the pending stream-ordered frees change in one step each (an item
+set or deleted), so they are the truth: :func:`recover`, the tree's lock held, makes
+everything else agree with them again.
 
 - the arena holds exactly their blocks, with their sizes (rebuilt when it does not, or when
   its own invariants broke);

@@ -216,26 +216,43 @@ static PyObject *Registry_pop(RegistryObject *self, PyObject *const *args, Py_ss
     return NULL;
 }
 
-/* kind 0: keys, 1: values, 2: items; a list (a snapshot). */
+/* kind 0: keys, 1: values, 2: items; a list (a snapshot). The entries are copied first,
+ * with no Python object made: making the list's items may run the collector, whose
+ * finalizers may free blocks (this thread holds the tree's lock, which is re-entrant) and so
+ * change the registry under the loop. */
 static PyObject *reg_list(RegistryObject *self, int kind) {
-    PyObject *list = PyList_New(self->len);
-    if (list == NULL) return NULL;
-    Py_ssize_t n = 0;
-    for (Py_ssize_t i = 0; i < self->cap; i++) {
-        if (!self->keys[i]) continue;
-        PyObject *item;
-        if (kind == 0) item = PyLong_FromLongLong(self->keys[i] - 1);
-        else if (kind == 1) item = entry_tuple(&self->entries[i]);
-        else {
-            PyObject *value = entry_tuple(&self->entries[i]);
-            item = value ? Py_BuildValue("(LN)", self->keys[i] - 1, value) : NULL;
-        }
-        if (item == NULL) {
-            Py_DECREF(list);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, n++, item);
+    Py_ssize_t count = self->len, n = 0;
+    i64 *keys = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(i64));
+    Entry *entries = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(Entry));
+    if (keys == NULL || entries == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(entries);
+        return PyErr_NoMemory();
     }
+    for (Py_ssize_t i = 0; i < self->cap && n < count; i++) {
+        if (!self->keys[i]) continue;
+        keys[n] = self->keys[i] - 1;
+        entries[n] = self->entries[i];
+        Py_INCREF(entries[n].owner);
+        Py_XINCREF(entries[n].tag);
+        Py_XINCREF(entries[n].stack);
+        n++;
+    }
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t j = 0; j < n && list != NULL; j++) {
+        PyObject *item;
+        if (kind == 0) item = PyLong_FromLongLong(keys[j]);
+        else if (kind == 1) item = entry_tuple(&entries[j]);
+        else {
+            PyObject *value = entry_tuple(&entries[j]);
+            item = value ? Py_BuildValue("(LN)", keys[j], value) : NULL;
+        }
+        if (item == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, j, item);
+    }
+    for (Py_ssize_t j = 0; j < n; j++) entry_release(&entries[j]);
+    PyMem_Free(keys);
+    PyMem_Free(entries);
     return list;
 }
 

@@ -16,7 +16,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
-from .. import interrupts
 from ..backends import Event
 
 __all__ = ["Pending", "PendingFrees"]
@@ -97,19 +96,13 @@ class PendingFrees:
 
 
 def _finished(event: Event, wait: bool, on_error: Callable[[str], None]) -> bool:
-    """Whether the stream is done with a pending block (``wait``: once it is). A signal
-    handler's exception that lands here is held (raised once the operation is whole): the
-    answer is then "not yet", or, ``wait``, the wait goes on, as a Ctrl-C's would."""
-    while True:
-        try:
-            if wait:
-                event.synchronize()
-                return True
-            return event.query()
-        except Exception as exc:  # noqa: BLE001 - reported, and the block is not lost
-            if not interrupts.foreign(exc):
-                on_error(f"stream event failed, block freed: {type(exc).__name__}: {exc}")
-                return True
-            interrupts.hold(exc)
-            if not wait:
-                return False
+    """Whether the stream is done with a pending block (``wait``: once it is). An event that
+    fails (the backend's error) is reported and taken for done."""
+    try:
+        if wait:
+            event.synchronize()
+            return True
+        return event.query()
+    except Exception as exc:  # noqa: BLE001 - the backend's failure: reported, block not lost
+        on_error(f"stream event failed, block freed: {type(exc).__name__}: {exc}")
+        return True

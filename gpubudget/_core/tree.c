@@ -15,12 +15,11 @@ typedef struct {
     Py_ssize_t recorder_events, recorder_writer, recorder_clock;
     Py_ssize_t pending_fifo;
     Py_ssize_t mapping_mapped, mapping_asleep, mapping_address, mapping_granule;
-    Py_ssize_t state_pending;
 } Offsets;
 
 static Offsets at;
 static int configured = 0;
-static PyObject *state_object, *label_var, *perf_counter, *slow_allocate, *slow_free;
+static PyObject *label_var, *perf_counter, *slow_allocate, *slow_free;
 static PyObject *s_alignment, *s_tag, *s_stream, *s_raise_on_denial, *s_exited;
 
 int tree_init(void) {
@@ -61,11 +60,6 @@ static inline StatsObject *stats_of(PyObject *object) {
     if (object == NULL || !PyObject_TypeCheck(object, &StatsType)) return NULL;
     StatsObject *stats = (StatsObject *)object;
     return stats->tags != NULL && PyDict_CheckExact(stats->tags) ? stats : NULL;
-}
-
-static inline int state_pending(void) {
-    PyObject *pending = SLOT(state_object, at.state_pending);
-    return pending != NULL && pending != Py_False;
 }
 
 /* The time, from a clock the fast path reads without running Python code (the monotonic
@@ -208,7 +202,7 @@ retry:;
     PyObject *node = exactly(SLOT(self, at.budget_node), node_class);
     double time;
     Parts p;
-    if (node == NULL || stamp(node, &time) < 0 || state_pending()) goto slow_labelled;
+    if (node == NULL || stamp(node, &time) < 0) goto slow_labelled;
     if (SLOT(node, at.node_track_stacks) != Py_False ||
         SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
         goto slow_labelled;
@@ -300,7 +294,7 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     i64 address = as_i64(where, &ok);
     PyObject *node = exactly(SLOT(self, at.budget_node), node_class);
     double time;
-    if (!ok || node == NULL || stamp(node, &time) < 0 || state_pending()) goto slow;
+    if (!ok || node == NULL || stamp(node, &time) < 0) goto slow;
     Parts p;
     if (!tree_parts(node, &p)) goto slow;
     if (stream != NULL && stream != Py_None &&
@@ -421,13 +415,13 @@ static int put_method(PyObject *cls, PyMethodDef *def, PyObject *function) {
 }
 
 PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"budget", "node", "tree", "recorder", "pending", "mapping", "state",
+    static char *names[] = {"budget", "node", "tree", "recorder", "pending", "mapping",
                             "label", "clock", NULL};
-    PyObject *budget, *node, *tree, *recorder, *pending, *mapping, *state, *label, *clock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OOO:install", names, &PyType_Type,
+    PyObject *budget, *node, *tree, *recorder, *pending, *mapping, *label, *clock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OO:install", names, &PyType_Type,
                                      &budget, &PyType_Type, &node, &PyType_Type, &tree,
                                      &PyType_Type, &recorder, &PyType_Type, &pending,
-                                     &PyType_Type, &mapping, &state, &label, &clock))
+                                     &PyType_Type, &mapping, &label, &clock))
         return NULL;
     if (configured) {
         PyErr_SetString(PyExc_RuntimeError, "install() runs once");
@@ -458,8 +452,7 @@ PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
         slot_offset(mapping, "mapped", &o.mapping_mapped) < 0 ||
         slot_offset(mapping, "asleep", &o.mapping_asleep) < 0 ||
         slot_offset(mapping, "address", &o.mapping_address) < 0 ||
-        slot_offset(mapping, "granule", &o.mapping_granule) < 0 ||
-        slot_offset((PyObject *)Py_TYPE(state), "pending", &o.state_pending) < 0)
+        slot_offset(mapping, "granule", &o.mapping_granule) < 0)
         return NULL;
     PyObject *collections = PyImport_ImportModule("collections");
     PyObject *deque = collections ? PyObject_GetAttrString(collections, "deque") : NULL;
@@ -496,8 +489,6 @@ PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
     deque_class = (PyTypeObject *)deque; /* the reference kept */
     slow_allocate = allocate;
     slow_free = free;
-    Py_INCREF(state);
-    state_object = state;
     Py_INCREF(label);
     label_var = label;
     Py_INCREF(clock);

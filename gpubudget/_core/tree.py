@@ -15,9 +15,11 @@ Every operation has the same shape: checks that touch nothing; then, under the l
 refusal check, the placement, and one commit (charge the ledger, register the block, record
 the event). Side effects that can fail come before the commit (a stream event: if it fails,
 nothing changes and the caller is told) or after it, isolated (the trace writer). So an
-operation either happens whole or not at all. An exception at any instruction never leaves the
-lock held (see :func:`unlock`), and an operation it cuts short leaves the tree as its registry
-says: whole or not at all (:meth:`Tree.fault`, :mod:`~gpubudget._core.recovery`).
+operation either happens whole or not at all. Each holds the lock in a ``with`` block; an
+exception that lands inside one anyway (a Ctrl-C, a signal handler's ``TimeoutError``, which
+Python raises wherever the main thread runs Python code) propagates, and the operation it cut
+short leaves the tree as its registry says: whole or not at all (:meth:`Tree.fault`,
+:mod:`~gpubudget._core.recovery`).
 
 Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 
@@ -35,9 +37,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final, Literal
 
-from .. import interrupts
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
 from ..errors import InvariantError
@@ -48,14 +50,14 @@ from .registry import LiveEntry, Record, new_registry
 from .streams import PendingFrees
 from ..units import as_int, as_size, is_power_of_two, round_up
 from . import native
-from .locks import RLock, Turns, new_lock, owns, unlock, wait
+from .locks import Turns, new_lock
 from .recovery import recover
 
 if TYPE_CHECKING:
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from ..tracefile import TraceWriter
 
-__all__ = ["Denied", "Tree", "new_lock", "unlock", "unreleased"]  # 3 and 4 from locks.py
+__all__ = ["Denied", "Tree", "new_lock", "unreleased"]  # new_lock from locks.py
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -78,14 +80,14 @@ class Tree:
 
     __slots__ = ("root", "lock", "turns", "backend", "device", "reservation", "mapping", "arena",
                  "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
-                 "fast", "closed")
+                 "fast", "closed", "reading", "deferred")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None, limit: int,
                  initial: int | None = None) -> None:
         capacity = round_up(limit, root.align)
         reservation, base = reserve(backend, capacity, root.align, root.name, initial)
         self.root: Final = root
-        self.lock: Final = new_lock()  # re-entrant for ``unlock`` and a moving resize
+        self.lock: Final = new_lock()  # re-entrant for a moving resize
         self.turns: Final = Turns()  # who waits for it (see ``locks.let_in``)
         self.backend: Final = backend
         self.device: Final = device_of(backend)
@@ -107,6 +109,10 @@ class Tree:
         # sends every call through the methods below (tests compare the two).
         self.fast = native is not None
         self.closed: str | None = None  # why no block of it may change any more (close_to)
+        # walks of the registry under way in the thread holding the lock (see ``read``), and
+        # the frees that arrived meanwhile (a finalizer the collector ran inside the walk)
+        self.reading = 0
+        self.deferred: list[tuple[Node, int, int | None]] = []
         _unreleased.add(self)
 
     # -- the three operations --------------------------------------------------------------
@@ -140,43 +146,42 @@ class Tree:
             if align > granularity:
                 granularity = align
         nbytes = (size + granularity - 1) & -granularity
-        lock = self.lock
+        turns = self.turns
         address = None
-        try:  # taken and released inside ``try``: see ``unlock``
-            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
-                wait(lock, self.turns)
-            if node.refusal is not None:
-                self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name, why)
-            else:
+        try:
+            turns.waiting += 1  # counted (see locks.let_in)
+            with self.lock:
+                turns.arrived()
+                if node.refusal is not None:
+                    self._deny_locked(node, size, align, tag, nbytes, node.refusal, node.name,
+                                      why)
+                    return None
                 account = node.account
                 refused = refusal(account, nbytes)
                 if refused is not None:
                     refused.refusals += 1
                     self._deny_locked(node, size, align, tag, nbytes, "over_limit",
                                       refused.name, why)
+                    return None
+                if self.pending:
+                    address = self._place_with_pending(nbytes, granularity, stream)
                 else:
-                    if self.pending:
-                        address = self._place_with_pending(nbytes, granularity, stream)
-                    else:
-                        address = self.arena.allocate(nbytes, granularity)
-                    reason = "fragmented"
-                    if address is not None and self.mapping is not None:
-                        reason = self.mapping.admit(address, nbytes) or reason
-                        if reason != "fragmented":  # asleep, or the device cannot back it
-                            self.arena.free(address)
-                            address = None
-                    if address is None:
-                        self._deny_locked(node, size, align, tag, nbytes, reason, node.name,
-                                          why)
-                    else:
-                        charge(account, nbytes)  # the commit: ledger, registry, record
-                        self.live[address] = (node, nbytes, tag, stack)
-                        self.recorder.granted(node.stats, node.id, size, align, tag, address,
-                                              nbytes, account.used, self.root.account.used,
-                                              stack)
-            lock.release()
+                    address = self.arena.allocate(nbytes, granularity)
+                reason = "fragmented"
+                if address is not None and self.mapping is not None:
+                    reason = self.mapping.admit(address, nbytes) or reason
+                    if reason != "fragmented":  # asleep, or the device cannot back it
+                        self.arena.free(address)
+                        address = None
+                if address is None:
+                    self._deny_locked(node, size, align, tag, nbytes, reason, node.name, why)
+                    return None
+                charge(account, nbytes)  # the commit: ledger, registry, record
+                self.live[address] = (node, nbytes, tag, stack)
+                self.recorder.granted(node.stats, node.id, size, align, tag, address, nbytes,
+                                      account.used, self.root.account.used, stack)
         except BaseException:
-            self.fault(lock, address)  # the block, if granted, was never handed out
+            self.fault(address)  # the block, if granted, is not handed out
             raise
         return address
 
@@ -185,72 +190,85 @@ class Tree:
         if ``on_stream`` is not a stream."""
         address = where if type(where) is int else as_int(where) or 0  # no block is at 0
         stream = on_stream if on_stream is None or type(on_stream) is int else as_int(on_stream)
-        lock = self.lock
-        try:  # see ``unlock``
-            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
-                wait(lock, self.turns)
-            done = False
-            record = self.live.get(address)
-            if (stream is None and on_stream is not None) or self.closed is not None:
-                record = None
-            if record is None or not (record[0] is node or node.encloses(record[0])):
-                node.stats.invalid_frees += 1
-            else:
+        turns = self.turns
+        try:
+            turns.waiting += 1  # counted (see locks.let_in)
+            with self.lock:
+                turns.arrived()
+                record = self.live.get(address)
+                if (stream is None and on_stream is not None) or self.closed is not None:
+                    record = None
+                if record is None or not (record[0] is node or node.encloses(record[0])):
+                    node.stats.invalid_frees += 1
+                    return False
+                if self.reading:  # a finalizer inside a walk of this thread's: freed after it
+                    self.deferred.append((node, address, stream))
+                    return True
                 owner, nbytes, tag, _ = record
                 event: Event | None | Literal[False] = None
                 if stream is not None and self.ordered and (
                         self.mapping is None or self.mapping.asleep is None):
                     # before the commit: if the stream cannot take an event, nothing changes
                     event = self._event_on(owner, stream)
-                if event is not False:
-                    del self.live[address]  # the commit
-                    charge(owner.account, -nbytes)
-                    if event is None or stream is None:
-                        self.arena.free(address)
-                    else:
-                        self.pending.add(address, nbytes, stream, event)
-                    self.recorder.freed(owner.stats, owner.id, address, nbytes, tag,
-                                        owner.account.used, self.root.account.used)
-                    if owner.state == "exited":
-                        owner.release_if_unused()
-                    done = True
-            lock.release()
+                if event is False:
+                    return False
+                del self.live[address]  # the commit
+                charge(owner.account, -nbytes)
+                if event is None or stream is None:
+                    self.arena.free(address)
+                else:
+                    self.pending.add(address, nbytes, stream, event)
+                self.recorder.freed(owner.stats, owner.id, address, nbytes, tag,
+                                    owner.account.used, self.root.account.used)
+                if owner.state == "exited":
+                    owner.release_if_unused()
         except BaseException:
-            self.fault(lock)
+            self.fault()
             raise
-        return done
+        return True
 
     def resize(self, node: Node, where: object, new_size: object,
                alignment: object) -> int | None:
         """Grow or shrink a block in place, else move it (copying ``min(old, new)`` bytes),
         else ``None`` with the old block untouched."""
         address = where if type(where) is int else as_int(where) or 0
-        lock = self.lock
-        try:  # see ``unlock``; held through a move, so that no thread sees it half done
-            if not lock.acquire(False):  # held elsewhere: wait, counted (see locks.let_in)
-                wait(lock, self.turns)
-            outcome = self._resize_in_place(node, address, new_size, alignment)
-            moved = self._move(address, outcome) if isinstance(outcome, tuple) else outcome
-            lock.release()
-        except BaseException:
-            self.fault(lock)
-            raise
-        return moved
-
-    def fault(self, lock: RLock, granted: int | None = None) -> None:
-        """In the ``except`` of an operation cut short by an exception (one raised into it
-        from outside, at any instruction): if it held the lock, or registered a block
-        (``granted``) that it will not hand out, put the tree right
-        (:func:`~gpubudget._core.recovery.recover`); release the lock if it holds it."""
-        held = owns(lock)
-        if not held and (granted is None or granted not in self.live):
-            return
+        turns = self.turns
         try:
-            if not held:
-                lock.acquire()
+            turns.waiting += 1  # counted (see locks.let_in)
+            with self.lock:  # held through a move, so that no thread sees it half done
+                turns.arrived()
+                outcome = self._resize_in_place(node, address, new_size, alignment)
+                return self._move(address, outcome) if isinstance(outcome, tuple) else outcome
+        except BaseException:
+            self.fault()
+            raise
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Hold the lock for a walk of the registry and the arena (a report, ``check()``):
+        a block freed meanwhile by this thread (a finalizer that the collector runs at an
+        allocation inside the walk; the lock is re-entrant) is freed as the walk ends, so
+        that the walk sees one state, and nothing changes under its loops."""
+        with self.lock:
+            self.reading += 1
+            fast, self.fast = self.fast, False  # every free through ``free`` meanwhile
+            try:
+                yield
+            finally:
+                self.reading -= 1
+                if not self.reading:
+                    self.fast = fast if self.closed is None else False
+                    deferred, self.deferred = self.deferred, []
+                    for node, address, stream in deferred:
+                        self.free(node, address, stream)
+
+    def fault(self, granted: int | None = None) -> None:
+        """In the ``except`` of an operation cut short by an exception that landed inside it
+        (a Ctrl-C, a signal handler's): put the tree right under its lock
+        (:func:`~gpubudget._core.recovery.recover`), dropping ``granted``, a block the
+        operation registered and will not hand out."""
+        with self.lock:
             recover(self, granted)
-        finally:
-            unlock(lock)
 
     def _move(self, address: int, move: _Move) -> int | None:
         """Lock held (taken again by ``allocate`` and ``free``): a new block, the bytes
@@ -261,13 +279,10 @@ class Tree:
             return None
         try:
             self.backend.copy(moved, address, min(old, nbytes))
-        except Exception as exc:  # noqa: BLE001 - resize never raises; the old block stays
+        except Exception as exc:  # noqa: BLE001 - the backend's failure: the old block stays
             self.free(owner, moved, None)
-            if interrupts.foreign(exc):  # a signal handler's: raised once resize returns
-                interrupts.hold(exc)
-            else:
-                self.note_error(owner, f"resize copy failed, block kept: "
-                                       f"{type(exc).__name__}: {exc}")
+            self.note_error(owner, f"resize copy failed, block kept: "
+                                   f"{type(exc).__name__}: {exc}")
             return None
         self.free(owner, address, None)
         return moved
@@ -345,15 +360,8 @@ class Tree:
 
     def _record(self, where: object) -> Record | None:
         address = where if type(where) is int else as_int(where) or 0
-        lock = self.lock
-        try:  # see ``unlock``
-            lock.acquire()
-            record = self.live.get(address)
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
-        return record
+        with self.lock:
+            return self.live.get(address)
 
     def entries(self) -> Iterator[tuple[int, LiveEntry]]:
         """Lock held: every live block's address and entry."""
@@ -365,28 +373,19 @@ class Tree:
     def _event_on(self, owner: Node, stream: int) -> Event | None | Literal[False]:
         """Lock held: an event recorded on ``stream`` now, ``None`` if its work is already
         complete, ``False`` (the error kept for ``owner``'s report) if the stream cannot take
-        one. (A function of its own for its ``try``: see :func:`unlock`.)"""
+        one."""
         try:
             event = self.backend.record_event(stream)
             return None if event.query() else event
-        except Exception as exc:  # noqa: BLE001 - free never raises
-            if interrupts.foreign(exc):  # a signal handler's: raised once free returns
-                interrupts.hold(exc)
-            else:
-                owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
-                                          f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the backend's failure: free never raises
+            owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
+                                      f"{type(exc).__name__}: {exc}")
             return False
 
     def note_error(self, node: Node, message: str) -> None:
         """Keep an error for ``node``'s report (an operation that failed and changed nothing)."""
-        lock = self.lock
-        try:  # see ``unlock``
-            lock.acquire()
+        with self.lock:
             node.stats.errors.append(message)
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
 
     def deny(self, node: Node, size: int, reason: str) -> None:
         """Count a request an adapter refused before it asked (``wrong_device``)."""
@@ -394,14 +393,8 @@ class Tree:
 
     def _deny(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
               reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
-        lock = self.lock
-        try:  # see ``unlock``
-            lock.acquire()
+        with self.lock:
             self._deny_locked(node, size, alignment, tag, nbytes, reason, refused_by, why)
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
 
     def _deny_locked(self, node: Node, size: int, alignment: int, tag: str | None, nbytes: int,
                      reason: str, refused_by: str, why: list[Denied] | None = None) -> None:
@@ -446,23 +439,14 @@ class Tree:
         if reservation is not None:
             try:
                 reservation.release()
-            except Exception as exc:  # noqa: BLE001 - the accounting is done; say so
-                if interrupts.foreign(exc):
-                    interrupts.hold(exc)
-                else:
-                    self.root.stats.errors.append(
-                        f"returning the reservation failed: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the backend's failure: the accounting is done
+                self.root.stats.errors.append(
+                    f"returning the reservation failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""
-        lock = self.lock
-        try:  # see ``unlock``
-            lock.acquire()
+        with self.read():
             self._check_locked()
-            lock.release()
-        except BaseException:
-            unlock(lock)
-            raise
 
     def _check_locked(self) -> None:
         self.arena.check()

@@ -14,7 +14,6 @@ import threading
 import warnings
 from typing import Final
 
-from .. import interrupts
 from ..callers import user_stacklevel
 from ..errors import BackendError
 from .base import Backend, Event, Reservation
@@ -60,8 +59,6 @@ def _create(name: str, device: int | None) -> Backend:
 
         return PyCudaBackend(device if device is not None else 0)
     except Exception as exc:  # ImportError, cuda.Error, missing libcuda, no such device
-        if interrupts.foreign(exc):  # a signal handler's, say: not the backend's failure
-            raise
         raise BackendError(
             f"the 'pycuda' backend is not usable here for device {device} "
             f"({type(exc).__name__}: {exc}); install PyCUDA (pip install 'gpubudget[cuda]') on "
@@ -86,9 +83,7 @@ def cuda_usable() -> bool:
 
         cuda.init()
         return bool(cuda.Device.count() > 0)
-    except Exception as exc:  # noqa: BLE001 - any failure means "no usable CUDA here"
-        if interrupts.foreign(exc):
-            raise
+    except Exception:  # noqa: BLE001 - any failure means "no usable CUDA here"
         return False
 
 
@@ -99,9 +94,7 @@ def current_device() -> int:
         from .pycuda import current_device as current
 
         return current()
-    except Exception as exc:  # noqa: BLE001 - no CUDA here: device 0
-        if interrupts.foreign(exc):  # inside a callback: raised once it is whole
-            interrupts.hold(exc)
+    except Exception:  # noqa: BLE001 - no CUDA here: device 0
         return 0
 
 

@@ -171,19 +171,19 @@ class DeviceBook:
         """The file's lock, exclusive, for a change of slot owners; :class:`LedgerLocked`
         after :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while the lock seems stuck), or
         after ``wait`` seconds if given (a wait that short says nothing of a stuck lock)."""
-        if wait is None:
-            self.threads.acquire()
-        elif not self.threads.acquire(timeout=wait):
-            raise LedgerLocked(f"the ledger file {str(self.path)!r} is in use by another "
-                               f"thread of this process for more than {wait:g} s")
+        got = self.threads.acquire(timeout=-1 if wait is None else wait)
         try:
+            if not got:
+                raise LedgerLocked(f"the ledger file {str(self.path)!r} is in use by another "
+                                   f"thread of this process for more than {wait:g} s")
             self._take(wait)
             try:
                 yield
             finally:
                 self._drop()
         finally:
-            self.threads.release()
+            if got:
+                self.threads.release()
 
     @contextmanager
     def current(self) -> Iterator[SlotIndex]:

@@ -18,9 +18,10 @@ block is freed on the stream it was allocated for (remembered per block), whatev
 
 Answers. ``allocate``/``allocate_async``/``reallocate`` return an ``int`` address or
 ``None``; ``deallocate``/``deallocate_async`` return ``True`` or ``False``. Every callback
-catches everything (``BaseException``): an error is recorded in the budget's report and
-answered as a denial; a Ctrl-C is answered the same way and raised again in the main thread
-once control is back in Python (see :mod:`gpubudget.adapter`).
+catches everything (``BaseException``) and answers as a denial (a null address, ``False``):
+a Ctrl-C is raised again in the main thread once control is back in Python, anything else
+is recorded in the budget's report and sent to ``sys.unraisablehook`` (see
+:mod:`gpubudget.interrupts`).
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ from __future__ import annotations
 import os
 import threading
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from ..adapter import callback, callback_failed, current_device, pass_on_interrupt
+from ..adapter import callback_failed, current_device
 from ..budget import Budget
 from ..scope import current_budget, current_label
 from .order import AllocatorOrder, allocator_order
 
 __all__ = ["AllocatorMethods", "RememberingMethods", "allocator_class", "argument_order"]
 
-A = TypeVar("A")
+A = TypeVar("A", bound=int)
 _lock = threading.Lock()
 # a child forked while another thread held it must not wait for that thread
 os.register_at_fork(after_in_child=getattr(_lock, "_at_fork_reinit"))
@@ -58,12 +59,10 @@ class AllocatorMethods:
 
     argument_order: AllocatorOrder  # how this class's binding passes its arguments
 
-    @callback
     def allocate(self, size: int, alignment: int, flags: int) -> int | None:
         """TensorRT callback: a block of ``size`` bytes, or ``None`` (denied)."""
         return self._allocate(size, alignment, None, "allocate")
 
-    @callback
     def allocate_async(self, size: int, alignment: int, third: int, fourth: int) -> int | None:
         """TensorRT callback: a block for use on the stream, or ``None`` (denied); tagged
         with the current label, else this allocator's phase. The stream is ``fourth``
@@ -88,16 +87,13 @@ class AllocatorMethods:
             address = target.allocate(size, alignment, tag=current_label() or self.phase,
                                       stream=stream)
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
-            return self._failed(where, exc, None)
-        pass_on_interrupt()
+            return self._failed(where, exc, 0)
         return address
 
-    @callback
     def deallocate(self, memory: int) -> bool:
         """TensorRT callback: free a block by address; ``False`` if it is not ours."""
         return self.deallocate_async(memory, None)
 
-    @callback
     def deallocate_async(self, memory: int, stream: int | None) -> bool:
         """TensorRT callback: free a block once ``stream``'s queued work is done with it."""
         try:
@@ -107,10 +103,8 @@ class AllocatorMethods:
         except BaseException as exc:  # noqa: BLE001
             return self._failed("deallocate" if stream is None else "deallocate_async", exc,
                                 False)
-        pass_on_interrupt()
         return done
 
-    @callback
     def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
         """TensorRT callback: resize in place, else move (copying ``min(old, new)`` bytes),
         else ``None`` with the old block still valid."""
@@ -120,15 +114,14 @@ class AllocatorMethods:
             owner = self.root.owner_of(address)
             moved = owner.resize(address, new_size, alignment) if owner is not None else None
         except BaseException as exc:  # noqa: BLE001
-            return self._failed("reallocate", exc, None)
-        pass_on_interrupt()
+            return self._failed("reallocate", exc, 0)
         return moved
 
     def _failed(self, where: str, exc: BaseException, answer: A) -> A:
-        """Record ``exc`` and answer as denied; a Ctrl-C is passed on to the main thread
-        (TensorRT may call from threads of its own)."""
-        callback_failed(self.budget, where, exc, other_threads=True)
-        return answer
+        """Record ``exc``; what to answer: ``answer``, or in the main thread an equal
+        ``int`` that carries a Ctrl-C (see :func:`gpubudget.adapter.callback_failed`),
+        returned as it is, as the callback's last step."""
+        return cast(A, callback_failed(self.budget, where, exc, answer))
 
     def __repr__(self) -> str:
         return f"<gpubudget allocator for {self.budget!r}>"
@@ -150,10 +143,9 @@ class RememberingMethods(AllocatorMethods):
                     self.streams[address] = stream
             except BaseException as exc:  # noqa: BLE001 - all or nothing: give it back
                 self.root.free(address)
-                return self._failed(where, exc, None)
+                return self._failed(where, exc, 0)
         return address
 
-    @callback
     def deallocate_async(self, memory: int, stream: int | None) -> bool:
         """TensorRT callback: free a block once the work queued on the stream it was
         allocated for is done (the stream that arrives is not trusted)."""
@@ -168,10 +160,9 @@ class RememberingMethods(AllocatorMethods):
                 with self.lock:
                     self.streams.pop(memory, None)
             except BaseException as exc:  # noqa: BLE001 - freed; only the note stays
-                callback_failed(self.budget, "deallocate_async", exc, other_threads=True)
+                return self._failed("deallocate_async", exc, True)
         return done
 
-    @callback
     def reallocate(self, address: int, alignment: int, new_size: int) -> int | None:
         """TensorRT callback: as :meth:`AllocatorMethods.reallocate`; a moved block keeps
         its stream."""
@@ -181,7 +172,7 @@ class RememberingMethods(AllocatorMethods):
                 with self.lock:
                     self.streams[moved] = self.streams.pop(address, None)
             except BaseException as exc:  # noqa: BLE001 - moved; only the note is lost
-                callback_failed(self.budget, "reallocate", exc, other_threads=True)
+                return self._failed("reallocate", exc, moved)
         return moved
 
 

@@ -27,7 +27,7 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from ..adapter import callback, callback_failed, pass_on_interrupt
+from ..adapter import callback_failed
 from ..budget import Budget
 from .lifetime import require_budget
 from .module import load_module, module_of
@@ -56,7 +56,6 @@ class OutputMethods:
     shapes: dict[str, tuple[int, ...]]
     retired: list[int]  # replaced buffers kept until close (stream not trusted)
 
-    @callback
     def reallocate_output_async(self, tensor_name: str, memory: int, size: int,
                                 alignment: int, stream: int) -> int | None:
         """TensorRT callback: a buffer of at least ``size`` bytes for output
@@ -64,15 +63,14 @@ class OutputMethods:
         trusted = stream if self.argument_order.stream else None
         return self._reallocate(tensor_name, size, alignment, trusted, "reallocate_output_async")
 
-    @callback
     def reallocate_output(self, tensor_name: str, memory: int, size: int,
                           alignment: int) -> int | None:
         """TensorRT callback (the older form, without a stream)."""
         return self._reallocate(tensor_name, size, alignment, None, "reallocate_output")
 
-    @callback
-    def notify_shape(self, tensor_name: str, shape: Any) -> None:
-        """TensorRT callback: the shape of output ``tensor_name`` for this inference."""
+    def notify_shape(self, tensor_name: str, shape: Any) -> int | None:
+        """TensorRT callback: the shape of output ``tensor_name`` for this inference (what it
+        returns TensorRT does not read: after a failure, what carries a Ctrl-C)."""
         try:
             dims = tuple(int(d) for d in shape)
             if not isinstance(tensor_name, str) or len(dims) > MAX_DIMS or any(
@@ -83,9 +81,8 @@ class OutputMethods:
                 if not self.closed:
                     self.shapes[tensor_name] = dims
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
-            callback_failed(self.budget, "notify_shape", exc, other_threads=True)
-            return
-        pass_on_interrupt()
+            return callback_failed(self.budget, "notify_shape", exc)
+        return None
 
     def _reallocate(self, name: object, size: object, alignment: object, stream: int | None,
                     where: str) -> int | None:
@@ -114,9 +111,7 @@ class OutputMethods:
                     # no trusted stream, or it could not take an event: kept until close
                     self.retired.append(current[0])
         except BaseException as exc:  # noqa: BLE001 - nothing may leave a callback
-            callback_failed(self.budget, where, exc, other_threads=True)
-            return None
-        pass_on_interrupt()
+            return callback_failed(self.budget, where, exc)  # a null address
         return address
 
     def address(self, name: str) -> int | None:

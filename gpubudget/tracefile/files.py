@@ -34,7 +34,6 @@ import os
 import stat
 from typing import Final
 
-from .. import interrupts
 from ..errors import TraceWriteError
 from ..text import printable
 from .format import FORMAT
@@ -284,10 +283,9 @@ def _reason(exc: OSError) -> str:
     return printable(exc.strerror or str(exc))
 
 
-def _raise_if_foreign(exc: BaseException) -> None:
-    """Raise ``exc`` again, as it is, if it is no failure of the file: one raised into this
-    code from outside (a signal handler's ``TimeoutError`` is an ``OSError`` too: see
-    :func:`~gpubudget.interrupts.foreign`), or an ``OSError`` that no system call raised
-    (it has no error number)."""
-    if interrupts.foreign(exc) or (isinstance(exc, OSError) and exc.errno is None):
+def _raise_if_foreign(exc: Exception) -> None:
+    """Raise ``exc`` again, as it is, if it is no failure of the file: an ``OSError`` that no
+    system call raised (it has no error number), such as a signal handler's
+    ``TimeoutError``."""
+    if isinstance(exc, OSError) and exc.errno is None:
         raise exc

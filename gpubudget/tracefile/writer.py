@@ -15,10 +15,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
-from .. import interrupts
 from ..errors import TraceWriteError
 from .files import TraceBusy, file_id, open_for_writing, reopen
 from .format import (
@@ -169,17 +167,11 @@ class TraceWriter:
         where its memory starts (``base``) and, for a growable root, the ``granule`` it maps
         at a time."""
         if parent is None:
-            lock = self._lock
-            try:
-                lock.acquire()
+            with self._lock:
                 if self._closed is None and self._fd is None:  # held while the root is open
                     self._fd = self._reopened()
                 self._roots.add(budget)
                 self._expected = False
-                lock.release()
-            except BaseException:
-                _unlock(lock)
-                raise
         fields: dict[str, Any] = {
             "b": budget, "name": shortened(name), "parent": parent, "limit": limit,
             "align": align, "reserve": reserve,
@@ -212,14 +204,8 @@ class TraceWriter:
         else:
             now = time.perf_counter()
             record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
-            lock = self._lock
-            try:  # the frames' lines and the one naming them, in this order
-                lock.acquire()
+            with self._lock:  # the frames' lines and the one naming them, in this order
                 self._stack_lines(record, stack, now)
-                lock.release()
-            except BaseException:
-                _unlock(lock)
-                raise
 
     def _stack_lines(self, record: dict[str, Any], stack: tuple[str, ...], now: float) -> None:
         """Lock held: ``record`` with a line for each frame of ``stack`` not written yet
@@ -264,18 +250,12 @@ class TraceWriter:
         """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed.
         (The root is forgotten before its event is queued: written again after an exception,
         the event finds it gone, and :meth:`flush` closes the file.)"""
-        lock = self._lock
-        try:
-            lock.acquire()
+        with self._lock:
             root = budget in self._roots
             self._roots.discard(budget)
             self._event("exit", {"b": budget})
             if root:
                 self._flush_and_close_if_idle()
-            lock.release()
-        except BaseException:
-            _unlock(lock)
-            raise
 
     def _flush_and_close_if_idle(self) -> None:
         """Lock held: flush, then close the file if no root writes to it, even if the flush
@@ -287,14 +267,8 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Hand the buffered lines to the operating system."""
-        lock = self._lock
-        try:
-            lock.acquire()
+        with self._lock:
             self._flush(time.perf_counter())
-            lock.release()
-        except BaseException:
-            _unlock(lock)
-            raise
 
     def close(self) -> None:
         """Flush, then close the file (which releases its lock); nothing more is written."""
@@ -330,19 +304,13 @@ class TraceWriter:
 
     def _line(self, record: dict[str, Any], now: float) -> None:
         line = json.dumps(record) + "\n"
-        lock = self._lock
-        try:
-            lock.acquire()
+        with self._lock:
             if self._closed is not None:
                 raise TraceWriteError(self._closed)
             waiting = self._queue[1]
             waiting.append(line)
             if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
                 self._flush(now)
-            lock.release()
-        except BaseException:
-            _unlock(lock)
-            raise
 
     def _flush(self, now: float) -> None:
         """Lock held: write out the queued lines (all of them, or an ``OSError`` or a
@@ -368,7 +336,7 @@ class TraceWriter:
             self._size = writing.start + writing.nbytes
             self._writing = None
         except OSError as exc:
-            if exc.errno is not None and not interrupts.foreign(exc):  # the file's failure
+            if exc.errno is not None:  # the file's failure (not a signal handler's)
                 self._writing = None  # the trace stops: nothing left to finish
                 self._frames.clear()  # their lines may be lost: write them again, new ids
             raise
@@ -462,13 +430,6 @@ def _write_all(fd: int, data: bytes) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
-
-
-def _unlock(lock: threading.RLock) -> None:
-    """Release ``lock`` if this thread holds it (what an ``except`` does; see ``enter``)."""
-    is_owned: Callable[[], bool] = getattr(lock, "_is_owned")
-    if is_owned():
-        lock.release()
 
 
 _every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
