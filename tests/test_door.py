@@ -142,10 +142,12 @@ def test_mem_get_info_answers_the_budget(lab: Path, pure: bool) -> None:
                 out["child"] = driver.info("proc")
                 child.free(block); driver.free(a)
             out["root"] = driver.info("direct")
+        with gpu_budget("2GiB", backend="host"):  # more than the device has
+            out["big"] = driver.info()
     """
     out = python(lab, code, pure, FAKECUDA_TOTAL=str(1 << 30))
     assert out == {"device": [1 << 30, 1 << 30], "child": [(1 << 20) - (384 << 10), 1 << 20],
-                   "root": [4 << 20, 4 << 20]}
+                   "root": [4 << 20, 4 << 20], "big": [1 << 30, 1 << 30]}
     seen = python(lab, code, pure, ("--device-info",), FAKECUDA_TOTAL=str(1 << 30))
     assert seen["child"] == [(1 << 30) - (128 << 10), 1 << 30]
     assert seen["root"] == [1 << 30, 1 << 30]
@@ -449,9 +451,14 @@ def test_every_entry_point_is_charged_and_given_back(lab: Path) -> None:
                  lambda: h.cuMemFree_v2(p))
             # virtual memory: charged at create, given back once released and unmapped
             handle, address = c.c_ulonglong(), P()
+            prop = (c.c_int * 8)(0, 0, 2, 0)  # location.type 2: host memory, not charged
+            assert h.cuMemCreate(c.byref(handle), S(2 << 20), prop, c.c_ulonglong(0)) == 0
+            out["host located"] = held(root)
+            assert h.cuMemRelease(handle) == 0
+            prop[2] = 1  # CU_MEM_LOCATION_TYPE_DEVICE
             assert h.cuMemAddressReserve(c.byref(address), S(4 << 20), S(0), P(0),
                                          c.c_ulonglong(0)) == 0
-            out["create"] = h.cuMemCreate(c.byref(handle), S(2 << 20), None, c.c_ulonglong(0))
+            out["create"] = h.cuMemCreate(c.byref(handle), S(2 << 20), prop, c.c_ulonglong(0))
             out["created"] = held(root)
             assert h.cuMemMap(address, S(2 << 20), S(0), handle, c.c_ulonglong(0)) == 0
             assert h.cuMemRelease(handle) == 0
@@ -468,5 +475,6 @@ def test_every_entry_point_is_charged_and_given_back(lab: Path) -> None:
         "cuMemAllocFromPoolAsync": [0, 7000, 0], "cuMemAllocPitch_v2": [0, 1024 * 3, 0],
         "cuMemAlloc": [0, 3000, 0], "cuMemAllocPitch": [0, 512 * 2, 0],
         "cuMemAllocAsync_ptsz": [0, 8000, 0], "cuMemAlloc via two lookups": [0, 9000, 0]}
-    assert out == {"create": 0, "created": 2 << 20, "released, mapped": 2 << 20, "unmapped": 0,
+    assert out == {"host located": 0, "create": 0, "created": 2 << 20,
+                   "released, mapped": 2 << 20, "unmapped": 0,
                    "pitch": [1024, 512], "device": 0}

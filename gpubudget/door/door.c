@@ -692,10 +692,17 @@ EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
 /* Virtual memory: physical memory is taken by cuMemCreate and given back once its handle is
  * released and no longer mapped anywhere (the driver keeps a released handle's memory while
  * a mapping holds it), so that is when it is uncharged. */
+/* CUmemAllocationProp begins {int type; int requestedHandleTypes; {int type; int id}
+ * location; ...}: memory on a device has location.type CU_MEM_LOCATION_TYPE_DEVICE (1);
+ * host-located physical memory (2, 3, 4: host, a NUMA node) is not the device's. */
+static int on_device(const void *prop) {
+    return prop != NULL && ((const int *)prop)[2] == 1;
+}
+
 EXPORT CUresult cuMemCreate(CUhandle *h, size_t n, const void *prop, unsigned long long flags) {
     cuMemCreate_fn f = REAL(cuMemCreate);
     if (f == NULL) return NO_DRIVER;
-    if (h == NULL) return f(h, n, prop, flags);
+    if (h == NULL || !on_device(prop)) return f(h, n, prop, flags);
     int lib = lib_of(CALLER()), kind;
     account *a;
     if (admit(n, lib, &a, &kind) != CU_OK) return CU_OUT_OF_MEMORY;
@@ -788,7 +795,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
         return r;
     int64_t room_ = budget_free(a), limit = atomic_load(&a->limit);
     if ((uint64_t)room_ < *free_) *free_ = (size_t)room_;
-    *total = (size_t)limit;
+    if ((uint64_t)limit < *total) *total = (size_t)limit; /* never more than the device */
     return r;
 }
 
@@ -801,7 +808,7 @@ EXPORT CUresult cuMemGetInfo(unsigned *free_, unsigned *total) {
         return r;
     int64_t room_ = budget_free(a), limit = atomic_load(&a->limit);
     if ((uint64_t)room_ < *free_) *free_ = (unsigned)room_;
-    *total = limit > (int64_t)UINT32_MAX ? UINT32_MAX : (unsigned)limit;
+    if ((uint64_t)limit < *total) *total = (unsigned)limit;
     return r;
 }
 
