@@ -94,7 +94,8 @@ def test_a_c_program_is_charged_the_three_ways_and_refused_at_each_limit(lab: Pa
         "granted 0 0 0 held 1800",  # linked, dlsym, cuGetProcAddress: each charged
         "refused 2 held 1800 refusals 1",  # CUDA_ERROR_OUT_OF_MEMORY at the child's limit
         "root 2 outside 0 held 1800",  # the root's limit; outside every budget it passes
-        "freed held 0 live 0",
+        "freed held 0",
+        "next dlsym in door",  # RTLD_NEXT searched after the program, not after the door
     ]
     without = run(lab, [str(lab / "prog")], door=False)  # no door: no gbd_* functions
     assert without.returncode == 3 and without.stdout == "no door\n"

@@ -1,8 +1,10 @@
 /* A C program reaching the fake driver the three ways (linked, dlsym, cuGetProcAddress), with
  * a budget made through the door's own functions: no Python. Prints one line per step. */
+#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 typedef unsigned long long P;
 int cuMemAlloc_v2(P *, size_t);
 int cuMemFree_v2(P);
@@ -34,6 +36,14 @@ int main(void) {
     printf("root %d outside %d held %lld\n", r5, r6, n[0]);
     cuMemFree_v2(a); cuMemFree_v2(b); cuMemFree_v2(c); cuMemFree_v2(d);
     numbers(root, n);
-    printf("freed held %lld live %lld\n", n[0], n[4]);
+    printf("freed held %lld\n", n[0]);
+    /* dlsym(RTLD_NEXT, ...) searches after its caller, this program, even through the door's
+     * dlsym: the first dlsym after the program is the door's own (the door's forwarding that
+     * lost the caller would give the C library's, and another preloaded library looking up
+     * its own next definition would find itself) */
+    void *next = dlsym(RTLD_NEXT, "dlsym");
+    Dl_info info;
+    printf("next dlsym in %s\n", dladdr(next, &info) && strstr(info.dli_fname, "door") ? "door"
+                                                                                        : "other");
     return 0;
 }
