@@ -479,3 +479,35 @@ def test_every_entry_point_is_charged_and_given_back(lab: Path) -> None:
     assert out == {"host located": 0, "create": 0, "created": 2 << 20,
                    "released, mapped": 2 << 20, "unmapped": 0,
                    "pitch": [1024, 512], "device": 0}
+
+
+def test_asyncio_tasks_sharing_a_thread_and_follow(lab: Path) -> None:
+    out = python(lab, """
+        import asyncio
+        async def main():
+            with gpu_budget("16MiB", backend="host", name="root") as root:
+                a_in, b_in, a_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+                budgets = {}
+                async def task_a():
+                    with gpu_budget("1MiB", name="a") as a:
+                        budgets["a"] = a
+                        a_in.set()
+                        await b_in.wait()  # b entered its budget meanwhile, in this thread
+                        status, p = driver.alloc(1000)  # the door sees b, entered last
+                        out["unfollowed"] = [held(a), held(budgets["b"])]
+                        driver.free(p)
+                        door.follow()  # this task's budget again
+                        status, p = driver.alloc(1000)
+                        out["followed"] = [held(a), held(budgets["b"])]
+                        driver.free(p)
+                    a_done.set()
+                async def task_b():
+                    await a_in.wait()
+                    with gpu_budget("2MiB", name="b") as b:
+                        budgets["b"] = b
+                        b_in.set()
+                        await a_done.wait()
+                await asyncio.gather(task_a(), task_b())
+        asyncio.run(main())
+    """)
+    assert out == {"unfollowed": [0, 1000], "followed": [1000, 0]}
