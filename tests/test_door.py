@@ -362,6 +362,24 @@ def test_run_without_a_command_or_a_compiler_says_so_in_one_line(lab: Path,
     assert "no C compiler was found" in bare.stderr
     missing = run(lab, ["/nonexistent/program"])
     assert missing.returncode == 2 and "cannot run '/nonexistent/program'" in missing.stderr
+    given = run(lab, ["true"], extra={"GPUBUDGET_DOOR_LIB": str(tmp_path / "none.so")})
+    assert given.returncode == 2 and given.stderr.count("\n") == 1
+    assert "GPUBUDGET_DOOR_LIB=" in given.stderr and "is not a file" in given.stderr
+
+
+def test_a_cached_library_others_may_write_is_not_loaded(lab: Path) -> None:
+    built = run(lab, ["true"], flags=("--print-library",))
+    assert built.returncode == 0, built.stderr
+    path = Path(built.stdout.strip())
+    assert path.parent == lab / "cache" and path.is_file()
+    path.chmod(0o777)
+    try:
+        done = run(lab, ["true"])
+        assert done.returncode == 2 and done.stderr.count("\n") == 1
+        assert "not this user's alone to write" in done.stderr
+    finally:
+        path.chmod(0o755)
+    assert run(lab, ["true"]).returncode == 0
 
 
 @pytest.mark.parametrize("pure", CORES)

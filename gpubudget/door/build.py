@@ -65,13 +65,14 @@ def library() -> Path:
     digest = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     target = _cache() / f"libgpubudget_door-{digest}.so"
     if target.is_file():
+        _check_owned(target)
         return target
     cc = compiler()
     if cc is None:
         raise DoorUnavailable(f"the driver door is built from C on first use and no C "
                               f"compiler was found (set CC, or {LIB_ENV} to a library built "
                               f"elsewhere)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(handle)
     try:
@@ -86,6 +87,16 @@ def library() -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+def _check_owned(path: Path) -> None:
+    """A library every process of ours will preload must be ours alone to write."""
+    status = path.stat()
+    if status.st_uid != os.getuid() or status.st_mode & 0o022:
+        raise DoorUnavailable(f"{path} is not this user's alone to write (owner uid "
+                              f"{status.st_uid}, mode {status.st_mode & 0o777:o}): it is "
+                              f"not loaded; remove it, or set {CACHE_ENV} to a directory of "
+                              f"your own")
 
 
 if __name__ == "__main__":  # pragma: no cover - a convenience for building by hand
