@@ -251,6 +251,7 @@ class Budget(BudgetView, AdapterHooks, Residency):
         finally:  # closed whatever lands meanwhile
             self._token = None
             door.follow()  # the driver door, where loaded: the budget now current here
+            door.leaving(self)  # exited, not released, while its driver allocations live
             self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "

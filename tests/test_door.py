@@ -206,19 +206,36 @@ def test_memory_from_before_and_outside_passes_uncharged(lab: Path) -> None:
                    "held big": 90_000, "outside after": 0}
 
 
-def test_budgets_ending_keep_their_driver_allocations_charged(lab: Path) -> None:
+@pytest.mark.parametrize("pure", CORES)
+def test_budgets_ending_keep_their_driver_allocations_charged(lab: Path, pure: bool) -> None:
     out = python(lab, """
+        import time
         with gpu_budget("1MiB", backend="host", name="root") as root:
             with gpu_budget("512KiB", name="child") as child:
                 status, a = driver.alloc(300_000)
+            with gpu_budget("256KiB", name="empty") as empty:
+                pass
+            out["ended"] = [child.state, empty.state]  # exited while they live, as blocks
             out["child gone"] = (held(child), held(root))
             out["refused"] = driver.alloc(800_000)[0]  # the child's bytes still count
             t = threading.Thread(target=driver.free, args=(a,))
             t.start(); t.join()
             out["freed"] = (held(child), held(root))
-            out["now"] = driver.alloc(800_000)[0]
-    """)
-    assert out == {"child gone": [300_000, 300_000], "refused": 2, "freed": [0, 0], "now": 0}
+            status, b = driver.alloc(800_000)
+            out["now"] = status
+            def wait(budget):
+                deadline = time.monotonic() + 60  # the watcher lets it go (every 0.25 s)
+                while budget.state != "released" and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                return budget.state
+            out["later"] = wait(child)
+        out["root"] = root.state  # its scope's driver allocation still lives
+        driver.free(b)
+        out["root later"] = wait(root)
+    """, pure)
+    assert out == {"ended": ["exited", "released"], "child gone": [300_000, 300_000],
+                   "refused": 2, "freed": [0, 0], "now": 0, "later": "released",
+                   "root": "exited", "root later": "released"}
 
 
 def test_fork_and_exit_with_live_allocations(lab: Path) -> None:

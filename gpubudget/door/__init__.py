@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -34,8 +35,8 @@ from ..context import ACTIVE
 if TYPE_CHECKING:
     from ..budget import Budget
 
-__all__ = ["DoorLibrary", "DoorNumbers", "entered", "follow", "loaded", "numbers", "outside",
-           "owning", "owner_of"]
+__all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "entered", "follow", "leaving",
+           "loaded", "numbers", "outside", "owning", "owner_of"]
 
 WORDS: Final = 4
 """How many 64-bit words of an account the ledger shares: held, core, own, limit."""
@@ -184,6 +185,58 @@ def follow() -> None:
     chain = ACTIVE.get()
     account = _accounts.get(chain[-1]) if chain else None
     lib.gbd_set_current(account.address if account is not None else None)
+
+
+WATCH_SECONDS: Final = 0.25
+"""How often the budgets that ended with driver allocations live are looked at again."""
+
+_kept: Final[set[Budget]] = set()  # ended, pinned until the door's bytes in them are freed
+_kept_lock: Final = threading.Lock()
+_watcher: list[threading.Thread] = []
+
+
+def leaving(budget: Budget) -> None:
+    """``budget``'s scope is ending: while driver allocations made in it (or in its
+    children) live, it stays exited, not released, as it would for blocks of its own; a
+    watcher thread lets it go once they are freed (the hooks cannot call Python)."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None or account.words[0] - account.words[2] <= 0:
+        return
+    budget.pin()
+    with _kept_lock:
+        _kept.add(budget)
+        if not _watcher or not _watcher[0].is_alive():
+            _watcher[:] = [threading.Thread(target=_watch, name="gpubudget-door-watch",
+                                            daemon=True)]
+            _watcher[0].start()
+
+
+def _watch() -> None:
+    event = threading.Event()
+    while True:
+        event.wait(WATCH_SECONDS)
+        with _kept_lock:
+            done = [budget for budget in _kept
+                    if (account := _accounts.get(budget)) is None
+                    or account.words[0] - account.words[2] <= 0]
+            _kept.difference_update(done)
+            last = not _kept
+            if last:
+                _watcher.clear()
+        for budget in done:
+            budget.unpin()  # released now, if nothing else holds it
+        if last:
+            return
+
+
+def _forked() -> None:  # the parent's budgets are closed to a forked child (forks.py)
+    getattr(_kept_lock, "_at_fork_reinit")()
+    _kept.clear()
+    _watcher.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager
