@@ -366,6 +366,27 @@ def test_a_growable_root_holds_its_limit_on_the_device(lab: Path, pure: bool) ->
                    "at most": 4 * MiB, "released": 0}
 
 
+@pytest.mark.parametrize("pure", CORES)
+def test_a_granule_the_door_refuses_ends_the_growth(lab: Path, pure: bool) -> None:
+    out = python(lab, """
+        from backend import FakeCudaBackend
+        MiB = 1 << 20
+        before = driver.used()
+        with gpu_budget("8MiB", backend=FakeCudaBackend(), initial=0, name="grows") as root:
+            status, a = driver.alloc(7 * MiB)  # foreign: 7 MiB of the 8
+            out["foreign"] = status
+            out["small"] = root.allocate(4096)  # fits the ledger; its granule (2 MiB) not
+            out["device"] = driver.used() - before
+            out["denials"] = [[d.reason, d.count] for d in root.report().denials]
+            driver.free(a)
+            block = root.allocate(4096)
+            out["then"] = [block is not None, driver.used() - before]
+            root.free(block)
+    """, pure)
+    assert out == {"foreign": 0, "small": None, "device": 7 << 20,
+                   "denials": [["device_full", 1]], "then": [True, 2 << 20]}
+
+
 def test_run_without_a_command_or_a_compiler_says_so_in_one_line(lab: Path,
                                                                  tmp_path: Path) -> None:
     done = run(lab, [])
