@@ -567,3 +567,35 @@ def test_asyncio_tasks_sharing_a_thread_and_follow(lab: Path) -> None:
         asyncio.run(main())
     """)
     assert out == {"unfollowed": [0, 1000], "followed": [1000, 0]}
+
+
+def test_threads_racing_in_one_budget_never_pass_its_limit(lab: Path) -> None:
+    out = python(lab, """
+        import random
+        with gpu_budget("1MiB", backend="host", name="root") as root:
+            with gpu_budget("256KiB", name="shared") as shared:
+                refused = []
+                def worker(seed):
+                    rng = random.Random(seed)
+                    live, no = [], 0
+                    for _ in range(3000):
+                        if live and rng.random() < 0.5:
+                            driver.free(live.pop(rng.randrange(len(live))))
+                        status, p = driver.alloc(rng.randint(1, 64 << 10))
+                        if status == 0:
+                            live.append(p)
+                        else:
+                            no += 1
+                    for p in live:
+                        driver.free(p)
+                    refused.append(no)
+                threads = [threading.Thread(target=bind(worker, n)) for n in range(4)]
+                for t in threads: t.start()
+                for t in threads: t.join()
+                n = door.numbers(shared)
+                out["peak within"] = n.peak <= 256 << 10
+                out["refused some"] = sum(refused) > 0 and n.refusals == sum(refused)
+                out["held"] = [n.held, held(root), n.live]
+                out["device"] = driver.used()
+    """)
+    assert out == {"peak within": True, "refused some": True, "held": [0, 0, 0], "device": 0}
