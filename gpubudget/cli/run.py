@@ -40,6 +40,11 @@ def add_run_parser(commands: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``gpubudget run``: exec the command under the door (never returns then)."""
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv and not args.print_library:
+        raise Failure("run needs a command: gpubudget run -- python serve.py")
     try:
         path = library()
     except DoorUnavailable as exc:
@@ -47,11 +52,6 @@ def run_command(args: argparse.Namespace) -> int:
     if args.print_library:
         print(path)
         return 0
-    argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        raise Failure("run needs a command: gpubudget run -- python serve.py")
     env = dict(os.environ)
     preload = [item for item in env.get("LD_PRELOAD", "").replace(":", " ").split() if item]
     env["LD_PRELOAD"] = " ".join([str(path), *[p for p in preload if p != str(path)]])
