@@ -601,3 +601,31 @@ def test_threads_racing_in_one_budget_never_pass_its_limit(lab: Path) -> None:
                 out["device"] = driver.used()
     """)
     assert out == {"peak within": True, "refused some": True, "held": [0, 0, 0], "device": 0}
+
+
+def test_accounts_go_once_nothing_holds_them(lab: Path) -> None:
+    out = python(lab, """
+        import gc
+        lib = door._door()
+        lib.gbd_accounts.restype = ctypes.c_int64
+        lib.gbd_set_current.argtypes = [ctypes.c_void_p]
+        base = lib.gbd_accounts()
+        with gpu_budget("1MiB", backend="host") as root:
+            with gpu_budget("512KiB") as child:
+                status, a = driver.alloc(1000)
+            out["made"] = lib.gbd_accounts() - base
+            address = door._accounts[child].address
+            t = threading.Thread(target=lib.gbd_set_current, args=(address,))
+            t.start(); t.join()  # a thread that ends with the child's account current
+        del root, child
+        gc.collect()
+        out["while held"] = lib.gbd_accounts() - base  # the child's allocation lives
+        driver.free(a)
+        import time
+        deadline = time.monotonic() + 60  # the watcher releases them; then nothing holds them
+        while lib.gbd_accounts() != base and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.05)
+        out["after"] = lib.gbd_accounts() - base
+    """)
+    assert out == {"made": 2, "while held": 2, "after": 0}

@@ -101,6 +101,7 @@ static TLS account *owner;              /* set while gpubudget's own backend cal
  * never reads the account again (uncharge reads each link's parent first). */
 static account *buried;
 static pthread_mutex_t buried_lock = PTHREAD_MUTEX_INITIALIZER;
+static _Atomic int64_t accounts; /* made and not yet freed */
 
 static void sweep_locked(void) {
     for (int again = 1; again;) {
@@ -114,6 +115,7 @@ static void sweep_locked(void) {
             *at = a->next_buried;
             account *parent = a->parent;
             free(a);
+            atomic_fetch_sub(&accounts, 1);
             if (parent != NULL && atomic_fetch_sub(&parent->refs, 1) == 1) {
                 parent->next_buried = buried; /* the child's reference was the last */
                 buried = parent;
@@ -864,6 +866,7 @@ EXPORT int gbd_version(void) { return GBD_VERSION; }
 EXPORT account *gbd_account_new(const char *name, int64_t limit, account *parent) {
     account *a = calloc(1, sizeof *a);
     if (a == NULL) return NULL;
+    atomic_fetch_add(&accounts, 1);
     snprintf(a->name, NAME, "%s", name ? name : "");
     atomic_store(&a->limit, limit);
     atomic_store(&a->refs, 1);
@@ -877,11 +880,17 @@ EXPORT account *gbd_account_new(const char *name, int64_t limit, account *parent
 
 EXPORT void gbd_account_drop(account *a) { account_unref(a); }
 EXPORT void gbd_account_set_limit(account *a, int64_t limit) { atomic_store(&a->limit, limit); }
+/* A thread that ends with an account current gives its reference back (the key's value is
+ * the account, its destructor runs at the thread's exit). */
+static pthread_key_t current_key;
+static void thread_ended(void *a) { account_unref((account *)a); }
+
 /* The calling thread's account from now on (NULL: none); the thread holds a reference. */
 EXPORT void gbd_set_current(account *a) {
     account *before = current;
     if (a != NULL) atomic_fetch_add(&a->refs, 1);
     current = a;
+    pthread_setspecific(current_key, a);
     account_unref(before);
 }
 EXPORT account *gbd_current(void) { return current; }
@@ -944,6 +953,9 @@ EXPORT int64_t gbd_live_bytes(account *a, int64_t *out, int n, int64_t *count) {
 }
 EXPORT int gbd_attribute_only(void) { settings(); return attribute_only; }
 
+/* Accounts made and not yet freed (for tests: none is kept past what holds it). */
+EXPORT int64_t gbd_accounts(void) { return atomic_load(&accounts); }
+
 /* -- process events ---------------------------------------------------------------------- */
 
 static void child_after_fork(void) {
@@ -952,6 +964,7 @@ static void child_after_fork(void) {
     atomic_fetch_add(&generation, 1);
     current = NULL;
     owner = NULL;
+    pthread_setspecific(current_key, NULL);
     tables_init();
     pthread_mutex_init(&libs_lock, NULL);
     pthread_mutex_init(&buried_lock, NULL);
@@ -961,5 +974,6 @@ __attribute__((constructor)) static void door_init(void) {
     tables_init();
     settings();
     find_dlsym();
+    pthread_key_create(&current_key, thread_ended);
     pthread_atfork(NULL, NULL, child_after_fork);
 }
