@@ -31,6 +31,7 @@ from ._budget import (
     watch_leaks,
 )
 from .backends import Backend, get_backend
+from . import door  # the driver door (gpubudget run): told which budget is current
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from ._core import Denied, Node, install_fast_path
@@ -177,10 +178,13 @@ class Budget(BudgetView, Residency):
             else:
                 self._open_child(parent)
             self._token = context.ACTIVE.set(chain + (self,))
+            door.entered(self, node.account)  # the driver door, where loaded: its account
+            door.follow()
         except BaseException:  # all or nothing: an exception landing once it was open
             if self._token is not None:
                 context.ACTIVE.reset(self._token)
                 self._token = None
+                door.follow()
             node.close()
             raise
         return self
@@ -245,6 +249,8 @@ class Budget(BudgetView, Residency):
                 context.ACTIVE.set(tuple(budget for budget in chain if budget is not self))
         finally:  # closed whatever lands meanwhile
             self._token = None
+            door.follow()  # the driver door, where loaded: the budget now current here
+            door.leaving(self)  # exited, not released, while its driver allocations live
             self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "

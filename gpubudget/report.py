@@ -19,6 +19,8 @@ __all__ = [
     "TAGS_SHOWN",
     "BudgetReport",
     "Denial",
+    "DoorLibrary",
+    "DoorUsage",
     "LiveBlock",
     "TagUsage",
     "TimelineEvent",
@@ -93,6 +95,42 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class DoorLibrary:
+    """One library's part of what the driver door charged a budget."""
+
+    name: str
+    """The file name of the library that called the CUDA driver (``libcublasLt.so.13``)."""
+    live: int
+    """Bytes its driver allocations charged to this budget hold now."""
+    refusals: int
+    """Its requests this budget refused."""
+
+
+@dataclass(frozen=True)
+class DoorUsage:
+    """What the driver door (``gpubudget run``) charged a budget: device memory that
+    libraries took from the CUDA driver themselves, in this budget's scope or its children's."""
+
+    held: int
+    """Bytes live, this budget's and its children's (not a root's own reservation)."""
+    peak: int
+    """The most bytes held at once, a root's own memory included."""
+    allocations: int
+    """Driver allocations live that were made in this budget itself (not counting a root's
+    own reservation or granules)."""
+    refusals: int
+    """Requests refused by this budget's limit (with ``CUDA_ERROR_OUT_OF_MEMORY``)."""
+    last_refused: int
+    """The size of the last request refused here, 0 if none."""
+    last_refused_by: str | None
+    """The library that asked it."""
+    libraries: tuple[DoorLibrary, ...]
+    """This budget's own driver allocations by library, largest first."""
+    attribute_only: bool
+    """Counted without refusing (``gpubudget run --attribute-only``)."""
+
+
+@dataclass(frozen=True)
 class Totals:
     """Counts over a budget and all its descendants together (released ones included)."""
 
@@ -138,6 +176,23 @@ _REASONS = {
     "device_full": "the device had no memory to map for the growth of",
     "internal_error": "internal error in",
 }
+def _door_line(door: DoorUsage) -> str:
+    """The report's line for what the driver door charged a budget."""
+    line = (f"driver allocations (through the door): {format_size(door.held)} held, peak "
+            f"{format_size(door.peak)}")
+    if door.libraries:
+        line += "; by library: " + ", ".join(f"{lib.name} {format_size(lib.live)}"
+                                              for lib in door.libraries[:8])
+        if len(door.libraries) > 8:
+            line += f", {len(door.libraries) - 8} more"
+    if door.refusals:
+        line += (f"; {door.refusals} refused, the last {format_size(door.last_refused)} asked "
+                 f"by {door.last_refused_by or 'an unknown library'}")
+    if door.attribute_only:
+        line += " (counted only: nothing refused)"
+    return line
+
+
 _EVENT_FIELDS: Final = tuple(field.name for field in dataclasses.fields(TimelineEvent))
 _SHOW_BLOCKS: Final = 20
 """Live blocks the text report lists per budget; the rest are counted."""
@@ -234,6 +289,9 @@ class BudgetReport:
     """Root budgets in the host ledger: the limit set from outside the process (an MPS or
     HAMi variable, the cgroup's ``dmem.max``, NVML's) under the device's memory, within
     which the root's share or limit was decided, with its size; ``None`` if none was."""
+    driver_door: DoorUsage | None = None
+    """Under the driver door (``gpubudget run``): what libraries took from the CUDA driver
+    in this budget's scope; ``None`` without the door."""
 
     @property
     def leaks(self) -> tuple[LiveBlock, ...]:
@@ -277,7 +335,7 @@ class BudgetReport:
                     continue
                 if field.name == "children":
                     value = [made.pop(id(child)) for child in report.children]
-                elif isinstance(value, Totals):
+                elif isinstance(value, (Totals, DoorUsage)):
                     value = dataclasses.asdict(value)
                 elif field.name == "timeline":
                     value = [{name: getattr(event, name) for name in _EVENT_FIELDS}
@@ -405,6 +463,8 @@ class BudgetReport:
             lines.append(line)
         if self.limited_by is not None:
             lines.append(f"{rest}  sized within the limit {self.limited_by}")
+        if self.driver_door is not None:
+            lines.append(f"{rest}  {_door_line(self.driver_door)}")
         if self.outside_bytes is not None:
             lines.append(
                 f"{rest}  device memory taken outside budgets meanwhile: "

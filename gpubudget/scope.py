@@ -12,6 +12,7 @@ from contextvars import Token
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
+from . import door
 from .budget import ADVICE, Budget, misnested
 from .context import ACTIVE, LABEL
 from .errors import BudgetNestingError
@@ -122,6 +123,7 @@ class use:  # noqa: N801 - used like a function: ``with use(pool):``
             raise BudgetNestingError(f"use() needs an open budget; {self.budget.name!r} is "
                                      f"{self.budget.state}")
         self._tokens.append(ACTIVE.set(ACTIVE.get() + (self.budget,)))
+        door.follow()  # the driver door, where loaded, charges this thread's calls here
         return self.budget
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -136,6 +138,7 @@ class use:  # noqa: N801 - used like a function: ``with use(pool):``
             ACTIVE.reset(token)
         except ValueError:  # entered in another context (a task copied it)
             ACTIVE.set(chain[:-1])
+        door.follow()
 
     async def __aenter__(self) -> Budget:
         return self.__enter__()
@@ -176,11 +179,15 @@ def bind(fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Callable[..., R]
     snapshot = bind_to_snapshot_context(_call)
 
     def bound(*call_args: Any, **call_kwargs: Any) -> R:
-        result: R = snapshot(fn=fn, args=args + call_args, kwargs={**kwargs, **call_kwargs})
+        try:
+            result: R = snapshot(fn=fn, args=args + call_args, kwargs={**kwargs, **call_kwargs})
+        finally:
+            door.follow()  # the driver door, where loaded: this context's budget again
         return result
 
     return bound
 
 
 def _call(*, fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+    door.follow()  # the snapshot's budget, for the driver door where it is loaded
     return fn(*args, **kwargs)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Final
 from .. import context
 from . import forks  # noqa: F401 - imported for its handler: a forked child's budgets
 from .._core import Node, Tree, unreleased
+from .. import door
 from ..backends import Backend
 from ..callers import user_stacklevel
 from ..errors import BudgetError
@@ -54,9 +55,9 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
 
     limit, claim = claim_root(backend, node.name, request, node.align, initial)
     if claim is None:  # not registered: nothing to publish
-        return node.open_root(backend, writer, limit, initial)
+        return _opened_under_door(node, backend, writer, limit, initial)
     try:
-        tree = node.open_root(backend, writer, limit, initial)
+        tree = _opened_under_door(node, backend, writer, limit, initial)
     except BudgetError as exc:
         raise claim.refused(exc) from exc.__cause__
     except BaseException:
@@ -68,6 +69,18 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
     slot = claim.reserved(reservation, held, lambda: node.publish(None), node.account)
     tree.reservation = slot.reservation
     node.publish(slot.numbers, slot.mapped, slot.family)
+    return tree
+
+
+def _opened_under_door(node: Node, backend: Backend, writer: TraceWriter | None, limit: int,
+                       initial: int | None) -> Tree:
+    """``node.open_root``; where the driver door is loaded, the driver memory the backend
+    takes is the root's own there (counted against its limit, not charged twice), and so is
+    each granule a growable root maps later."""
+    with door.owning(node.budget, limit):
+        tree = node.open_root(backend, writer, limit, initial)
+    if tree.mapping is not None:
+        tree.mapping.door = door.owner_of(node.budget)
     return tree
 
 

@@ -22,10 +22,13 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .._core import Node, Probe, Tree, available
+from .. import door
 from ..report import (
     FRAMES_SHOWN,
     BudgetReport,
     Denial,
+    DoorLibrary,
+    DoorUsage,
     LiveBlock,
     TagUsage,
     TimelineEvent,
@@ -144,7 +147,19 @@ def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
         callback_errors=tuple(stats.errors),
         by_tag=tuple(TagUsage(tag, live, peak) for tag, (live, peak) in stats.tags.items()),
         children=children,
+        driver_door=_driver_door(node),
     )
+
+
+def _driver_door(node: Node) -> DoorUsage | None:
+    """What the driver door charged ``node``'s budget, where the door is loaded."""
+    numbers = door.numbers(node.budget)
+    if numbers is None:
+        return None
+    return DoorUsage(numbers.foreign, numbers.peak, numbers.live, numbers.refusals,
+                     numbers.last_refused, numbers.last_refused_by,
+                     tuple(DoorLibrary(lib.name, lib.live_bytes, lib.refusals)
+                           for lib in numbers.libraries), numbers.attribute_only)
 
 
 def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ...]:

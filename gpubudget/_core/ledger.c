@@ -60,14 +60,63 @@ static void account_unpublish(AccountObject *self) {
     }
 }
 
+/* -- the driver door's words (gpubudget/door): [0] bytes it charged here, [2] the part that is
+ * a root's own memory, [1] where this account's `used` is stored at each change. */
+
+static void account_undoor(AccountObject *self) {
+    if (self->door != NULL) {
+        PyBuffer_Release(&self->door_words);
+        Py_CLEAR(self->door);
+    }
+}
+
+static inline i64 door_foreign(const AccountObject *a) {
+    const int64_t *w = (const int64_t *)a->door_words.buf;
+    i64 foreign = __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) - __atomic_load_n(&w[2], __ATOMIC_ACQUIRE);
+    return foreign > 0 ? foreign : 0;
+}
+
+static inline void door_store(AccountObject *a) {
+    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], a->used, __ATOMIC_RELEASE);
+}
+
+static PyObject *Account_get_door(AccountObject *self, void *closure) {
+    PyObject *value = self->door ? self->door : Py_None;
+    Py_INCREF(value);
+    return value;
+}
+
+static int Account_set_door(AccountObject *self, PyObject *value, void *closure) {
+    if (value == NULL || value == Py_None) {
+        account_undoor(self);
+        return 0;
+    }
+    Py_buffer words;
+    if (PyObject_GetBuffer(value, &words, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (words.len < 24 || ((uintptr_t)words.buf & 7) != 0) {
+        PyBuffer_Release(&words);
+        PyErr_SetString(PyExc_ValueError, "door must be aligned 64-bit words, 3 at least");
+        return -1;
+    }
+    account_undoor(self);
+    Py_INCREF(value);
+    self->door = value;
+    self->door_words = words;
+    return 0;
+}
+
+/* -- end of the door's words */
+
 static int Account_traverse(AccountObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->parent);
     Py_VISIT(self->published);
+    Py_VISIT(self->door);
     return 0;
 }
 
 static int Account_clear(AccountObject *self) {
     account_unpublish(self);
+    account_undoor(self);
     Py_CLEAR(self->parent);
     return 0;
 }
@@ -126,6 +175,11 @@ static inline i64 passed_up(const AccountObject *a, i64 used) {
 
 /* Whether `delta` more bytes take `link` over its limit: 1 yes, 0 no, -1 undecided. */
 static inline int over(const AccountObject *link, i64 delta) {
+    if (link->door != NULL && delta > 0) { /* the driver door's bytes count too */
+        i64 foreign = door_foreign(link);
+        if (foreign > link->limit || delta > link->limit - foreign) return 1;
+        delta += foreign;
+    }
     if (delta <= 0) return link->used + delta > link->limit; /* used >= 0: no overflow */
     if (link->used <= link->limit - delta) return 0;
     return link->limit == INT64_MAX && link->used > INT64_MAX - delta ? -1 : 1;
@@ -197,6 +251,7 @@ void ledger_charge(AccountObject *account, i64 delta) {
             i64 used = link->used += delta;
             if (used > link->peak) link->peak = used;
             account_publish(link); /* a store or two where the account has words */
+            if (link->door != NULL) door_store(link);
         }
         return;
     }
@@ -205,6 +260,7 @@ void ledger_charge(AccountObject *account, i64 delta) {
         i64 old = node->used, used = node->used = old + delta;
         if (used > node->peak) node->peak = used;
         account_publish(node);
+        if (node->door != NULL) door_store(node);
         if (node->reserve) delta = passed_up(node, used) - passed_up(node, old);
         node = node->parent;
     }
@@ -272,11 +328,12 @@ PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
 PyObject *py_available(PyObject *module, PyObject *arg) {
     AccountObject *account = as_account(arg);
     if (account == NULL) return NULL;
-    i64 best = account->limit - account->used, slack = 0;
+    i64 best = account->limit - account->used - (account->door ? door_foreign(account) : 0);
+    i64 slack = 0;
     for (AccountObject *link = account; link->parent != NULL; link = link->parent) {
         slack += link->reserve > link->used ? link->reserve - link->used : 0;
         AccountObject *parent = link->parent;
-        i64 here = parent->limit - parent->used + slack;
+        i64 here = parent->limit - parent->used - (parent->door ? door_foreign(parent) : 0) + slack;
         if (here < best) best = here;
     }
     return PyLong_FromLongLong(best > 0 ? best : 0);
@@ -306,6 +363,7 @@ static PyGetSetDef Account_getset[] = {
     {"parent", (getter)Account_get_parent, NULL, NULL, NULL},
     {"plain", (getter)Account_get_plain, NULL, NULL, NULL},
     {"published", (getter)Account_get_published, (setter)Account_set_published, NULL, NULL},
+    {"door", (getter)Account_get_door, (setter)Account_set_door, NULL, NULL},
     {NULL}};
 
 PyTypeObject AccountType = {

@@ -15,6 +15,11 @@ used in this order with the tree's lock held:
    (so after ``reset_peak()`` the published peak follows once ``used`` reaches the new one):
    plain stores, one or two per level of the chain that has words, nothing else.
 
+Under the driver door (:mod:`gpubudget.door`), an account also has the door's words for its
+budget (``door``): :func:`refusal` and :func:`available` count the bytes the door charged it
+(that are not a root's own memory) against its limit, and :func:`charge` stores ``used`` into
+them, for the door to count against the same limit. Without the door ``door`` is ``None``.
+
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
 ``used <= limit`` always.
@@ -41,7 +46,7 @@ class Account:
     """
 
     __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "depth",
-                 "plain", "published")
+                 "plain", "published", "door")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -59,6 +64,9 @@ class Account:
         # child's row), which every change of ``used`` stores into: plain stores, for other
         # processes to read.
         self.published: memoryview | None = None
+        # The driver door's words for this budget (gpubudget.door): [0] bytes the door
+        # charged here, [2] the part that is a root's own memory; [1] gets ``used``.
+        self.door: memoryview | None = None
 
 
 def passed_up(account: Account, used: int) -> int:
@@ -69,20 +77,27 @@ def passed_up(account: Account, used: int) -> int:
 _passed_up: Final = passed_up  # the Python one, for the Python functions below
 
 
+def _foreign(account: Account) -> int:
+    """Bytes the driver door charged ``account`` that are not its own memory (0 without)."""
+    door = account.door
+    return 0 if door is None else max(door[0] - door[2], 0)
+
+
 def refusal(account: Account, delta: int) -> Account | None:
     """The first account of ``account``'s chain whose limit ``delta`` more bytes would
     exceed, or ``None`` when all of them can take it. Changes nothing."""
     link: Account | None = account
     if account.plain:
         while link is not None:
-            if link.used + delta > link.limit:
+            if link.used + delta > link.limit or (
+                    link.door is not None and link.used + delta + _foreign(link) > link.limit):
                 return link
             link = link.parent
         return None
     node: Account | None = account
     while node is not None and delta > 0:
         used = node.used + delta
-        if used > node.limit:
+        if used + _foreign(node) > node.limit:
             return node
         if node.reserve:  # only what rises above the floor reaches the parent
             delta = _passed_up(node, used) - _passed_up(node, node.used)
@@ -99,6 +114,8 @@ def charge(account: Account, delta: int) -> None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+            if link.door is not None:  # the driver door reads it: ledger.c does the same
+                link.door[1] = used
             published = link.published
             if published is not None:
                 published[0] = used
@@ -112,6 +129,8 @@ def charge(account: Account, delta: int) -> None:
         used = node.used = old + delta
         if used > node.peak:
             node.peak = used
+        if node.door is not None:
+            node.door[1] = used
         if node.published is not None:
             node.published[0] = used
             if used == node.peak:
@@ -134,13 +153,13 @@ def publish(account: Account) -> None:
 def available(account: Account) -> int:
     """Bytes one allocation could still be charged to ``account`` by every limit of its
     chain, counting reserved but unused bytes below each level as usable there."""
-    best = account.limit - account.used
+    best = account.limit - account.used - _foreign(account)
     slack = 0  # reserved but unused bytes of the accounts walked so far
     link = account
     while link.parent is not None:
         slack += max(link.reserve - link.used, 0)
         parent = link.parent
-        best = min(best, parent.limit - parent.used + slack)
+        best = min(best, parent.limit - parent.used - _foreign(parent) + slack)
         link = parent
     return max(best, 0)
 

@@ -22,6 +22,7 @@ leaves the range awake, a restore that fails or is interrupted leaves it asleep,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Final
 
 from ..backends import Backend, Reservation
@@ -57,7 +58,7 @@ class Mapping:
     with the tree's lock held, so both cores see one state."""
 
     __slots__ = ("memory", "address", "nbytes", "granule", "mapped", "count", "high", "asleep",
-                 "errors", "published", "kept", "kept_pinned", "watcher")
+                 "errors", "published", "kept", "kept_pinned", "watcher", "door")
 
     def __init__(self, memory: VirtualRange) -> None:
         self.memory: Final = memory
@@ -73,6 +74,9 @@ class Mapping:
         self.published: memoryview | None = None
         self.kept: Staging | None = None  # host memory a restore kept for the next offload
         self.kept_pinned = False
+        # entered around each granule mapped, where the driver door is loaded: its driver
+        # memory is then the root's own there (gpubudget.door.owning); None without the door
+        self.door: Callable[[], AbstractContextManager[None]] | None = None
         # told ("map" or "unmap", the granules' indices) after each growth, trim, sleep or
         # wake that changed what is mapped (the root's recorder, for its trace); never on
         # the path of a block whose granules are mapped already
@@ -222,7 +226,11 @@ class Mapping:
         return [index for index in range(len(mapped)) if mapped[index]]
 
     def _map(self, index: int) -> None:
-        self.memory.map(index)
+        if self.door is not None:
+            with self.door():
+                self.memory.map(index)
+        else:
+            self.memory.map(index)
         self.mapped[index] = 1
         self.count += 1
         if self.count > self.high:

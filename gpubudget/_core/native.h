@@ -104,6 +104,8 @@ typedef struct AccountObject {
     char plain;
     PyObject *published; /* a writable buffer of unsigned 64-bit words, or NULL */
     Py_buffer words;
+    PyObject *door; /* the driver door's words for this budget (ledger.py), or NULL */
+    Py_buffer door_words;
 } AccountObject;
 
 extern PyTypeObject AccountType;

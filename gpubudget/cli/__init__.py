@@ -1,5 +1,5 @@
 """``python -m gpubudget`` (also installed as ``gpubudget``): ``demo``, ``report``, ``fit``,
-``view``, ``export``, ``ray``, ``top``, ``metrics``, ``engine``.
+``view``, ``export``, ``ray``, ``top``, ``metrics``, ``engine``, ``run``.
 
 Exit status: 0 done; 1 ``fit --check``: the run needs more than the limits allow, or does
 not match them (``engine --limit``: the engine does not fit, or cannot be shown to); 2 bad
@@ -28,6 +28,7 @@ from ..text import printable
 from ..units import format_size, parse_size
 from .demo import demo
 from .engine import add_engine_parser
+from .run import add_run_parser
 from .gate import ALLOWANCES
 from .output import (
     EXIT_BAD_INPUT,
@@ -194,6 +195,7 @@ def _host_commands(commands: Any) -> None:
     metrics_parser.add_argument("--address", default="127.0.0.1",
                                 help="the address to listen on (default: %(default)s, this "
                                 "host only; 0.0.0.0 for every interface)")
+    add_run_parser(commands)
     for each in (top_parser, metrics_parser):
         each.add_argument("--ledger-dir", metavar="DIR",
                           help="the ledger directory (default: GPUBUDGET_LEDGER_DIR, else "
@@ -251,6 +253,10 @@ def _run(argv: Sequence[str] | None) -> int:
             from .engine import engine_command
 
             return engine_command(args)
+        if args.command == "run":
+            from .run import run_command
+
+            return run_command(args)
         if args.command == "metrics":
             from ..metrics import metrics_command
 

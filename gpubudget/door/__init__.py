@@ -1,0 +1,318 @@
+"""The driver door from Python: whether it is loaded, each budget's account in it, its numbers.
+
+The door is a native library (``door.c`` beside this file, no Python in it) that a process
+loads before the CUDA driver, with ``gpubudget run -- python serve.py`` (or ``LD_PRELOAD``
+set by hand to :func:`gpubudget.door.build.library`'s answer). It charges every device
+allocation a thread asks of the driver to the budget current in that thread. This module is
+its Python side, and does nothing at all when the door is not loaded:
+
+- :func:`loaded` says whether it is (its ``gbd_*`` functions resolve in the process);
+- the budget layer calls :func:`entered` when a budget opens (the budget gets an account in
+  C, chained to its parent's, and the ledger's account is given the C account's words, so
+  that each side counts the other's bytes against the limit), :func:`follow` whenever the
+  budgets active in a thread change (entering, leaving, ``use()``, ``bind()``), and
+  :func:`owning` around a root's own backend calls (its reservation, its granules), which
+  the door counts as the root's device memory instead of charging them as foreign;
+- :func:`numbers` reads what the door charged a budget, by library, for reports.
+
+The hooks never take the interpreter lock: they read only the thread's account pointer,
+which :func:`follow` stores in C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Protocol
+
+from ..context import ACTIVE
+
+if TYPE_CHECKING:
+    from ..budget import Budget
+
+__all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "entered", "follow", "leaving",
+           "loaded", "numbers", "outside", "owning", "owner_of"]
+
+WORDS: Final = 4
+"""How many 64-bit words of an account the ledger shares: held, core, own, limit."""
+
+
+class Ledgered(Protocol):
+    """What the door needs of a ledger account: its limit, and a place for the words."""
+
+    @property
+    def limit(self) -> int: ...
+
+    door: memoryview | None
+
+
+@dataclass(frozen=True)
+class DoorLibrary:
+    """One library's share of a budget's driver allocations (or of those outside budgets)."""
+
+    name: str  # the file name of the library that called the driver: "libcublasLt.so.13"
+    live_bytes: int  # what its allocations charged there hold now
+    refusals: int  # requests of it refused there
+
+
+@dataclass(frozen=True)
+class DoorNumbers:
+    """What the driver door charged one budget (its own allocations and its children's)."""
+
+    held: int  # bytes charged through the door here and below, a root's own included
+    own: int  # a root's own backend memory (reservation, mapped granules)
+    live: int  # driver allocations live made in this budget itself (a root's own memory not)
+    peak: int  # highest ``held``
+    refusals: int  # requests refused here (asked here, or below and refused by this limit)
+    last_refused: int  # the size of the last request refused here, 0 if none
+    last_refused_by: str | None  # which library asked it
+    libraries: tuple[DoorLibrary, ...]  # this budget's own allocations, by library
+    attribute_only: bool  # the door counts without refusing (GPUBUDGET_DOOR_MODE=attribute)
+
+    @property
+    def foreign(self) -> int:
+        """Bytes charged through the door that are not a root's own backend memory."""
+        return self.held - self.own
+
+
+_I64: Final = ctypes.c_int64
+_P: Final = ctypes.c_void_p
+_lib: list[ctypes.CDLL | None] = []
+_lib_lock: Final = threading.Lock()
+
+
+def _door() -> ctypes.CDLL | None:
+    if _lib:
+        return _lib[0]
+    with _lib_lock:
+        if not _lib:
+            _lib.append(_find())
+    return _lib[0]
+
+
+def _find() -> ctypes.CDLL | None:
+    process = ctypes.CDLL(None)  # every library loaded, the door first if it is preloaded
+    try:
+        version = process.gbd_version
+    except AttributeError:
+        return None
+    version.restype = ctypes.c_int
+    if version() != 1:
+        return None
+    process.gbd_account_new.restype = _P
+    process.gbd_account_new.argtypes = [ctypes.c_char_p, _I64, _P]
+    process.gbd_account_drop.argtypes = [_P]
+    process.gbd_account_set_limit.argtypes = [_P, _I64]
+    process.gbd_set_current.argtypes = [_P]
+    process.gbd_current.restype = _P
+    process.gbd_set_owner.restype = _P
+    process.gbd_set_owner.argtypes = [_P]
+    process.gbd_account_numbers.argtypes = [_P, ctypes.POINTER(_I64)]
+    process.gbd_library.restype = ctypes.c_char_p
+    process.gbd_library.argtypes = [ctypes.c_int]
+    process.gbd_library_refusals.restype = _I64
+    process.gbd_library_refusals.argtypes = [_P, ctypes.c_int]
+    process.gbd_live_bytes.restype = _I64
+    process.gbd_live_bytes.argtypes = [_P, ctypes.POINTER(_I64), ctypes.c_int,
+                                       ctypes.POINTER(_I64)]
+    process.gbd_attribute_only.restype = ctypes.c_int
+    return process
+
+
+def loaded() -> bool:
+    """Whether the driver door is loaded in this process.
+
+    Examples
+    --------
+    >>> from gpubudget import door
+    >>> isinstance(door.loaded(), bool)
+    True
+    """
+    return _door() is not None
+
+
+class _Account:
+    """A budget's account in the door: its address, dropped when the budget goes."""
+
+    __slots__ = ("address", "words", "__weakref__")
+
+    def __init__(self, lib: ctypes.CDLL, name: str, limit: int, parent: _Account | None) -> None:
+        address = lib.gbd_account_new(name.encode("utf-8", "replace"),
+                                      min(limit, 2**63 - 1), parent.address if parent else None)
+        if not address:
+            raise MemoryError(f"the driver door could not make an account for budget {name!r}")
+        self.address: Final[int] = address
+        words = (_I64 * WORDS).from_address(address)
+        setattr(words, "account", self)  # the ledger's view keeps this (and its C memory) alive
+        self.words: Final = memoryview(words).cast("B").cast("q")
+        weakref.finalize(self, lib.gbd_account_drop, address)
+
+
+_accounts: Final[weakref.WeakKeyDictionary[Budget, _Account]] = weakref.WeakKeyDictionary()
+
+
+def _account(lib: ctypes.CDLL, budget: Budget, limit: int) -> _Account:
+    account = _accounts.get(budget)
+    if account is None:
+        parent = budget.parent
+        account = _Account(lib, budget.name, limit,
+                           _accounts.get(parent) if parent is not None else None)
+        _accounts[budget] = account
+    return account
+
+
+def entered(budget: Budget, ledger: Ledgered) -> None:
+    """``budget`` just opened, its ledger account ``ledger``: make (or find) its account in
+    the door, set its limit, and share its words with the ledger."""
+    lib = _door()
+    if lib is None:
+        return
+    account = _account(lib, budget, ledger.limit)
+    lib.gbd_account_set_limit(account.address, min(ledger.limit, 2**63 - 1))
+    ledger.door = account.words
+
+
+def follow() -> None:
+    """Tell the door which budget is innermost in this thread's context now."""
+    lib = _door()
+    if lib is None:
+        return
+    chain = ACTIVE.get()
+    account = _accounts.get(chain[-1]) if chain else None
+    lib.gbd_set_current(account.address if account is not None else None)
+
+
+WATCH_SECONDS: Final = 0.25
+"""How often the budgets that ended with driver allocations live are looked at again."""
+
+_kept: Final[set[Budget]] = set()  # ended, pinned until the door's bytes in them are freed
+_kept_lock: Final = threading.Lock()
+_watcher: list[threading.Thread] = []
+
+
+def leaving(budget: Budget) -> None:
+    """``budget``'s scope is ending: while driver allocations made in it (or in its
+    children) live, it stays exited, not released, as it would for blocks of its own; a
+    watcher thread lets it go once they are freed (the hooks cannot call Python)."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None or account.words[0] - account.words[2] <= 0:
+        return
+    budget.pin()
+    with _kept_lock:
+        _kept.add(budget)
+        if not _watcher or not _watcher[0].is_alive():
+            _watcher[:] = [threading.Thread(target=_watch, name="gpubudget-door-watch",
+                                            daemon=True)]
+            _watcher[0].start()
+
+
+def _watch() -> None:
+    event = threading.Event()
+    while True:
+        event.wait(WATCH_SECONDS)
+        with _kept_lock:
+            done = [budget for budget in _kept
+                    if (account := _accounts.get(budget)) is None
+                    or account.words[0] - account.words[2] <= 0]
+            _kept.difference_update(done)
+            last = not _kept
+            if last:
+                _watcher.clear()
+        for budget in done:
+            budget.unpin()  # released now, if nothing else holds it
+        if last:
+            return
+
+
+def _forked() -> None:  # the parent's budgets are closed to a forked child (forks.py)
+    getattr(_kept_lock, "_at_fork_reinit")()
+    _kept.clear()
+    _watcher.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+@contextlib.contextmanager
+def _owning(lib: ctypes.CDLL, account: _Account) -> Iterator[None]:
+    before = lib.gbd_set_owner(account.address)
+    try:
+        yield
+    finally:
+        lib.gbd_set_owner(before)
+
+
+def owning(budget: Budget, limit: int) -> contextlib.AbstractContextManager[None]:
+    """While this is entered, the driver allocations this thread makes are ``budget``'s own
+    (a root's reservation or granules, ``limit`` its limit): the door counts them as its
+    device memory, against that limit."""
+    lib = _door()
+    if lib is None:
+        return contextlib.nullcontext()
+    return _owning(lib, _account(lib, budget, limit))
+
+
+def owner_of(budget: Budget) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
+    """What a growable root's memory enters around mapping a granule (see :func:`owning`),
+    or ``None`` when the door is not loaded."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None:
+        return None
+    return lambda: _owning(lib, account)
+
+
+LIBRARIES: Final = 64
+"""Libraries the door tells apart (door.c's LIBS); the rest count as "(other)"."""
+
+
+def _libraries(lib: ctypes.CDLL,
+               address: int | None) -> tuple[int, tuple[DoorLibrary, ...], int]:
+    """The bytes live that ``address``'s account (``None``: nobody) was charged for itself,
+    their libraries (largest first), and how many allocations hold them."""
+    live = (_I64 * LIBRARIES)()
+    count = _I64()
+    total = int(lib.gbd_live_bytes(address, live, LIBRARIES, ctypes.byref(count)))
+    found = []
+    index = 0
+    while (name := lib.gbd_library(index)) is not None:
+        refusals = int(lib.gbd_library_refusals(address, index)) if address else 0
+        if live[index] or refusals:
+            found.append(DoorLibrary(name.decode("utf-8", "replace"), live[index], refusals))
+        index += 1
+    return (total, tuple(sorted(found, key=lambda item: (-item.live_bytes, item.name))),
+            count.value)
+
+
+def numbers(budget: Budget) -> DoorNumbers | None:
+    """What the door charged ``budget``, or ``None`` (the door is not loaded, or the budget
+    was never entered under it)."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None:
+        return None
+    out = (_I64 * 10)()
+    lib.gbd_account_numbers(account.address, out)
+    name = lib.gbd_library(out[9]) if out[8] else None
+    _, libraries, count = _libraries(lib, account.address)
+    return DoorNumbers(held=out[0], own=out[2], live=count, peak=out[7], refusals=out[5],
+                       last_refused=out[8],
+                       last_refused_by=name.decode("utf-8", "replace") if name else None,
+                       libraries=libraries,
+                       attribute_only=bool(lib.gbd_attribute_only()))
+
+
+def outside() -> tuple[int, tuple[DoorLibrary, ...]] | None:
+    """Bytes the driver gave outside every budget since the door was loaded, and by which
+    library; ``None`` when the door is not loaded."""
+    lib = _door()
+    if lib is None:
+        return None
+    total, libraries, _ = _libraries(lib, None)
+    return total, libraries
