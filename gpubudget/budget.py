@@ -23,6 +23,7 @@ from ._budget import (
     FORKED,
     THREAD_ROOT,
     BudgetView,
+    Hooks,
     Residency,
     checked,
     open_root,
@@ -250,7 +251,8 @@ class Budget(BudgetView, Residency):
         finally:  # closed whatever lands meanwhile
             self._token = None
             door.follow()  # the driver door, where loaded: the budget now current here
-            door.leaving(self)  # exited, not released, while its driver allocations live
+            held = Hooks(self)  # exited, not released, while its driver allocations live
+            door.leaving(self, held.pin, held.unpin)
             self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "

@@ -190,22 +190,24 @@ def follow() -> None:
 WATCH_SECONDS: Final = 0.25
 """How often the budgets that ended with driver allocations live are looked at again."""
 
-_kept: Final[set[Budget]] = set()  # ended, pinned until the door's bytes in them are freed
+# ended, pinned until the door's bytes in them are freed: each one's unpin
+_kept: Final[dict[Budget, Callable[[], None]]] = {}
 _kept_lock: Final = threading.Lock()
 _watcher: list[threading.Thread] = []
 
 
-def leaving(budget: Budget) -> None:
+def leaving(budget: Budget, pin: Callable[[], None], unpin: Callable[[], None]) -> None:
     """``budget``'s scope is ending: while driver allocations made in it (or in its
     children) live, it stays exited, not released, as it would for blocks of its own; a
-    watcher thread lets it go once they are freed (the hooks cannot call Python)."""
+    watcher thread lets it go once they are freed (the hooks cannot call Python): ``pin``
+    and ``unpin`` are the budget's (see ``gpubudget.adapter.hooks``)."""
     lib = _door()
     account = _accounts.get(budget)
     if lib is None or account is None or account.words[0] - account.words[2] <= 0:
         return
-    budget.pin()
+    pin()
     with _kept_lock:
-        _kept.add(budget)
+        _kept[budget] = unpin
         if not _watcher or not _watcher[0].is_alive():
             _watcher[:] = [threading.Thread(target=_watch, name="gpubudget-door-watch",
                                             daemon=True)]
@@ -217,15 +219,16 @@ def _watch() -> None:
     while True:
         event.wait(WATCH_SECONDS)
         with _kept_lock:
-            done = [budget for budget in _kept
+            done = [(budget, unpin) for budget, unpin in _kept.items()
                     if (account := _accounts.get(budget)) is None
                     or account.words[0] - account.words[2] <= 0]
-            _kept.difference_update(done)
+            for budget, _ in done:
+                del _kept[budget]
             last = not _kept
             if last:
                 _watcher.clear()
-        for budget in done:
-            budget.unpin()  # released now, if nothing else holds it
+        for _, unpin in done:
+            unpin()  # released now, if nothing else holds it
         if last:
             return
 
