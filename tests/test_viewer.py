@@ -135,7 +135,7 @@ def test_the_page_is_self_contained_and_carries_the_model(tmp_path: Path) -> Non
     assert page.startswith("<!DOCTYPE html>") and page.count("</script>") == 2
     overview = page[page.index('<section id="overview">'):page.index("</section>")]
     assert "&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in overview  # escaped
-    assert "3 budgets, 5 blocks, 1 denials, 2 leaked blocks" in overview
+    assert "3 budgets, 5 blocks, 1 denial, 2 leaked blocks" in overview
     assert not re.search(r"(src|href)\s*=|https?://|@import|fetch\(", page)
     payload = json.loads(page[page.index('id="gpubudget-data">') + 20:page.index("</script>")])
     data = payload["main"]

@@ -97,7 +97,7 @@ def test_the_summary_shows_before_and_without_the_script(tmp_path: Path) -> None
         rows = [row.text for row in overview.find_elements(By.CSS_SELECTOR, "tbody tr")]
         assert rows[0].split()[:5] == ["pool", "4.00", "MiB", "4.00", "MiB"]
         assert rows[1].split()[0] == "model" and rows[1].split()[-2:] == ["1", "0"]  # denied
-        assert "2 budgets, 4 blocks, 1 denials, 0 leaked blocks" in overview.text
+        assert "2 budgets, 4 blocks, 1 denial, 0 leaked blocks" in overview.text
         bar = driver.find_element(By.CSS_SELECTOR, "#overview .bar > div")
         assert bar.get_attribute("style") in ("width: 100%;", "width: 100.0%;")
         shot(driver, tmp_path, "summary-without-script")
