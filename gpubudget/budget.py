@@ -182,10 +182,10 @@ class Budget(BudgetView, Residency):
             door.entered(self, node.account)  # the driver door, where loaded: its account
             door.follow()
         except BaseException:  # all or nothing: an exception landing once it was open
-            if self._token is not None:
-                context.ACTIVE.reset(self._token)
-                self._token = None
+            if context.ACTIVE.get() is not chain:  # made current (its token kept or not)
+                context.ACTIVE.set(chain)
                 door.follow()
+            self._token = None
             node.close()
             raise
         return self
