@@ -89,5 +89,5 @@ def test_without_a_gpu_a_huge_plan_is_never_read_whole(plan_file: Path, tmp_path
                           env=subprocess_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     assert "no CUDA device here" in done.stdout and "1.00 GiB" in done.stdout
-    peak_kib = int(done.stderr.split()[-1])
-    assert peak_kib < 512 * 1024, f"{peak_kib} KiB resident: the plan was read"
+    peak_kib = int(done.stderr.split()[-1])  # TensorRT's libraries alone: 0.2-0.75 GiB
+    assert peak_kib < 1 << 20, f"{peak_kib} KiB resident, the plan's size: the plan was read"

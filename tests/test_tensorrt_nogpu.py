@@ -70,7 +70,8 @@ def test_no_gbt_call_and_no_engine_command_crashes_without_a_gpu(
         binding: str, tmp_path: Path) -> None:
     bindings.load(binding)  # skips (or fails, in CI) where it is not installed
     plan = tmp_path / "model.plan"
-    plan.write_bytes(b"\x01" * 5000)  # a lean runtime checks no header without a GPU
+    # a plan's tag, then bytes a lean runtime cannot check without a GPU
+    plan.write_bytes(b"ftrt" + b"\x01" * 4996)
     script = tmp_path / "nogpu.py"
     script.write_text(PROGRAM)
     env = subprocess_env(GPUBUDGET_BACKEND="host")
@@ -99,6 +100,6 @@ def test_no_gbt_call_and_no_engine_command_crashes_without_a_gpu(
     assert (out["--no-gpu"], out["cli"], out["--json"], out["default module"]) == (0, 0, 0, 0)
     text = "\n".join(printed)
     assert text.count("4.88 KiB") >= 3 and "checked" in text and "plan size" in text
-    assert text.count("could not initialise CUDA") >= 3  # deserializing asked for, thrice
-    assert "could not initialise CUDA" in text
+    # the command asks the CUDA driver first: with no device it never makes a Runtime
+    assert text.count("no CUDA device here") >= 3
     assert "Traceback" not in done.stderr
