@@ -183,7 +183,11 @@ def make_workspaces(torch: Any, device: int) -> None:
     made = _streams_made()
     if (device, stream) in made:
         return
-    with _workspace_lock:  # one thread at a time routes into the workspace pool
+    from .door import outside_budgets
+
+    # the workspaces are library memory outside budgets (the report says so); under the
+    # driver door too, where a reserved root would refuse them
+    with _workspace_lock, outside_budgets():  # one thread at a time routes into the pool
         mempool = _workspace_pools.get(device)
         if mempool is None:
             mempool = _workspace_pools[device] = kept_for_ever(torch.cuda.MemPool())

@@ -126,6 +126,15 @@ class CupyWork(Work):
 
     def release(self) -> None:
         self.gbc.release_cached()
+        # what cuFFT and cuRAND took from the driver themselves (a plan cache, a generator's
+        # states), charged under the driver door to the budget that first used them
+        # (the tests' fake CuPy has neither)
+        config = getattr(self.cp.fft, "config", None)
+        if config is not None:
+            config.get_plan_cache().clear()
+        reset = getattr(getattr(self.cp, "random", None), "reset_states", None)
+        if reset is not None:
+            reset()
 
     def refused(self, exc: BaseException) -> bool:
         return isinstance(exc, self.cp.cuda.memory.OutOfMemoryError)

@@ -369,6 +369,29 @@ def test_a_growable_root_holds_its_limit_on_the_device(lab: Path, pure: bool) ->
 
 
 @pytest.mark.parametrize("pure", CORES)
+def test_outside_bytes_asks_the_device_and_counts_the_door_inside(lab: Path, pure: bool) -> None:
+    # the report's "device memory taken outside budgets" reads the device's free memory;
+    # under the door cuMemGetInfo answers the budget current in the thread, so the report
+    # must ask for the device, and what the door charged the tree is not "outside"
+    out = python(lab, """
+        from backend import FakeCudaBackend
+        MiB = 1 << 20
+        with gpu_budget("64MiB", backend=FakeCudaBackend(), initial=0, name="grows") as root:
+            with gpu_budget("32MiB", name="model"):
+                status, mine = driver.alloc(6 * MiB)  # charged to the model: not outside
+                out["charged"] = root.report().outside_bytes
+                other = []
+                thread = threading.Thread(target=lambda: other.append(driver.alloc(3 * MiB)))
+                thread.start(); thread.join()  # a thread in no budget: outside
+                out["with other"] = root.report().outside_bytes
+                driver.free(mine); driver.free(other[0][1])
+            out["after"] = root.report().outside_bytes
+    """, pure, FAKECUDA_TOTAL=str(1 << 30))
+    MiB = 1 << 20
+    assert out == {"charged": 0, "with other": 3 * MiB, "after": 0}
+
+
+@pytest.mark.parametrize("pure", CORES)
 def test_a_granule_the_door_refuses_ends_the_growth(lab: Path, pure: bool) -> None:
     out = python(lab, """
         from backend import FakeCudaBackend

@@ -177,6 +177,41 @@ def test_library_workspaces_stay_outside_and_never_pin_a_budget(torch: Any) -> N
         del kept
 
 
+def test_workspaces_are_made_outside_budgets_under_the_driver_door(
+        torch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # under the driver door the workspaces' own driver allocations must be charged to no
+    # budget (a reserved root would refuse them: seen on the H200, torch.OutOfMemoryError at
+    # routing's entry); the door's outside_budgets() is entered around them
+    import contextlib
+
+    from gpubudget import door
+
+    inside: list[bool] = []
+    seen: list[bool] = []
+
+    @contextlib.contextmanager
+    def outside_budgets() -> Iterator[None]:
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(door, "outside_budgets", outside_budgets)
+    handle = torch._C._cuda_getCurrentBlasHandle
+
+    def seeing() -> Any:
+        seen.append(bool(inside))
+        return handle()
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentBlasHandle", seeing)
+    with gpu_budget("64MiB", name="pool", backend=DeviceHostBackend(0)):
+        with gbt.allocations():
+            kept = torch.empty(KiB)
+        del kept
+    assert seen == [True]
+
+
 def test_release_cached_returns_the_cache_of_idle_pools(torch: Any) -> None:
     with gpu_budget("64MiB", name="server", backend=DeviceHostBackend(0)) as server:
         with gbt.allocations():

@@ -79,6 +79,7 @@ def _opened_under_door(node: Node, backend: Backend, writer: TraceWriter | None,
     each granule a growable root maps later."""
     with door.owning(node.budget, limit):
         tree = node.open_root(backend, writer, limit, initial)
+    tree.door_view = door.device_view(node.budget)
     if tree.mapping is not None:
         tree.mapping.door = door.owner_of(node.budget)
     return tree

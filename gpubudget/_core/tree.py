@@ -56,6 +56,9 @@ from .recovery import recover
 native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+
     from .node import Node  # a budget's plumbing; Node makes Trees, so named here only
     from ..tracefile import TraceWriter
 
@@ -82,7 +85,7 @@ class Tree:
 
     __slots__ = ("root", "lock", "turns", "backend", "device", "reservation", "mapping", "arena",
                  "live", "pending", "ordered", "recorder", "free_at_entry", "free_at_exit",
-                 "fast", "closed", "reading", "deferred")
+                 "door_view", "fast", "closed", "reading", "deferred")
 
     def __init__(self, root: Node, backend: Backend, writer: TraceWriter | None, limit: int,
                  initial: int | None = None) -> None:
@@ -103,6 +106,11 @@ class Tree:
         self.ordered: Final = not getattr(backend, "synchronous", False)
         self.recorder: Final = Recorder(writer, getattr(backend, "clock", time.perf_counter))
         self.recorder.place(self.arena.base, self.mapping)  # where the root sits, for traces
+        # Under the driver door (set by the budget layer): a context in which the backend's
+        # cuMemGetInfo answers for the device rather than for a budget, and the bytes the
+        # door charged this tree now (taken in its scope, so not by others).
+        self.door_view: tuple[Callable[[], AbstractContextManager[None]],
+                              Callable[[], int]] | None = None
         # Device memory free just after the reservation, and at the root's exit: what others
         # took meanwhile shows in the report (device backends only).
         self.free_at_entry = None if self.device is None else self.unclaimed()
@@ -424,10 +432,15 @@ class Tree:
 
     def unclaimed(self) -> int | None:
         """The device's free memory, plus what a growable root has mapped (its own growth is
-        not memory taken by others)."""
-        info = free_memory(self.backend)
+        not memory taken by others) and what the driver door charged the tree."""
         mapped = self.mapping.mapped_bytes if self.mapping is not None else 0
-        return info[0] + mapped if info else None
+        if self.door_view is None:
+            info = free_memory(self.backend)
+            return info[0] + mapped if info else None
+        device, charged = self.door_view
+        with device():
+            info = free_memory(self.backend)
+        return info[0] + mapped + charged() if info else None
 
     def note_free_at_exit(self) -> None:
         if self.device is not None:

@@ -35,8 +35,8 @@ from ..context import ACTIVE
 if TYPE_CHECKING:
     from ..budget import Budget
 
-__all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "entered", "follow", "leaving",
-           "loaded", "numbers", "outside", "owning", "owner_of"]
+__all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "device_view", "entered", "follow",
+           "leaving", "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of"]
 
 WORDS: Final = 4
 """How many 64-bit words of an account the ledger shares: held, core, own, limit."""
@@ -261,6 +261,27 @@ def owning(budget: Budget, limit: int) -> contextlib.AbstractContextManager[None
     return _owning(lib, _account(lib, budget, limit))
 
 
+@contextlib.contextmanager
+def _nobody(lib: ctypes.CDLL) -> Iterator[None]:
+    before = lib.gbd_current()
+    lib.gbd_set_current(None)
+    try:
+        yield
+    finally:
+        lib.gbd_set_current(before)
+
+
+def outside_budgets() -> contextlib.AbstractContextManager[None]:
+    """While this is entered, the driver allocations this thread makes are charged to no
+    budget (counted outside every budget): for what an adapter deliberately keeps outside
+    them, such as the cuBLAS workspaces PyTorch's routing makes before it routes (see
+    ``gpubudget.torch``), which a reserved root would otherwise refuse."""
+    lib = _door()
+    if lib is None:
+        return contextlib.nullcontext()
+    return _nobody(lib)
+
+
 def owner_of(budget: Budget) -> Callable[[], contextlib.AbstractContextManager[None]] | None:
     """What a growable root's memory enters around mapping a granule (see :func:`owning`),
     or ``None`` when the door is not loaded."""
@@ -269,6 +290,20 @@ def owner_of(budget: Budget) -> Callable[[], contextlib.AbstractContextManager[N
     if lib is None or account is None:
         return None
     return lambda: _owning(lib, account)
+
+
+def device_view(budget: Budget) -> tuple[Callable[[], contextlib.AbstractContextManager[None]],
+                                         Callable[[], int]] | None:
+    """For a root's statistics: a context in which this thread's ``cuMemGetInfo`` answers for
+    the device (the root's own, as in :func:`owning`), and a function giving the bytes the
+    door charged the root's tree that are not its own memory; ``None`` when the door is not
+    loaded or the budget has no account."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None:
+        return None
+    words = account.words
+    return (lambda: _owning(lib, account)), (lambda: max(0, words[0] - words[2]))
 
 
 LIBRARIES: Final = 64
