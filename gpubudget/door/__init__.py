@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from ..budget import Budget
 
 __all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "entered", "follow", "leaving",
-           "loaded", "numbers", "outside", "owning", "owner_of"]
+           "loaded", "numbers", "outside", "owning", "owner_of", "registered"]
 
 WORDS: Final = 4
 """How many 64-bit words of an account the ledger shares: held, core, own, limit."""
@@ -96,7 +96,8 @@ def _door() -> ctypes.CDLL | None:
 
 
 def _find() -> ctypes.CDLL | None:
-    process = ctypes.CDLL(None)  # every library loaded, the door first if it is preloaded
+    # every library loaded, the door first if it is preloaded
+    process = ctypes.CDLL(None, use_errno=True)
     try:
         version = process.gbd_version
     except AttributeError:
@@ -121,6 +122,9 @@ def _find() -> ctypes.CDLL | None:
     process.gbd_live_bytes.argtypes = [_P, ctypes.POINTER(_I64), ctypes.c_int,
                                        ctypes.POINTER(_I64)]
     process.gbd_attribute_only.restype = ctypes.c_int
+    process.gbd_label.argtypes = [_P, _I64, _I64]
+    process.gbd_share.restype = ctypes.c_int
+    process.gbd_share.argtypes = [ctypes.c_int, _I64]
     return process
 
 
@@ -156,9 +160,19 @@ class _Account:
 _accounts: Final[weakref.WeakKeyDictionary[Budget, _Account]] = weakref.WeakKeyDictionary()
 
 
+_shared: list[bool] = []  # whether this process's door file was tried (shared.py)
+
+
 def _account(lib: ctypes.CDLL, budget: Budget, limit: int) -> _Account:
     account = _accounts.get(budget)
     if account is None:
+        if not _shared:  # the first account: the door file first, for top and metrics
+            with _lib_lock:
+                if not _shared:
+                    _shared.append(True)
+                    from .shared import share
+
+                    share(lib)
         parent = budget.parent
         account = _Account(lib, budget.name, limit,
                            _accounts.get(parent) if parent is not None else None)
@@ -175,6 +189,17 @@ def entered(budget: Budget, ledger: Ledgered) -> None:
     account = _account(lib, budget, ledger.limit)
     lib.gbd_account_set_limit(account.address, min(ledger.limit, 2**63 - 1))
     ledger.door = account.words
+    if budget.parent is not None:  # named in the door file as its ledger row names it
+        lib.gbd_label(account.address, 2, getattr(budget, "_node").id)
+
+
+def registered(budget: Budget, serial: int) -> None:
+    """Root ``budget`` registered in the host ledger with ``serial``: its row of the door
+    file (:mod:`gpubudget.door.shared`) says so, for top and metrics to find it."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is not None and account is not None:
+        lib.gbd_label(account.address, 1, serial)
 
 
 def follow() -> None:
@@ -235,6 +260,7 @@ def _watch() -> None:
 
 def _forked() -> None:  # the parent's budgets are closed to a forked child (forks.py)
     getattr(_kept_lock, "_at_fork_reinit")()
+    _shared[:] = [True]  # the parent's file, privately copied by the door: never another
     _kept.clear()
     _watcher.clear()
 

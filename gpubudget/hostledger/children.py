@@ -190,6 +190,8 @@ class ChildBudget(NamedTuple):
     used: int
     peak: int
     free: int
+    serial: int = 0
+    """The budget's number in its process (the order children entered)."""
 
 
 def read_children(pages: bytes, entries: tuple[Entry, ...] | list[Entry]
@@ -234,7 +236,7 @@ def _tree(root: Entry, rows: dict[int, Any]) -> tuple[ChildBudget, ...]:
         # its own reserve, set aside and unused, is room its ancestors' limits leave it
         room = min(child.limit - child.used, room + max(child.reserve - child.used, 0))
         shown.append(ChildBudget(child.name, depth, child.limit, child.reserve, child.used,
-                                 child.peak, max(room, 0)))
+                                 child.peak, max(room, 0), child.serial))
         stack.extend((grandchild, depth + 1, room)
                      for grandchild in reversed(below.get(child.row, [])))
     return tuple(shown)
