@@ -753,3 +753,32 @@ def test_a_forked_childs_frees_never_show_in_its_parents_door_file(lab: Path,
     finally:
         _finish(child)
     assert shown == [("model", 100_000)]
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_the_viewer_gets_each_budgets_door_numbers_from_a_report(lab: Path, tmp_path: Path,
+                                                                 pure: bool) -> None:
+    from gpubudget.viewer.page import _data
+    from gpubudget.viewer.reportfile import model_from_report_file
+
+    path = tmp_path / "report.json"
+    python(lab, f"""
+        with gpu_budget("1MiB", backend="host", name="root") as root:
+            with gpu_budget("256KiB", name="child") as child:
+                status, a = driver.alloc(100_000)
+                driver.alloc(200_000)  # refused
+                with open({str(path)!r}, "w") as file:
+                    file.write(root.report().to_json())
+                driver.free(a)
+    """, pure)
+    model = model_from_report_file(path, max_bytes=1 << 20)
+    assert [budget.name for budget in model.budgets] == ["root", "child"]
+    assert [row[10] for row in _data(model)["budgets"]] == [
+        [100_000, 0, 0, None, []],
+        [100_000, 1, 200_000, "libffi.so.8", [["libffi.so.8", 100_000, 1]]]]
+    without = tmp_path / "plain.json"
+    from gpubudget import gpu_budget
+
+    with gpu_budget("1MiB", backend="host", name="plain") as plain:
+        without.write_text(plain.report().to_json(), encoding="utf-8")
+    assert _data(model_from_report_file(without, max_bytes=1 << 20))["budgets"][0][10] is None
