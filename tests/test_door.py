@@ -226,7 +226,7 @@ def test_budgets_ending_keep_their_driver_allocations_charged(lab: Path, pure: b
             status, b = driver.alloc(800_000)
             out["now"] = status
             def wait(budget):
-                deadline = time.monotonic() + 60  # the watcher lets it go (every 0.25 s)
+                deadline = time.monotonic() + 60  # the watcher lets it go, woken by the free
                 while budget.state != "released" and time.monotonic() < deadline:
                     time.sleep(0.05)
                 return budget.state

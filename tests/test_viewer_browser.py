@@ -345,7 +345,7 @@ def test_a_budgets_driver_door_bytes_and_refusals_show_in_the_tree(browser: Any,
         with gpu_budget("16MiB", name="model") as model:
             block = model.allocate(2**20, tag="weights")
         report = server.report()
-        model.free(block)
+        assert block is not None and model.free(block)
     door = DoorUsage(3 << 20, 3 << 20, 2, 1, 8 << 20, "libcublasLt.so.13",
                      (DoorLibrary("libcublasLt.so.13", 2 << 20, 1),
                       DoorLibrary("libnccl.so.2", 1 << 20, 0)), False)

@@ -83,7 +83,9 @@ struct gbd_account {
     _Atomic int64_t refusals, peak;  /* words 7, 8 */
     _Atomic int64_t last_refused;    /* word 9: size of the last refusal */
     _Atomic int64_t last_refused_lib; /* word 10 */
-    _Atomic int64_t spare[5];        /* words 11-15 */
+    _Atomic int64_t watched;         /* word 11: its budget ended; wake gpubudget when
+                                      * nothing foreign is held (gbd_watch) */
+    _Atomic int64_t spare[4];        /* words 12-15 */
     _Atomic int64_t refusedlib[LIBS]; /* words 16-79: refusals per library */
     _Atomic int64_t libbytes[LIBS];  /* words 80-143: live bytes charged here, per library */
     /* -- this process's own ------------------------------------------------------------ */
@@ -401,13 +403,26 @@ static account *charge(account *a, int64_t size, int is_own) {
     return NULL;
 }
 
+static _Atomic int notify_fd = -1; /* an eventfd gpubudget's watcher reads (gbd_set_notify) */
+
+/* A watched account's foreign bytes are all gone: wake the watcher (a write of 8 bytes). */
+static void notify(void) {
+    int fd = atomic_load_explicit(&notify_fd, memory_order_relaxed);
+    uint64_t one = 1;
+    if (fd >= 0 && write(fd, &one, sizeof one) < 0) { /* full or closed: it wakes anyway */ }
+}
+
 /* Take `size` back from `a` and its ancestors. Each link's parent is read before its bytes
- * go: an account with nothing held may be freed at once (see buried). */
+ * go: an account with nothing held may be freed at once (see buried). A watched account is
+ * one whose budget ended while charged (Python keeps it, so it is not freed): the last
+ * foreign byte leaving it wakes the watcher. */
 static void uncharge(account *a, int64_t size, int is_own) {
     if (is_own) atomic_fetch_sub(&a->own, size); /* own first: held - own never too small */
     for (account *link = a, *next; link != NULL; link = next) {
         next = is_own ? NULL : link->parent;
-        atomic_fetch_sub(&link->held, size);
+        int watched = !is_own && atomic_load_explicit(&link->watched, memory_order_relaxed);
+        int64_t before = atomic_fetch_sub(&link->held, size);
+        if (watched && before - size - atomic_load(&link->own) <= 0) notify();
     }
 }
 
@@ -1012,6 +1027,10 @@ EXPORT void gbd_set_current(account *a) {
     account_unref(before);
 }
 EXPORT account *gbd_current(void) { return current; }
+/* The eventfd (or pipe) that notify() writes to; -1: none. */
+EXPORT void gbd_set_notify(int fd) { atomic_store(&notify_fd, fd); }
+/* Watch `a` (its budget ended while charged) or stop watching it. */
+EXPORT void gbd_watch(account *a, int on) { atomic_store(&a->watched, on ? 1 : 0); }
 EXPORT account *gbd_set_owner(account *a) {
     account *before = owner;
     owner = a;
@@ -1080,6 +1099,7 @@ static void child_after_fork(void) {
     /* The accounts belong to the parent's budgets, which the child does not hold: from now
      * on they charge nothing here, and this thread (the only one) has no budget. */
     atomic_fetch_add(&generation, 1);
+    atomic_store(&notify_fd, -1); /* the parent's watcher's: the child makes its own */
     current = NULL;
     owner = NULL;
     pthread_setspecific(current_key, NULL);

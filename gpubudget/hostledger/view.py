@@ -58,13 +58,19 @@ class DeviceView:
     doors: Mapping[tuple[int, int, int], DoorShare] = field(default_factory=dict)
     """Under the driver door: each budget's numbers from its process's door file
     (:mod:`gpubudget.door.shared`); see :meth:`door_of`."""
+    serials: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Each root's children's budget numbers, in the order of :attr:`children`."""
 
     def door_of(self, entry: Entry, child: ChildBudget | None = None) -> DoorShare | None:
-        """What the driver door shows of root ``entry`` (or of its ``child``), if its
-        process runs under the door and shares its numbers."""
+        """What the driver door shows of root ``entry`` (or of its ``child``, one of
+        :meth:`children_of`'s), if its process runs under the door and shares its numbers."""
         if child is None:
             return self.doors.get((entry.pid, 1, entry.serial))
-        return self.doors.get((entry.pid, 2, child.serial)) if child.serial else None
+        shown, serials = self.children_of(entry), self.serials.get(entry.slot, ())
+        index = next((i for i, other in enumerate(shown) if other is child), None)
+        if index is None or index >= len(serials):
+            return None
+        return self.doors.get((entry.pid, 2, serials[index]))
 
     def children_of(self, entry: Entry) -> tuple[ChildBudget, ...]:
         """``entry``'s child budgets shown, depth first (each with its depth)."""
@@ -113,8 +119,9 @@ class DeviceView:
                 "processes": processes}
 
 
-def _door_dict(door: DoorShare | None) -> dict[str, Any] | None:
-    return None if door is None else door.as_dict()
+def _door_dict(door: DoorShare | None) -> dict[str, Any]:
+    """A budget's ``driver_door`` key, only under the driver door."""
+    return {} if door is None else {"driver_door": door.as_dict()}
 
 
 def _entry_dict(device: DeviceView, entry: Entry) -> dict[str, Any]:
@@ -122,7 +129,7 @@ def _entry_dict(device: DeviceView, entry: Entry) -> dict[str, Any]:
             "state": entry.state, "limit": entry.limit, "share": entry.share,
             "reserved": entry.reserved, "used": entry.used, "peak": entry.peak,
             "free": max(entry.limit - entry.used, 0), "denials": entry.denials,
-            "cuda_ordinal": entry.ordinal, "driver_door": _door_dict(device.door_of(entry)),
+            "cuda_ordinal": entry.ordinal, **_door_dict(device.door_of(entry)),
             "children": _nested(device, entry), "children_hidden": entry.hidden}
 
 
@@ -134,7 +141,7 @@ def _nested(device: DeviceView, entry: Entry) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"budget": child.name, "limit": child.limit,
                                 "reserve": child.reserve, "used": child.used,
                                 "peak": child.peak, "free": child.free,
-                                "driver_door": _door_dict(device.door_of(entry, child)),
+                                **_door_dict(device.door_of(entry, child)),
                                 "children": []}
         del path[child.depth:]
         path[-1].append(item)
@@ -192,7 +199,7 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
                         header.identity, header.label, header.total, header.cap, header.hard,
                         snapshot.entries, snapshot.ended,
                         gpu.used_by if gpu is not None else None, snapshot.children,
-                        header.limit, header.limited_by, doors))
+                        header.limit, header.limited_by, doors, snapshot.serials))
         finally:
             opened.close()
     devices.extend(_without_ledger(gpu) for gpu in gpus.values() if idle or gpu.used_by)
