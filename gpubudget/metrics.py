@@ -29,6 +29,16 @@ metric                                 labels                       what
 ``gpubudget_outside_bytes``            GPU, process                 held beyond its budgets
                                                                     (NVML)
 ``gpubudget_process_info``             process, pid, command        1 per process
+``gpubudget_door_bytes``               GPU, process, budget, child  under the driver door:
+                                                                    what libraries took
+                                                                    through it in the
+                                                                    budget's scope, live
+``gpubudget_door_library_bytes``       GPU, process, budget,        the budget's own driver
+                                       child, library               allocations live, by
+                                                                    the library that asked
+``gpubudget_door_refusals_total``      GPU, process, budget,        driver requests refused
+                                       child, library               by the budget's limit,
+                                                                    by the library that asked
 =====================================  ===========================  =========================
 
 *GPU* is three labels, named and spelt as NVIDIA's DCGM exporter names them, so that a query
@@ -41,7 +51,10 @@ metrics --process-label command``) makes it the process's command line instead, 
 across restarts (``#2``, ``#3`` for further processes of one command, in order of pid);
 ``gpubudget_process_info`` then says which pid each is. ``child`` is a child budget's path
 under its root, its ancestors' names and its own joined by ``/`` (``detector/backbone``;
-``#2`` after a name that a sibling entered earlier holds too).
+``#2`` after a name that a sibling entered earlier holds too). The ``gpubudget_door_*``
+families cover roots and children alike: ``child`` is empty for the root itself; they are
+there only for processes started under the driver door (``gpubudget run``), read from their
+door files (:mod:`gpubudget.door.shared`).
 """
 
 from __future__ import annotations
@@ -199,6 +212,26 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
                                 "beyond its budgets (NVML).", labels=[*_GPU, "process"])
     info = GaugeMetricFamily("gpubudget_process_info", "A process with budgets.",
                              labels=["process", "pid", "command"])
+    door_labels = [*child_labels, "library"]
+    door_held = GaugeMetricFamily("gpubudget_door_bytes", "Bytes libraries took through the "
+                                  "driver door in a budget's scope (its children's included).",
+                                  labels=child_labels)
+    door_bytes = GaugeMetricFamily("gpubudget_door_library_bytes", "A budget's own driver "
+                                   "allocations live, by the library that asked.",
+                                   labels=door_labels)
+    door_refusals = CounterMetricFamily("gpubudget_door_refusals", "Driver requests a "
+                                        "budget's limit refused, by the library that asked.",
+                                        labels=door_labels)
+
+    def door(labels: list[str], share: Any) -> None:
+        if share is None:
+            return
+        door_held.add_metric(labels, share.held)
+        for lib in share.libraries:
+            door_bytes.add_metric([*labels, lib.name], lib.live)
+            if lib.refusals:
+                door_refusals.add_metric([*labels, lib.name], lib.refusals)
+
     names = _process_names(view, process_label)
     commands: dict[int, str] = {}
     for device in view.devices:
@@ -219,10 +252,12 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
                 gauges[name].add_metric(labels, value)
             denials.add_metric(labels, entry.denials)
             hidden.add_metric(labels, entry.hidden)
+            door([*labels, ""], device.door_of(entry))
             for path, child in _paths(device.children_of(entry)):
                 for name, value in (("limit", child.limit), ("used", child.used),
                                     ("peak", child.peak)):
                     child_gauges[name].add_metric([*labels, path], value)
+                door([*labels, path], device.door_of(entry, child))
             commands[entry.pid] = entry.process
         for pid in device.pids:
             held = device.outside(pid)
@@ -231,7 +266,7 @@ def families(view: HostView, indexes: dict[str, str] | None = None,
     for pid, command in sorted(commands.items()):
         info.add_metric([names[pid], str(pid), command], 1)
     return [*gauges.values(), denials, *child_gauges.values(), hidden,
-            *device_gauges.values(), outside, info]
+            *device_gauges.values(), outside, info, door_held, door_bytes, door_refusals]
 
 
 def _paths(children: tuple[ChildBudget, ...]) -> Iterator[tuple[str, ChildBudget]]:

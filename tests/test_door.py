@@ -226,7 +226,7 @@ def test_budgets_ending_keep_their_driver_allocations_charged(lab: Path, pure: b
             status, b = driver.alloc(800_000)
             out["now"] = status
             def wait(budget):
-                deadline = time.monotonic() + 60  # the watcher lets it go (every 0.25 s)
+                deadline = time.monotonic() + 60  # the watcher lets it go, woken by the free
                 while budget.state != "released" and time.monotonic() < deadline:
                     time.sleep(0.05)
                 return budget.state
@@ -652,3 +652,156 @@ def test_accounts_go_once_nothing_holds_them(lab: Path) -> None:
         out["after"] = lib.gbd_accounts() - base
     """)
     assert out == {"made": 2, "while held": 2, "after": 0}
+
+
+def _under_door(lab: Path, code: str, ledger: Path, pure: bool = False,
+                flags: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """``code`` started under the door, registering in the host ledger at ``ledger``; it
+    prints "ready" when the test may look, and waits for a line on its stdin."""
+    env = environment(lab, pure, GPUBUDGET_LEDGER="1", GPUBUDGET_LEDGER_DIR=str(ledger))
+    program = "import driver, sys, threading\nfrom gpubudget import gpu_budget\n" + \
+        textwrap.dedent(code)
+    return subprocess.Popen([sys.executable, "-m", "gpubudget", "run", *flags, "--",
+                             sys.executable, "-c", program], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_ready(child: subprocess.Popen[str]) -> None:
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if line != "ready\n":
+        child.kill()
+        raise AssertionError(f"{line!r} {child.communicate()[1]}")
+
+
+def _finish(child: subprocess.Popen[str]) -> None:
+    out, err = child.communicate("go\n", timeout=120)
+    assert child.returncode == 0, err
+
+
+_VIEWED = """
+    with gpu_budget("1MiB", backend="host", name="model") as root:
+        with gpu_budget("256KiB", name="encoder") as child:
+            status, a = driver.alloc(100_000)
+            assert status == 0
+            assert driver.alloc(200_000)[0] == 2  # refused by the encoder's limit
+            status, b = driver.alloc(50_000)
+        status, c = driver.alloc(30_000)  # the root's own scope
+        print("ready", flush=True)
+        sys.stdin.readline()
+        driver.free(a); driver.free(b); driver.free(c)
+"""
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_top_shows_each_budgets_door_bytes_by_library_from_another_process(
+        lab: Path, tmp_path: Path, pure: bool) -> None:
+    from gpubudget.cli.top import render
+    from gpubudget.hostledger import host_view
+
+    child = _under_door(lab, _VIEWED, tmp_path, pure)
+    try:
+        _wait_ready(child)
+        view = host_view(tmp_path, nvml=False)  # this process has no door: it reads the file
+        lines = [line.strip() for line in render(view) if "driver door" in line]
+        as_json = view.as_dict()["devices"][0]["budgets"][0]
+    finally:
+        _finish(child)
+    assert lines == [
+        "↳ driver door 175.78 KiB: libffi.so.8 29.30 KiB",
+        "↳ driver door 146.48 KiB: libffi.so.8 146.48 KiB · 1 refused, the last 195.31 KiB "
+        "asked by libffi.so.8"]
+    assert as_json["driver_door"]["held"] == 180_000
+    encoder = as_json["children"][0]
+    assert encoder["budget"] == "encoder" and encoder["driver_door"] == {
+        "held": 150_000, "peak": 150_000, "refusals": 1, "last_refused": 200_000,
+        "last_refused_by": "libffi.so.8", "attribute_only": False,
+        "libraries": [{"name": "libffi.so.8", "live": 150_000, "refusals": 1}]}
+    assert list(tmp_path.glob("*.door")) == []  # removed at exit
+
+
+def test_metrics_show_each_budgets_door_bytes_and_refusals_by_library(
+        lab: Path, tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from gpubudget.hostledger import host_view
+    from gpubudget.metrics import families
+
+    child = _under_door(lab, _VIEWED, tmp_path)
+    try:
+        _wait_ready(child)
+        found = {(sample.name, tuple(sorted(sample.labels.items())), sample.value)
+                 for family in families(host_view(tmp_path, nvml=False))
+                 for sample in family.samples if family.name.startswith("gpubudget_door")}
+        pid = str(child.pid)
+    finally:
+        _finish(child)
+    host = (("UUID", "host"), ("budget", "model"), ("gpu", ""), ("modelName", "host memory"))
+
+    def labels(child: str, library: str | None = None) -> tuple[tuple[str, str], ...]:
+        more = [("library", library)] if library else []
+        return tuple(sorted([*host, ("child", child), ("process", pid), *more]))
+
+    assert found == {
+        ("gpubudget_door_bytes", labels(""), 180_000),
+        ("gpubudget_door_bytes", labels("encoder"), 150_000),
+        ("gpubudget_door_library_bytes", labels("", "libffi.so.8"), 30_000),
+        ("gpubudget_door_library_bytes", labels("encoder", "libffi.so.8"), 150_000),
+        ("gpubudget_door_refusals_total", labels("encoder", "libffi.so.8"), 1)}
+
+
+def test_a_forked_childs_frees_never_show_in_its_parents_door_file(lab: Path,
+                                                                   tmp_path: Path) -> None:
+    from gpubudget.hostledger import host_view
+
+    child = _under_door(lab, """
+        import os
+        with gpu_budget("1MiB", backend="host", name="model") as root:
+            status, a = driver.alloc(100_000)
+            pid = os.fork()
+            if pid == 0:  # frees the parent's allocation in its own copy of the driver
+                driver.free(a)
+                with gpu_budget("1MiB", backend="host", name="forked"):
+                    driver.alloc(5_000)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            print("ready", flush=True)
+            sys.stdin.readline()
+            driver.free(a)
+    """, tmp_path)
+    try:
+        _wait_ready(child)
+        device = host_view(tmp_path, nvml=False).devices[0]
+        shown = [(entry.name, door.held if (door := device.door_of(entry)) else None)
+                 for entry in device.entries]
+    finally:
+        _finish(child)
+    assert shown == [("model", 100_000)]
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_the_viewer_gets_each_budgets_door_numbers_from_a_report(lab: Path, tmp_path: Path,
+                                                                 pure: bool) -> None:
+    from gpubudget.viewer.page import _data
+    from gpubudget.viewer.reportfile import model_from_report_file
+
+    path = tmp_path / "report.json"
+    python(lab, f"""
+        with gpu_budget("1MiB", backend="host", name="root") as root:
+            with gpu_budget("256KiB", name="child") as child:
+                status, a = driver.alloc(100_000)
+                driver.alloc(200_000)  # refused
+                with open({str(path)!r}, "w") as file:
+                    file.write(root.report().to_json())
+                driver.free(a)
+    """, pure)
+    model = model_from_report_file(path, max_bytes=1 << 20)
+    assert [budget.name for budget in model.budgets] == ["root", "child"]
+    assert [row[10] for row in _data(model)["budgets"]] == [
+        [100_000, 0, 0, None, []],
+        [100_000, 1, 200_000, "libffi.so.8", [["libffi.so.8", 100_000, 1]]]]
+    without = tmp_path / "plain.json"
+    from gpubudget import gpu_budget
+
+    with gpu_budget("1MiB", backend="host", name="plain") as plain:
+        without.write_text(plain.report().to_json(), encoding="utf-8")
+    assert _data(model_from_report_file(without, max_bytes=1 << 20))["budgets"][0][10] is None

@@ -332,3 +332,33 @@ def test_many_budgets_a_tree_pick_brings_its_lane_and_zooms_to_its_life(
     assert exited is not None and v0 <= entered < exited <= v1
     assert v1 - v0 < (exited - entered) * 1.2 + 2e-6  # its life fills the view
     assert console_problems(browser) == []
+
+
+def test_a_budgets_driver_door_bytes_and_refusals_show_in_the_tree(browser: Any,
+                                                                   tmp_path: Path) -> None:
+    import dataclasses
+
+    from gpubudget import gpu_budget
+    from gpubudget.report import DoorLibrary, DoorUsage
+
+    with gpu_budget("64MiB", name="server", backend="host") as server:
+        with gpu_budget("16MiB", name="model") as model:
+            block = model.allocate(2**20, tag="weights")
+        report = server.report()
+        assert block is not None and model.free(block)
+    door = DoorUsage(3 << 20, 3 << 20, 2, 1, 8 << 20, "libcublasLt.so.13",
+                     (DoorLibrary("libcublasLt.so.13", 2 << 20, 1),
+                      DoorLibrary("libnccl.so.2", 1 << 20, 0)), False)
+    report = dataclasses.replace(report, children=(dataclasses.replace(
+        report.children[0], driver_door=door),))  # as a report under `gpubudget run` has it
+    page = tmp_path / "door.html"
+    report.to_html(page)
+    load(browser, page)
+    assert console_problems(browser) == []
+    server_row = browser.find_element(By.CSS_SELECTOR, "#tree [data-budget='0']").text
+    model_row = browser.find_element(By.CSS_SELECTOR, "#tree [data-budget='1']").text
+    assert "driver door" not in server_row  # no door numbers: no line
+    assert ("driver door 3.00 MiB (libcublasLt.so.13 2.00 MiB, libnccl.so.2 1.00 MiB)"
+            in model_row)
+    assert "1 refused at the door, the last 8.00 MiB asked by libcublasLt.so.13" in model_row
+    shot(browser, tmp_path, "door-tree")

@@ -69,6 +69,7 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
     slot = claim.reserved(reservation, held, lambda: node.publish(None), node.account)
     tree.reservation = slot.reservation
     node.publish(slot.numbers, slot.mapped, slot.family)
+    door.registered(node.budget, claim.serial)  # the door file names it as the ledger does
     return tree
 
 

@@ -27,10 +27,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..hostledger import DeviceView, Entry, HostView, host_view
 from ..hostledger.children import ChildBudget
+
+if TYPE_CHECKING:
+    from ..door.shared import DoorShare
 from ..text import printable
 from ..units import format_size
 
@@ -88,6 +91,8 @@ class _Row:
     outside: int | None
     children: tuple[ChildBudget, ...] = ()
     """The root's child budgets shown, depth first."""
+    doors: tuple[DoorShare | None, ...] = ()
+    """Under the driver door: the root's numbers there, then each child's (``None``: none)."""
 
     @property
     def free(self) -> int | None:
@@ -99,13 +104,20 @@ class _Row:
         return (wanted in f"{self.pid} {self.process} {self.budget}".lower()
                 or any(wanted in child.name.lower() for child in self.children))
 
-    def lines(self) -> list[list[str]]:
+    def lines(self) -> list[list[str] | str]:
         """The cells of the row, then of each child (indented under it), then a line saying
-        how many children are hidden, if any."""
-        found = [self.cells()]
-        for child, branch in zip(self.children, _branches(self.children)):
+        how many children are hidden, if any. Under the driver door, a budget whose scope
+        took memory through it, or was refused there, is followed by a line saying so (a
+        string: it spans the table)."""
+        doors = self.doors or (None,) * (1 + len(self.children))
+        found: list[list[str] | str] = [self.cells()]
+        if doors[0] is not None and _door_shown(doors[0]):
+            found.append(_door_text(doors[0], ""))
+        for child, branch, door in zip(self.children, _branches(self.children), doors[1:]):
             found.append(["", "", branch + child.name, _size(child.limit), _size(child.used),
                           _size(child.free), _size(child.peak), "-", ""])
+            if door is not None and _door_shown(door):
+                found.append(_door_text(door, branch.replace("├", "│").replace("└", " ")))
         hidden = self.entry.hidden if self.entry is not None else 0
         if hidden:
             found.append(["", "", f"… {hidden} hidden", "", "", "", "", "", ""])
@@ -130,6 +142,26 @@ class _Row:
                 str(entry.denials) if entry else "-", _size(self.outside)]
 
 
+def _door_shown(door: DoorShare) -> bool:
+    return bool(door.held or door.refusals or door.libraries)
+
+
+def _door_text(door: DoorShare, indent: str) -> str:
+    """A budget's driver-door line: what libraries took through the door in its scope, its
+    own allocations by library, and its refusals with the library that asked last."""
+    text = f"{indent}  ↳ driver door {format_size(door.held)}"
+    holding = [lib for lib in door.libraries if lib.live]
+    if holding:
+        text += ": " + ", ".join(f"{lib.name} {format_size(lib.live)}" for lib in holding[:4])
+        text += ", …" if len(holding) > 4 else ""
+    if door.refusals:
+        text += (f" · {door.refusals} refused, the last {format_size(door.last_refused)} "
+                 f"asked by {door.last_refused_by or 'an unknown library'}")
+    if door.attribute_only:
+        text += " · attribute only"
+    return text
+
+
 def _branches(children: tuple[ChildBudget, ...]) -> list[str]:
     """The tree drawn before each child's name (children depth first, each with its
     depth): ``├ `` or ``└ `` (its last sibling), after ``│ `` or blanks for each ancestor
@@ -151,7 +183,10 @@ def _branches(children: tuple[ChildBudget, ...]) -> list[str]:
 
 def _rows(device: DeviceView, options: TopOptions) -> list[_Row]:
     rows = [_Row(entry.pid, entry.process, entry.name, entry, device.outside(entry.pid),
-                 device.children_of(entry)) for entry in device.entries]
+                 device.children_of(entry),
+                 (device.door_of(entry),
+                  *(device.door_of(entry, child) for child in device.children_of(entry))))
+            for entry in device.entries]
     budgeted = {entry.pid for entry in device.entries}
     rows += [_Row(pid, "?", "(no budget)", None, device.outside(pid))
              for pid in device.pids if pid not in budgeted]
@@ -206,6 +241,19 @@ def _line(cells: list[str], columns: list[_Column]) -> str:
     shown = {column.title: column for column in columns}
     return " ".join(_cell(text, shown[column.title].width, column.right)
                     for text, column in zip(cells, _COLUMNS) if column.title in shown).rstrip()
+
+
+def _spanning(text: str, columns: list[_Column], width: int | None) -> str:
+    """A line that spans the table, starting under the BUDGET column, cut to ``width``."""
+    start = 0
+    for column in columns:
+        if column.title == "BUDGET":
+            break
+        start += column.width + 1
+    line = " " * start + printable(text)
+    if width is not None and len(line) > width:
+        line = line[: width - 1] + "…"
+    return line
 
 
 def _wrapped(parts: list[str], width: int | None) -> list[str]:
@@ -278,7 +326,8 @@ def render(view: HostView, options: TopOptions = TopOptions(), width: int | None
         lines += ["", *_device_lines(device, width),
                   _line([column.title for column in _COLUMNS], columns)]
         for row in rows:
-            lines.extend(_line(cells, columns) for cells in row.lines())
+            lines.extend(_line(cells, columns) if isinstance(cells, list)
+                         else _spanning(cells, columns, width) for cells in row.lines())
             shown += 1
     if not shown:
         lines += ["", "no budgets registered on this host"

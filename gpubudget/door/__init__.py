@@ -35,8 +35,9 @@ from ..context import ACTIVE
 if TYPE_CHECKING:
     from ..budget import Budget
 
-__all__ = ["DoorLibrary", "DoorNumbers", "WATCH_SECONDS", "device_view", "entered", "follow",
-           "leaving", "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of"]
+__all__ = ["DoorLibrary", "DoorNumbers", "device_view", "entered", "follow", "leaving",
+           "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of",
+           "registered"]
 
 WORDS: Final = 4
 """How many 64-bit words of an account the ledger shares: held, core, own, limit."""
@@ -96,7 +97,8 @@ def _door() -> ctypes.CDLL | None:
 
 
 def _find() -> ctypes.CDLL | None:
-    process = ctypes.CDLL(None)  # every library loaded, the door first if it is preloaded
+    # every library loaded, the door first if it is preloaded
+    process = ctypes.CDLL(None, use_errno=True)
     try:
         version = process.gbd_version
     except AttributeError:
@@ -121,6 +123,11 @@ def _find() -> ctypes.CDLL | None:
     process.gbd_live_bytes.argtypes = [_P, ctypes.POINTER(_I64), ctypes.c_int,
                                        ctypes.POINTER(_I64)]
     process.gbd_attribute_only.restype = ctypes.c_int
+    process.gbd_label.argtypes = [_P, _I64, _I64]
+    process.gbd_set_notify.argtypes = [ctypes.c_int]
+    process.gbd_watch.argtypes = [_P, ctypes.c_int]
+    process.gbd_share.restype = ctypes.c_int
+    process.gbd_share.argtypes = [ctypes.c_int, _I64]
     return process
 
 
@@ -156,9 +163,19 @@ class _Account:
 _accounts: Final[weakref.WeakKeyDictionary[Budget, _Account]] = weakref.WeakKeyDictionary()
 
 
+_shared: list[bool] = []  # whether this process's door file was tried (shared.py)
+
+
 def _account(lib: ctypes.CDLL, budget: Budget, limit: int) -> _Account:
     account = _accounts.get(budget)
     if account is None:
+        if not _shared:  # the first account: the door file first, for top and metrics
+            with _lib_lock:
+                if not _shared:
+                    _shared.append(True)
+                    from .shared import share
+
+                    share(lib)
         parent = budget.parent
         account = _Account(lib, budget.name, limit,
                            _accounts.get(parent) if parent is not None else None)
@@ -175,6 +192,17 @@ def entered(budget: Budget, ledger: Ledgered) -> None:
     account = _account(lib, budget, ledger.limit)
     lib.gbd_account_set_limit(account.address, min(ledger.limit, 2**63 - 1))
     ledger.door = account.words
+    if budget.parent is not None:  # named in the door file as its ledger row names it
+        lib.gbd_label(account.address, 2, getattr(budget, "_node").id)
+
+
+def registered(budget: Budget, serial: int) -> None:
+    """Root ``budget`` registered in the host ledger with ``serial``: its row of the door
+    file (:mod:`gpubudget.door.shared`) says so, for top and metrics to find it."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is not None and account is not None:
+        lib.gbd_label(account.address, 1, serial)
 
 
 def follow() -> None:
@@ -187,56 +215,70 @@ def follow() -> None:
     lib.gbd_set_current(account.address if account is not None else None)
 
 
-WATCH_SECONDS: Final = 0.25
-"""How often the budgets that ended with driver allocations live are looked at again."""
-
 # ended, pinned until the door's bytes in them are freed: each one's unpin
 _kept: Final[dict[Budget, Callable[[], None]]] = {}
 _kept_lock: Final = threading.Lock()
 _watcher: list[threading.Thread] = []
+_wake: list[int] = []  # the eventfd the door writes to when a kept budget's bytes are gone
+
+
+def _foreign(account: _Account) -> int:
+    return int(account.words[0] - account.words[2])
 
 
 def leaving(budget: Budget, pin: Callable[[], None], unpin: Callable[[], None]) -> None:
     """``budget``'s scope is ending: while driver allocations made in it (or in its
-    children) live, it stays exited, not released, as it would for blocks of its own; a
-    watcher thread lets it go once they are freed (the hooks cannot call Python): ``pin``
-    and ``unpin`` are the budget's (see ``gpubudget.adapter.hooks``)."""
+    children) live, it stays exited, not released, as it would for blocks of its own. The
+    hooks cannot call Python: the door marks its account watched and, when the last of those
+    bytes is freed (by any thread), writes to an eventfd that a watcher thread (started the
+    first time a budget is kept) waits on; it then lets the budget go. ``pin`` and ``unpin``
+    are the budget's (see ``gpubudget.adapter.hooks``)."""
     lib = _door()
     account = _accounts.get(budget)
-    if lib is None or account is None or account.words[0] - account.words[2] <= 0:
+    if lib is None or account is None or _foreign(account) <= 0:
         return
     pin()
     with _kept_lock:
         _kept[budget] = unpin
+        if not _wake:
+            _wake.append(os.eventfd(0, os.EFD_CLOEXEC))
+            lib.gbd_set_notify(_wake[0])
+        lib.gbd_watch(account.address, 1)
         if not _watcher or not _watcher[0].is_alive():
-            _watcher[:] = [threading.Thread(target=_watch, name="gpubudget-door-watch",
-                                            daemon=True)]
+            _watcher[:] = [threading.Thread(target=_watch, args=(lib, _wake[0]),
+                                            name="gpubudget-door-watch", daemon=True)]
             _watcher[0].start()
+    if _foreign(account) <= 0:  # freed before it was watched: no wake-up will come for it
+        os.eventfd_write(_wake[0], 1)
 
 
-def _watch() -> None:
-    event = threading.Event()
+def _watch(lib: ctypes.CDLL, wake: int) -> None:
+    """Wait on ``wake``; at each wake-up, let go the kept budgets whose bytes are freed."""
     while True:
-        event.wait(WATCH_SECONDS)
-        with _kept_lock:
-            done = [(budget, unpin) for budget, unpin in _kept.items()
-                    if (account := _accounts.get(budget)) is None
-                    or account.words[0] - account.words[2] <= 0]
-            for budget, _ in done:
-                del _kept[budget]
-            last = not _kept
-            if last:
-                _watcher.clear()
-        for _, unpin in done:
-            unpin()  # released now, if nothing else holds it
-        if last:
-            return
+        os.eventfd_read(wake)  # blocks, without the interpreter lock, until the door writes
+        _let_go(lib)  # a function: nothing of it stays referenced while this thread waits
+
+
+def _let_go(lib: ctypes.CDLL) -> None:
+    """Release the kept budgets whose driver allocations are all freed."""
+    with _kept_lock:
+        done = [(budget, unpin) for budget, unpin in _kept.items()
+                if (account := _accounts.get(budget)) is None or _foreign(account) <= 0]
+        for budget, _ in done:
+            del _kept[budget]
+            account = _accounts.get(budget)
+            if account is not None:
+                lib.gbd_watch(account.address, 0)
+    for _, unpin in done:
+        unpin()  # released now, if nothing else holds it
 
 
 def _forked() -> None:  # the parent's budgets are closed to a forked child (forks.py)
     getattr(_kept_lock, "_at_fork_reinit")()
+    _shared[:] = [True]  # the parent's file, privately copied by the door: never another
     _kept.clear()
     _watcher.clear()
+    _wake.clear()  # the parent's eventfd (the door forgot it in the child): a new one here
 
 
 os.register_at_fork(after_in_child=_forked)

@@ -31,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
@@ -65,27 +66,43 @@ enum { GBD_VERSION = 1 };
 
 /* -- accounts ---------------------------------------------------------------------------- */
 
+/* An account is one row of the door file when gpubudget shares one (gbd_share): the first
+ * SHARED_WORDS words are what other processes (gpubudget top, metrics) read, at fixed
+ * offsets (gpubudget/door/shared.py reads them); the rest is this process's own. The first
+ * four words are also shared with gpubudget's ledger (as 64-bit words). */
 #define LIBS 64      /* libraries told apart per account; the rest count as "other" */
 #define NAME 64
-
-/* The first four words are shared with gpubudget's ledger (as 64-bit words). */
 struct gbd_account {
     _Atomic int64_t held;  /* word 0: charged through the door here and below, own included */
     _Atomic int64_t core;  /* word 1: the ledger's `used`, stored at each change */
     _Atomic int64_t own;   /* word 2: a root's own backend allocations (part of held) */
     _Atomic int64_t limit; /* word 3 */
+    _Atomic int64_t state; /* word 4: 1 while the row is an account's (readers skip 0) */
+    _Atomic int64_t kind;  /* word 5: 1 a registered root, 2 a child, 0 neither (gbd_label) */
+    _Atomic int64_t serial; /* word 6: a root's ledger serial, a child's budget number */
+    _Atomic int64_t refusals, peak;  /* words 7, 8 */
+    _Atomic int64_t last_refused;    /* word 9: size of the last refusal */
+    _Atomic int64_t last_refused_lib; /* word 10 */
+    _Atomic int64_t watched;         /* word 11: its budget ended; wake gpubudget when
+                                      * nothing foreign is held (gbd_watch) */
+    _Atomic int64_t spare[4];        /* words 12-15 */
+    _Atomic int64_t refusedlib[LIBS]; /* words 16-79: refusals per library */
+    _Atomic int64_t libbytes[LIBS];  /* words 80-143: live bytes charged here, per library */
+    /* -- this process's own ------------------------------------------------------------ */
     /* References: Python's, each child's, each thread's that has it current. With none left
      * it is buried, and freed once nothing is charged to it (held 0): a live allocation
      * keeps its account without a count of its own, which spares the hooks two atomics. */
     _Atomic int64_t refs;
     struct gbd_account *parent, *next_buried;
-    _Atomic int64_t refusals, peak;
-    _Atomic int64_t refusedlib[LIBS]; /* refusals per library */
-    _Atomic int64_t last_refused;    /* size of the last refusal */
-    _Atomic int last_refused_lib;
     unsigned generation;  /* the process it belongs to: see fork below */
     char name[NAME];
 };
+#define SHARED_WORDS 144
+#define ROW_BYTES 1536 /* a row of the door file */
+_Static_assert(offsetof(struct gbd_account, refusedlib) == 16 * 8, "door file layout");
+_Static_assert(offsetof(struct gbd_account, libbytes) == 80 * 8, "door file layout");
+_Static_assert(offsetof(struct gbd_account, refs) == SHARED_WORDS * 8, "door file layout");
+_Static_assert(sizeof(struct gbd_account) <= ROW_BYTES, "door file layout");
 typedef struct gbd_account account;
 
 static _Atomic unsigned generation = 1; /* +1 in each forked child */
@@ -103,6 +120,50 @@ static account *buried;
 static pthread_mutex_t buried_lock = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic int64_t accounts; /* made and not yet freed */
 
+/* -- the door file: rows other processes read ------------------------------------------- */
+/* gbd_share maps a file that gpubudget's Python side made in the host ledger's directory
+ * (its header written there: who the process is) and takes accounts from its rows from then
+ * on, so that gpubudget top and metrics read every account's words live, with nothing
+ * copied: the hooks write nothing more for it. Layout (shared.py reads it): a header of
+ * FILE_HEADER bytes, its word FILE_NLIBS the libraries named so far, their names from byte
+ * FILE_NAMES (LIBS of NAME bytes, NUL-padded; [0] is "(other)"); then ROW_BYTES per row. An
+ * account made before the file, or when its rows are all taken, is the process's alone. */
+#define FILE_HEADER 8192
+#define FILE_NLIBS 8
+#define FILE_NAMES 4096
+static unsigned char *_Atomic shared_base; /* NULL: no door file */
+static size_t shared_bytes, shared_rows;
+static account *free_rows; /* rows not in use, linked by next_buried; under buried_lock */
+
+static int in_file(const account *a) {
+    const unsigned char *base = atomic_load(&shared_base);
+    return base != NULL && (const unsigned char *)a >= base + FILE_HEADER &&
+           (const unsigned char *)a < base + shared_bytes;
+}
+
+static account *account_alloc(void) {
+    account *a = NULL;
+    pthread_mutex_lock(&buried_lock);
+    if (free_rows != NULL) {
+        a = free_rows;
+        free_rows = a->next_buried;
+    }
+    pthread_mutex_unlock(&buried_lock);
+    if (a == NULL) return calloc(1, sizeof *a);
+    memset((void *)a, 0, sizeof *a);
+    return a;
+}
+
+static void account_free_locked(account *a) { /* buried_lock held */
+    if (!in_file(a)) {
+        free(a);
+        return;
+    }
+    atomic_store(&a->state, 0); /* readers skip it from now on */
+    a->next_buried = free_rows;
+    free_rows = a;
+}
+
 static void sweep_locked(void) {
     for (int again = 1; again;) {
         again = 0;
@@ -114,7 +175,7 @@ static void sweep_locked(void) {
             }
             *at = a->next_buried;
             account *parent = a->parent;
-            free(a);
+            account_free_locked(a);
             atomic_fetch_sub(&accounts, 1);
             if (parent != NULL && atomic_fetch_sub(&parent->refs, 1) == 1) {
                 parent->next_buried = buried; /* the child's reference was the last */
@@ -161,6 +222,11 @@ static int lib_of_base(uintptr_t base, const char *path) {
         const char *slash = path ? strrchr(path, '/') : NULL;
         const char *name = slash ? slash + 1 : (path && *path ? path : "(main program)");
         snprintf(libs[n].name, NAME, "%s", name);
+        unsigned char *file = atomic_load(&shared_base);
+        if (file != NULL) { /* the name first, then the count that shows it */
+            memcpy(file + FILE_NAMES + (size_t)n * NAME, libs[n].name, NAME);
+            atomic_store((_Atomic int64_t *)file + FILE_NLIBS, n + 1);
+        }
         atomic_store(&libs[n].base, base);
         atomic_store(&nlibs, n + 1);
         found = n;
@@ -337,13 +403,26 @@ static account *charge(account *a, int64_t size, int is_own) {
     return NULL;
 }
 
+static _Atomic int notify_fd = -1; /* an eventfd gpubudget's watcher reads (gbd_set_notify) */
+
+/* A watched account's foreign bytes are all gone: wake the watcher (a write of 8 bytes). */
+static void notify(void) {
+    int fd = atomic_load_explicit(&notify_fd, memory_order_relaxed);
+    uint64_t one = 1;
+    if (fd >= 0 && write(fd, &one, sizeof one) < 0) { /* full or closed: it wakes anyway */ }
+}
+
 /* Take `size` back from `a` and its ancestors. Each link's parent is read before its bytes
- * go: an account with nothing held may be freed at once (see buried). */
+ * go: an account with nothing held may be freed at once (see buried). A watched account is
+ * one whose budget ended while charged (Python keeps it, so it is not freed): the last
+ * foreign byte leaving it wakes the watcher. */
 static void uncharge(account *a, int64_t size, int is_own) {
     if (is_own) atomic_fetch_sub(&a->own, size); /* own first: held - own never too small */
     for (account *link = a, *next; link != NULL; link = next) {
         next = is_own ? NULL : link->parent;
-        atomic_fetch_sub(&link->held, size);
+        int watched = !is_own && atomic_load_explicit(&link->watched, memory_order_relaxed);
+        int64_t before = atomic_fetch_sub(&link->held, size);
+        if (watched && before - size - atomic_load(&link->own) <= 0) notify();
     }
 }
 
@@ -411,8 +490,9 @@ static int remember(struct table *set, uint64_t key, int64_t size, account *a, i
                     int kind) {
     struct entry e = {key, size, a, lib, kind, 0, 0, 0};
     if (record(set, &e) < 0) return -1;
-    (void)a; /* what it holds keeps its account (see buried); bytes by library are summed
-              * from the tables when asked (gbd_live_bytes) */
+    /* what it holds keeps its account (see buried); its bytes by library are counted in
+     * the account itself, for readers in other processes (the door file) */
+    if (kind == CHARGED) atomic_fetch_add_explicit(&a->libbytes[lib], size, memory_order_relaxed);
     return 0;
 }
 
@@ -422,7 +502,10 @@ static void unadmit(account *a, int64_t size, int kind) {
 
 /* An allocation given back: uncharge whoever paid, whichever thread this is. */
 static void forget(const struct entry *e) {
-    if (e->acct != NULL) uncharge(e->acct, e->size, e->kind == OWN);
+    if (e->acct == NULL) return;
+    if (e->kind == CHARGED) /* before its bytes go: the account may go with them */
+        atomic_fetch_sub_explicit(&e->acct->libbytes[e->lib], e->size, memory_order_relaxed);
+    uncharge(e->acct, e->size, e->kind == OWN);
 }
 
 /* -- the real driver --------------------------------------------------------------------- */
@@ -864,7 +947,7 @@ EXPORT void *dlsym(void *handle, const char *name) {
 EXPORT int gbd_version(void) { return GBD_VERSION; }
 
 EXPORT account *gbd_account_new(const char *name, int64_t limit, account *parent) {
-    account *a = calloc(1, sizeof *a);
+    account *a = account_alloc();
     if (a == NULL) return NULL;
     atomic_fetch_add(&accounts, 1);
     snprintf(a->name, NAME, "%s", name ? name : "");
@@ -875,7 +958,57 @@ EXPORT account *gbd_account_new(const char *name, int64_t limit, account *parent
         atomic_fetch_add(&parent->refs, 1);
         a->parent = parent;
     }
+    atomic_store(&a->state, 1); /* last: a reader of the door file sees it whole */
     return a;
+}
+
+/* Which budget of the host ledger `a` is, for readers of the door file: kind 1 a registered
+ * root (serial: its ledger slot's serial), 2 a child (serial: its budget number). */
+EXPORT void gbd_label(account *a, int64_t kind, int64_t serial) {
+    atomic_store(&a->serial, serial);
+    atomic_store(&a->kind, kind);
+}
+
+/* Share the accounts made from now on in the door file open as `fd`, `bytes` long (made by
+ * gpubudget, its header written): 0, or -1 (errno set) when it cannot be mapped, or a file
+ * is shared already. */
+EXPORT int gbd_share(int fd, int64_t bytes) {
+    if (atomic_load(&shared_base) != NULL || bytes < FILE_HEADER + ROW_BYTES) {
+        errno = EINVAL;
+        return -1;
+    }
+    void *at = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (at == MAP_FAILED) return -1;
+    unsigned char *file = at;
+    pthread_mutex_lock(&libs_lock);
+    snprintf((char *)file + FILE_NAMES, NAME, "(other)");
+    int n = atomic_load(&nlibs);
+    for (int i = 1; i < n; i++) memcpy(file + FILE_NAMES + (size_t)i * NAME, libs[i].name, NAME);
+    atomic_store((_Atomic int64_t *)file + FILE_NLIBS, n);
+    pthread_mutex_lock(&buried_lock);
+    shared_bytes = (size_t)bytes;
+    shared_rows = ((size_t)bytes - FILE_HEADER) / ROW_BYTES;
+    for (size_t i = shared_rows; i-- > 0;) {
+        account *row = (account *)(file + FILE_HEADER + i * ROW_BYTES);
+        row->next_buried = free_rows;
+        free_rows = row;
+    }
+    atomic_store(&shared_base, file);
+    pthread_mutex_unlock(&buried_lock);
+    pthread_mutex_unlock(&libs_lock);
+    return 0;
+}
+
+/* The door file's geometry, for its reader to check: [header bytes, row bytes, shared
+ * words, libraries, name bytes, names offset, nlibs word]. */
+EXPORT void gbd_file_layout(int64_t out[7]) {
+    out[0] = FILE_HEADER;
+    out[1] = ROW_BYTES;
+    out[2] = SHARED_WORDS;
+    out[3] = LIBS;
+    out[4] = NAME;
+    out[5] = FILE_NAMES;
+    out[6] = FILE_NLIBS;
 }
 
 EXPORT void gbd_account_drop(account *a) { account_unref(a); }
@@ -894,6 +1027,10 @@ EXPORT void gbd_set_current(account *a) {
     account_unref(before);
 }
 EXPORT account *gbd_current(void) { return current; }
+/* The eventfd (or pipe) that notify() writes to; -1: none. */
+EXPORT void gbd_set_notify(int fd) { atomic_store(&notify_fd, fd); }
+/* Watch `a` (its budget ended while charged) or stop watching it. */
+EXPORT void gbd_watch(account *a, int on) { atomic_store(&a->watched, on ? 1 : 0); }
 EXPORT account *gbd_set_owner(account *a) {
     account *before = owner;
     owner = a;
@@ -962,12 +1099,28 @@ static void child_after_fork(void) {
     /* The accounts belong to the parent's budgets, which the child does not hold: from now
      * on they charge nothing here, and this thread (the only one) has no budget. */
     atomic_fetch_add(&generation, 1);
+    atomic_store(&notify_fd, -1); /* the parent's watcher's: the child makes its own */
     current = NULL;
     owner = NULL;
     pthread_setspecific(current_key, NULL);
     tables_init();
     pthread_mutex_init(&libs_lock, NULL);
     pthread_mutex_init(&buried_lock, NULL);
+    /* The door file is the parent's: this process's rows become its own copy, so that what
+     * it does with the inherited accounts (a free of the parent's memory) never shows in
+     * the parent's numbers. */
+    unsigned char *file = atomic_load(&shared_base);
+    if (file != NULL) {
+        void *copy = mmap(NULL, shared_bytes, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (copy != MAP_FAILED) {
+            memcpy(copy, file, shared_bytes);
+            if (mmap(file, shared_bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED)
+                memcpy(file, copy, shared_bytes);
+            munmap(copy, shared_bytes);
+        }
+    }
 }
 
 __attribute__((constructor)) static void door_init(void) {

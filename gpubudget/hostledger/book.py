@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from .children import ChildBudget, read_children
@@ -91,6 +91,8 @@ class Snapshot:
     entries: tuple[Entry, ...]
     ended: int
     children: dict[int, tuple[ChildBudget, ...]]
+    serials: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Each root's children's serials (their budget numbers), in the order of ``children``."""
 
 
 def _range_lock(fd: int, command: int, kind: int, slot: int) -> int:
@@ -467,6 +469,8 @@ def read_book(directory: LedgerDirectory, name: str) -> Snapshot:
                               f"(cut while it was read?)")
         entries = _entries(data, header.high)
         live = tuple(entry for entry, running in zip(entries, _live(entries, fd)) if running)
-        return Snapshot(header, live, len(entries) - len(live), read_children(pages, live))
+        serials: dict[int, tuple[int, ...]] = {}
+        children = read_children(pages, live, serials)
+        return Snapshot(header, live, len(entries) - len(live), children, serials)
     finally:
         os.close(fd)

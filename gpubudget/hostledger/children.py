@@ -192,11 +192,14 @@ class ChildBudget(NamedTuple):
     free: int
 
 
-def read_children(pages: bytes, entries: tuple[Entry, ...] | list[Entry]
+def read_children(pages: bytes, entries: tuple[Entry, ...] | list[Entry],
+                  serials: dict[int, tuple[int, ...]] | None = None
                   ) -> dict[int, tuple[ChildBudget, ...]]:
     """The children of each of ``entries`` (live roots) that ``pages`` (the file's first
     pages, as read) show, by root slot: depth first, siblings in the order they entered.
-    Rows of pages whose root has gone, rows whose parent is not shown, loops: left out."""
+    Rows of pages whose root has gone, rows whose parent is not shown, loops: left out.
+    ``serials``, if given, gets each root's children's serials (their budget numbers in
+    their process), in the same order."""
     roots = {entry.slot: entry for entry in entries}
     rows: dict[int, dict[int, Any]] = {}  # root slot -> row -> child
     for page in range(len(pages) // PAGE_BYTES):
@@ -211,11 +214,18 @@ def read_children(pages: bytes, entries: tuple[Entry, ...] | list[Entry]
             child = decode_child(pages, base + row * CHILD_BYTES, page * PAGE_ROWS + row)
             if child is not None:
                 found[child.row] = child
-    return {slot: tree for slot, found in rows.items()
-            if (tree := _tree(roots[slot], found))}
+    trees = {}
+    for slot, found in rows.items():
+        numbers: list[int] = []
+        tree = _tree(roots[slot], found, numbers)
+        if tree:
+            trees[slot] = tree
+            if serials is not None:
+                serials[slot] = tuple(numbers)
+    return trees
 
 
-def _tree(root: Entry, rows: dict[int, Any]) -> tuple[ChildBudget, ...]:
+def _tree(root: Entry, rows: dict[int, Any], serials: list[int]) -> tuple[ChildBudget, ...]:
     """``rows`` (row -> child) of ``root`` as a tree, depth first."""
     below: dict[int | None, list[Any]] = {}
     for child in rows.values():
@@ -235,6 +245,7 @@ def _tree(root: Entry, rows: dict[int, Any]) -> tuple[ChildBudget, ...]:
         room = min(child.limit - child.used, room + max(child.reserve - child.used, 0))
         shown.append(ChildBudget(child.name, depth, child.limit, child.reserve, child.used,
                                  child.peak, max(room, 0)))
+        serials.append(child.serial)
         stack.extend((grandchild, depth + 1, room)
                      for grandchild in reversed(below.get(child.row, [])))
     return tuple(shown)

@@ -158,6 +158,11 @@ class Claim:
         self._detach: Callable[[], None] | None = None
         self._family: Family | None = None
 
+    @property
+    def serial(self) -> int:
+        """The slot's ``serial``: the root's number among this process's registered roots."""
+        return int(self.book.words[slot_word(self.slot, "serial")])
+
     def reserved(self, reservation: Reservation, held: int, detach: Callable[[], None],
                  root: Any) -> Registered:
         """The root has reserved its memory, ``held`` bytes of it backed now: mark the slot

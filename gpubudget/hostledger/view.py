@@ -13,13 +13,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .book import read_book
 from .children import ChildBudget
 from .files import LedgerDirectory, ledger_directory
 from .layout import Entry
 from .nvml import GpuProcesses, read_nvml
+
+if TYPE_CHECKING:
+    from ..door.shared import DoorShare
 
 __all__ = ["DeviceView", "HostView", "host_view"]
 
@@ -52,6 +55,22 @@ class DeviceView:
     as the last root to claim there read it; shares and claims are sized within it."""
     limited_by: str = ""
     """What set :attr:`limit`."""
+    doors: Mapping[tuple[int, int, int], DoorShare] = field(default_factory=dict)
+    """Under the driver door: each budget's numbers from its process's door file
+    (:mod:`gpubudget.door.shared`); see :meth:`door_of`."""
+    serials: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """Each root's children's budget numbers, in the order of :attr:`children`."""
+
+    def door_of(self, entry: Entry, child: ChildBudget | None = None) -> DoorShare | None:
+        """What the driver door shows of root ``entry`` (or of its ``child``, one of
+        :meth:`children_of`'s), if its process runs under the door and shares its numbers."""
+        if child is None:
+            return self.doors.get((entry.pid, 1, entry.serial))
+        shown, serials = self.children_of(entry), self.serials.get(entry.slot, ())
+        index = next((i for i, other in enumerate(shown) if other is child), None)
+        if index is None or index >= len(serials):
+            return None
+        return self.doors.get((entry.pid, 2, serials[index]))
 
     def children_of(self, entry: Entry) -> tuple[ChildBudget, ...]:
         """``entry``'s child budgets shown, depth first (each with its depth)."""
@@ -96,28 +115,34 @@ class DeviceView:
                 "cap": self.cap, "limit": self.limit, "limited_by": self.limited_by or None,
                 "simulated": self.hard, "claimed": self.claimed,
                 "used": self.used, "ended_entries": self.ended,
-                "budgets": [_entry_dict(entry, self.children_of(entry))
-                            for entry in self.entries],
+                "budgets": [_entry_dict(self, entry) for entry in self.entries],
                 "processes": processes}
 
 
-def _entry_dict(entry: Entry, children: tuple[ChildBudget, ...]) -> dict[str, Any]:
+def _door_dict(door: DoorShare | None) -> dict[str, Any]:
+    """A budget's ``driver_door`` key, only under the driver door."""
+    return {} if door is None else {"driver_door": door.as_dict()}
+
+
+def _entry_dict(device: DeviceView, entry: Entry) -> dict[str, Any]:
     return {"pid": entry.pid, "process": entry.process, "budget": entry.name,
             "state": entry.state, "limit": entry.limit, "share": entry.share,
             "reserved": entry.reserved, "used": entry.used, "peak": entry.peak,
             "free": max(entry.limit - entry.used, 0), "denials": entry.denials,
-            "cuda_ordinal": entry.ordinal, "children": _nested(children),
-            "children_hidden": entry.hidden}
+            "cuda_ordinal": entry.ordinal, **_door_dict(device.door_of(entry)),
+            "children": _nested(device, entry), "children_hidden": entry.hidden}
 
 
-def _nested(children: tuple[ChildBudget, ...]) -> list[dict[str, Any]]:
+def _nested(device: DeviceView, entry: Entry) -> list[dict[str, Any]]:
     """Children listed depth first (each with its depth) as nested dicts."""
     top: list[dict[str, Any]] = []
     path: list[list[dict[str, Any]]] = [top]  # path[d]: where a child of depth d + 1 goes
-    for child in children:
+    for child in device.children_of(entry):
         item: dict[str, Any] = {"budget": child.name, "limit": child.limit,
                                 "reserve": child.reserve, "used": child.used,
-                                "peak": child.peak, "free": child.free, "children": []}
+                                "peak": child.peak, "free": child.free,
+                                **_door_dict(device.door_of(entry, child)),
+                                "children": []}
         del path[child.depth:]
         path[-1].append(item)
         path.append(item["children"])
@@ -162,6 +187,7 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
     devices: list[DeviceView] = []
     if directory is not None or os.path.lexists(path):
         opened = LedgerDirectory(path, create=False)
+        doors = _doors(path)
         try:
             for name in opened.names():
                 snapshot = read_book(opened, name)
@@ -173,12 +199,19 @@ def host_view(directory: str | os.PathLike[str] | None = None, *, nvml: bool = T
                         header.identity, header.label, header.total, header.cap, header.hard,
                         snapshot.entries, snapshot.ended,
                         gpu.used_by if gpu is not None else None, snapshot.children,
-                        header.limit, header.limited_by))
+                        header.limit, header.limited_by, doors, snapshot.serials))
         finally:
             opened.close()
     devices.extend(_without_ledger(gpu) for gpu in gpus.values() if idle or gpu.used_by)
     return HostView(str(path), datetime.datetime.now(datetime.timezone.utc), tuple(devices),
                     nvml_error)
+
+
+def _doors(path: Path) -> dict[tuple[int, int, int], DoorShare]:
+    """The door files' numbers (a process under the driver door), none if there are none."""
+    from ..door.shared import read_doors  # here: only a directory with door files needs it
+
+    return read_doors(path)
 
 
 def _without_ledger(gpu: GpuProcesses) -> DeviceView:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from ..units import format_size
 
 if TYPE_CHECKING:
+    from ..report import DoorUsage
     from ..report import BudgetReport
 
 __all__ = ["UNKNOWN", "ViewBudget", "ViewModel", "model_from_report"]
@@ -59,6 +60,9 @@ class ViewBudget:
     allocations: int = 0
     frees: int = 0
     denied: int = 0
+    door: DoorUsage | None = None
+    """Under the driver door (a report taken in ``gpubudget run``): what libraries took
+    through it in the budget's scope, by library, and its refusals."""
 
 
 @dataclass
@@ -244,7 +248,8 @@ def model_from_report(report: BudgetReport, *, title: str | None = None) -> View
         by_name.setdefault(item.name, len(model.budgets))
         model.budgets.append(ViewBudget(item.name, parent, item.limit, item.reserve, 0.0,
                                         None if item.state in ("new", "open") else last,
-                                        0, item.allocations, item.frees, item.denied))
+                                        0, item.allocations, item.frees, item.denied,
+                                        item.driver_door))
     own = [0] * len(model.budgets)
     start = model.tick(report.timeline[0].time if report.timeline else 0.0)
     live: dict[tuple[int, int, int], list[int]] = {}  # (budget, size, tag) -> blocks

@@ -24,10 +24,13 @@ from array import array
 from importlib import resources
 from itertools import chain, repeat
 from operator import eq, mul, sub, truediv
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .model import ViewModel
 from .overview import overview_html
+
+if TYPE_CHECKING:
+    from ..report import DoorUsage
 
 __all__ = ["page_html", "write_page"]
 
@@ -107,6 +110,15 @@ def _stream_numbers(streams: array[int]) -> array[int]:
     return array("l", (index[value] for value in streams))
 
 
+def _door(door: DoorUsage | None) -> list[Any] | None:
+    """A budget's driver-door numbers for the page: ``[held, refusals, last refused, by
+    whom, [[library, live, refusals], ...]]``, or ``None`` (no door)."""
+    if door is None:
+        return None
+    return [door.held, door.refusals, door.last_refused, door.last_refused_by,
+            [[lib.name, lib.live, lib.refusals] for lib in door.libraries]]
+
+
 def _data(model: ViewModel) -> dict[str, Any]:
     streams = _stream_names(model.block_stream)  # one (a trace's): no column, the page knows
     return {
@@ -116,7 +128,7 @@ def _data(model: ViewModel) -> dict[str, Any]:
         "timeUnit": model.time_unit,
         "notes": model.notes,
         "budgets": [[b.name, b.parent, b.limit, b.reserve, b.entered, b.exited, b.peak,
-                     b.allocations, b.frees, b.denied] for b in model.budgets],
+                     b.allocations, b.frees, b.denied, _door(b.door)] for b in model.budgets],
         "times": {"n": len(model.times), "t": _times(model.times)},
         "points": {"n": len(model.point_at), "at": _steps(model.point_at),
                    "b": _integers(model.point_budget), "used": _integers(model.point_used)},

@@ -17,7 +17,7 @@ import stat
 from typing import Any, Final
 
 from ..errors import TraceError
-from ..report import BudgetReport, LiveBlock, TimelineEvent, Totals
+from ..report import BudgetReport, DoorLibrary, DoorUsage, LiveBlock, TimelineEvent, Totals
 from ..text import printable
 from .model import ViewModel, model_from_report
 from .sources import read_bounded
@@ -140,6 +140,29 @@ def _event(fields: _Fields, value: object, where: str) -> TimelineEvent:
                          fields.integer(entry, "total", where))
 
 
+def _door(fields: _Fields, entry: dict[str, Any], where: str) -> DoorUsage | None:
+    """A budget's ``driver_door`` (a report taken under the driver door), if it has one."""
+    value = entry.get("driver_door")
+    if value is None:
+        return None
+    at = f"{where}['driver_door']"
+    door = fields.as_dict(value, at)
+    libraries = []
+    for i, item in enumerate(fields.as_list(fields.value(door, "libraries", at, []),
+                                            f"{at}['libraries']")):
+        lib = fields.as_dict(item, f"{at}['libraries'][{i}]")
+        here = f"{at}['libraries'][{i}]"
+        libraries.append(DoorLibrary(fields.text(lib, "name", here),
+                                     fields.integer(lib, "live", here, 0),
+                                     fields.integer(lib, "refusals", here, 0)))
+    return DoorUsage(fields.integer(door, "held", at), fields.integer(door, "peak", at, 0),
+                     fields.integer(door, "allocations", at, 0),
+                     fields.integer(door, "refusals", at, 0),
+                     fields.integer(door, "last_refused", at, 0),
+                     fields.text(door, "last_refused_by", at, None, optional=True),
+                     tuple(libraries), door.get("attribute_only") is True)
+
+
 def _report(fields: _Fields, data: object, where: str) -> BudgetReport:
     """The report in ``data`` and its children, built children first, without recursion."""
     made: dict[int, BudgetReport] = {}
@@ -180,7 +203,8 @@ def _report(fields: _Fields, data: object, where: str) -> BudgetReport:
                            for i, e in enumerate(timeline)),
             mapped=None if mapped is None else fields.integer(entry, "mapped", at),
             mapped_peak=None if entry.get("mapped_peak") is None
-            else fields.integer(entry, "mapped_peak", at))
+            else fields.integer(entry, "mapped_peak", at),
+            driver_door=_door(fields, entry, at))
     return made[id(order[0][0])]
 
 

@@ -206,6 +206,13 @@
         row.appendChild(el("span", { class: "num" }, formatSize(b.peak) + " / " + (b.limit ? formatSize(b.limit) : "no limit") + " · " + b.allocations + " allocs"));
         if (b.denied) row.appendChild(el("span", { class: "num denied" }, " · " + b.denied + " denied"));
         if (ds.leaked[i]) row.appendChild(el("span", { class: "num denied" }, " · leaked " + formatSize(ds.leaked[i])));
+        if (b.door) {  // under the driver door: what libraries took through it, and who was refused
+          const [held, refusals, lastSize, lastBy, libs] = b.door, holding = libs.filter(l => l[1] > 0);
+          row.appendChild(el("span", { class: "num door" }, " · driver door " + formatSize(held) +
+            (holding.length ? " (" + holding.map(l => l[0] + " " + formatSize(l[1])).join(", ") + ")" : "")));
+          if (refusals) row.appendChild(el("span", { class: "num denied door-refused" }, " · " + refusals +
+            " refused at the door, the last " + formatSize(lastSize) + " asked by " + (lastBy || "an unknown library")));
+        }
         row.addEventListener("click", () => select(state.moment, i, true));
         row.addEventListener("dblclick", () => zoomTo(i));
         li.appendChild(row); li.appendChild(el("ul"));

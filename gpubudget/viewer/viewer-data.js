@@ -94,7 +94,7 @@ const GB = (window.gpubudgetParts = window.gpubudgetParts || {});
     ds.end = raw.end > 0 ? raw.end : 1e-6;
     const budgets = ds.budgets = raw.budgets.map((b, i) => ({ index: i, name: b[0], parent: b[1],
       limit: b[2], reserve: b[3], entered: b[4], exited: b[5], peak: b[6], allocations: b[7],
-      frees: b[8], denied: b[9], children: [] }));
+      frees: b[8], denied: b[9], door: b[10] || null, children: [] }));
     for (const b of budgets) if (b.parent !== null) budgets[b.parent].children.push(b.index);
     ds.parentOf = Int32Array.from(budgets, b => b.parent === null ? -1 : b.parent);
     const order = ds.order = [];  // depth first, parents before children
