@@ -65,14 +65,19 @@ Python; see the README."""
 
 _LATER: Final = {"BudgetReport": "report", "Denial": "report", "LiveBlock": "report"}
 """Public names whose module loads when one of them is first named, not at import."""
+_SUBMODULES: Final = ("report", "tracefile")
+"""Submodules that ``import gpubudget`` loaded before they were left for first use: still
+found as its attributes (``gpubudget.tracefile.read_trace``) without importing them."""
 
 if not TYPE_CHECKING:  # mypy sees the names imported above, and no catch-all
     def __getattr__(name: str) -> object:
+        from importlib import import_module
+
+        if name in _SUBMODULES:
+            return import_module(f".{name}", __name__)  # now an attribute of the package
         module = _LATER.get(name)
         if module is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        from importlib import import_module
-
         value = getattr(import_module(f".{module}", __name__), name)
         globals()[name] = value  # found directly from now on
         return value

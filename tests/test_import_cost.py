@@ -82,6 +82,7 @@ import gpubudget.report
 assert (BudgetReport, Denial, LiveBlock) == (gpubudget.report.BudgetReport,
                                              gpubudget.report.Denial,
                                              gpubudget.report.LiveBlock)
+assert gpubudget.tracefile.read_trace.__module__ == "gpubudget.tracefile.reader"
 try:
     gpubudget.NoSuchName
 except AttributeError as exc:
