@@ -12,6 +12,11 @@ minimum and the median over the runs of the child's ``ru_utime + ru_stime``
 (``os.wait4``), and the minimum's ratio to the bare start's minimum: the minimum is what
 the work costs when nothing else runs. The target: ``import gpubudget``
 at most 2x the bare start.
+
+Each interpreter reads bytecode, as an installed package's does (``pip`` writes the ``.pyc``
+files at install): ``PYTHONDONTWRITEBYTECODE`` is left out of the children's environment, so
+that the warm-up round writes them (``__pycache__``, ignored by git); with it set, every run
+would compile gpubudget's sources anew, which no user pays.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ TARGET = 2.0
 
 def cpu_seconds(code: str, cwd: Path) -> float:
     """User + system CPU seconds of a fresh interpreter running ``code``."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}
     child = subprocess.Popen([sys.executable, "-c", code], cwd=cwd, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(child.pid, 0)

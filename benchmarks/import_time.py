@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 HEAVY = ("asyncio", "ssl", "msgspec", "numpy", "matplotlib", "prometheus_client",
-         "tensorrt", "torch", "cupy", "pycuda", "contextvars_extras",
-         "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.viewer")
+         "tensorrt", "torch", "cupy", "pycuda", "contextvars_extras", "dataclasses", "json",
+         "decimal", "ctypes", "gpubudget.report", "gpubudget.tracefile.writer",
+         "gpubudget.hostledger", "gpubudget.tracefile.reader", "gpubudget.replay",
+         "gpubudget.viewer")
 """Modules ``import gpubudget`` should leave for later (what tests/test_import_cost.py
 checks)."""
 _LIST = ("import sys, gpubudget; print(' '.join(sorted(m for m in sys.modules if "
@@ -32,6 +34,7 @@ _LIST = ("import sys, gpubudget; print(' '.join(sorted(m for m in sys.modules if
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the checkout's own tree, from the current directory
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode read, as an installed package's is
     return env
 
 

@@ -12,7 +12,9 @@ reservation).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import warnings
 from contextvars import Token
 from types import TracebackType
@@ -36,11 +38,12 @@ from . import door  # the driver door (gpubudget run): told which budget is curr
 from .callers import user_stack, user_stacklevel
 from .errors import AllocationDenied, BudgetNestingError
 from ._core import Denied, Node, install_fast_path
-from .tracefile import writer_for, writer_from_env
 from .units import DEFAULT_ALIGN, as_int, as_size, format_size, parse_size
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from .tracefile import TraceWriter
 
 __all__ = ["ADVICE", "THREAD_ROOT", "TRACE_ENV", "Budget", "gpu_budget", "misnested"]
 
@@ -52,6 +55,14 @@ says why and the budgets go on untraced; if another process writes it, this one 
 _current_label: Final = context.LABEL.get
 ADVICE: Final = ("exit budgets in the reverse order of entry (nest the with-blocks), in the "
                   "thread or task that entered them")
+
+
+@atexit.register  # at import, as before the writer loaded late: after the handlers that
+def _close_traces() -> None:  # free memory (an adapter's, registered later, runs first)
+    """Close every trace writer at interpreter exit, where the writers were ever loaded."""
+    perpath = sys.modules.get("gpubudget.tracefile.perpath")
+    if perpath is not None:
+        perpath._close_all()
 
 
 @final
@@ -193,10 +204,15 @@ class Budget(BudgetView, Residency):
     def _open_root(self) -> None:
         warn_if_thread_trap(self)
         backend = get_backend(self._backend_spec, device=self._device)
-        writer, untraced = None, None
+        writer: TraceWriter | None = None
+        untraced: str | None = None
         if self._trace is not None and self._trace is not False:
+            from .tracefile import writer_for  # the trace writer loads with the first trace
+
             writer = writer_for(self._trace)  # TraceError, one line, if it cannot be written
         elif self._trace is None and os.environ.get(TRACE_ENV):
+            from .tracefile import writer_from_env
+
             writer, untraced = writer_from_env(os.environ[TRACE_ENV], TRACE_ENV)
         node = self._node
         open_root(node, backend, writer, self._share or node.account.limit, self._initial)

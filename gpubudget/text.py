@@ -4,7 +4,6 @@ quotes it goes through :func:`printable` (or :func:`quote`, which also keeps it 
 
 from __future__ import annotations
 
-import json
 from typing import Final
 
 __all__ = ["QUOTED", "printable", "quote"]
@@ -34,6 +33,8 @@ def quote(value: object) -> str:
     >>> quote("a\\nb"), quote(1.5), quote({1, 2}), quote("x" * 100)[-3:]
     ('"a\\\\nb"', '1.5', '{1, 2}', 'xx…')
     """
+    import json  # here: most programs never quote a bad value
+
     try:
         text = json.dumps(value)
     except (ValueError, TypeError, RecursionError):  # a value json cannot write

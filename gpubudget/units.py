@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import operator
 import re
-from decimal import Decimal, InvalidOperation, localcontext
 from typing import Final, SupportsIndex
 
 __all__ = [
@@ -127,6 +126,22 @@ def _parse_text(value: str, what: str) -> int:
                          f"(2**64 bytes), more than any device holds")
     if len(fraction) > _MAX_FRACTION_DIGITS:
         raise ValueError(f"{what} {_shown(value)} is not a whole number of bytes")
+    if fraction:
+        nbytes = _fractional(value, what, whole, fraction, factor)
+    else:
+        nbytes = int(whole or "0") * factor  # a whole number: no decimals to get exact
+    if nbytes <= 0:
+        raise ValueError(f"{what} must be positive, got {_shown(value)}")
+    if nbytes > MAX_TEXT_SIZE:
+        raise ValueError(f"{what} {_shown(value)} is too large: more than 16 EiB "
+                         f"(2**64 bytes), more than any device holds")
+    return nbytes
+
+
+def _fractional(value: str, what: str, whole: str, fraction: str, factor: int) -> int:
+    """The bytes of ``whole.fraction`` units of ``factor`` bytes, if a whole number."""
+    from decimal import Decimal, InvalidOperation, localcontext  # here: "1.5GiB" is rare
+
     with localcontext() as exact_digits:  # exact: at most 21 + 40 + 13 digits
         exact_digits.prec = 100
         try:
@@ -135,13 +150,7 @@ def _parse_text(value: str, what: str) -> int:
             raise ValueError(f"{what} {_shown(value)} is not a number") from None
     if exact != exact.to_integral_value():
         raise ValueError(f"{what} {_shown(value)} is not a whole number of bytes ({exact} B)")
-    nbytes = int(exact)
-    if nbytes <= 0:
-        raise ValueError(f"{what} must be positive, got {_shown(value)}")
-    if nbytes > MAX_TEXT_SIZE:
-        raise ValueError(f"{what} {_shown(value)} is too large: more than 16 EiB "
-                         f"(2**64 bytes), more than any device holds")
-    return nbytes
+    return int(exact)
 
 
 def _shown(value: str) -> str:

@@ -20,7 +20,17 @@ LATER = ("asyncio", "ssl", "numpy", "matplotlib", "msgspec", "contextvars_extras
          "gpubudget.tracefile.reader", "gpubudget.replay", "gpubudget.viewer", "gpubudget.cli",
          "gpubudget.plot", "gpubudget.perfetto", "gpubudget.metrics", "gpubudget.torch",
          "gpubudget.cupy", "gpubudget.tensorrt")
-"""Modules (and packages: any module under them) that ``import gpubudget`` must not import."""
+"""Modules (and packages: any module under them) that ``import gpubudget`` must not import,
+nor a budget entered, used and reported."""
+AT_FIRST_USE = ("gpubudget.report", "gpubudget.jsontext", "gpubudget.tracefile",
+                "gpubudget.hostledger", "gpubudget.door.records", "gpubudget.backends.virtual",
+                "gpubudget.adapter", "gpubudget.numba", "gpubudget.cuda_core", "gpubudget.ray",
+                "gpubudget.routing", "gpubudget.torchstate", "json", "dataclasses", "inspect",
+                "argparse", "logging", "tomllib", "decimal", "datetime", "ctypes", "mmap",
+                "fcntl")
+"""What ``import gpubudget`` leaves for the first budget, report or trace that needs it: the
+reports (with ``dataclasses`` and ``json``), the trace writer, the host ledger, the virtual
+backends and ``ctypes``, the adapters and the command line's standard modules."""
 
 
 def _imported(code: str) -> set[str]:
@@ -46,6 +56,81 @@ def test_import_gpubudget_leaves_the_heavy_modules_for_later() -> None:
     modules = _imported("import gpubudget")
     assert "gpubudget.budget" in modules  # the import did happen, here
     assert [name for name in LATER if _found(modules, name)] == []
+
+
+def test_import_gpubudget_leaves_what_a_budget_loads_at_first_use() -> None:
+    modules = _imported("import gpubudget")
+    assert [name for name in AT_FIRST_USE if _found(modules, name)] == []
+
+
+_END_TO_END = """
+import sys
+import gpubudget
+loaded = sorted(m for m in sys.modules if m.startswith(("gpubudget.report",
+                                                        "gpubudget.tracefile")))
+from gpubudget import *
+missing = [name for name in gpubudget.__all__ if name not in globals()]
+listed = [name for name in gpubudget.__all__ if name not in dir(gpubudget)]
+with gpu_budget("1MiB", name="pool", backend="host") as pool:
+    block = pool.allocate(4096, tag="weights")
+    report = pool.report()
+    pool.free(block)
+assert isinstance(report, BudgetReport), type(report)
+assert [(b.size, b.tag) for b in report.live_blocks] == [(4096, "weights")]
+assert isinstance(report.live_blocks[0], LiveBlock)
+import gpubudget.report
+assert (BudgetReport, Denial, LiveBlock) == (gpubudget.report.BudgetReport,
+                                             gpubudget.report.Denial,
+                                             gpubudget.report.LiveBlock)
+assert gpubudget.tracefile.read_trace.__module__ == "gpubudget.tracefile.reader"
+try:
+    gpubudget.NoSuchName
+except AttributeError as exc:
+    unknown = str(exc)
+print(loaded, missing, listed, unknown)
+"""
+
+
+def test_the_public_names_load_when_first_named_and_a_budget_works() -> None:
+    done = subprocess.run([sys.executable, "-c", _END_TO_END], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == (
+        "[] [] [] module 'gpubudget' has no attribute 'NoSuchName'")
+
+
+def test_the_doors_numbers_load_when_first_named() -> None:
+    program = ("import sys, gpubudget.door as door\n"
+               "print('gpubudget.door.records' in sys.modules, 'dataclasses' in sys.modules)\n"
+               "print(door.DoorNumbers.__name__, 'DoorLibrary' in dir(door), door.numbers)\n"
+               "print('gpubudget.door.records' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    first, second, third = done.stdout.splitlines()
+    assert (first, third) == ("False False", "True")
+    assert second.startswith("DoorNumbers True <function numbers")  # not the submodule
+
+
+def test_gpubudget_trace_traces_and_a_free_at_exit_is_written(tmp_path: Path) -> None:
+    # The trace writer loads at the first traced root's entry, but is still closed after the
+    # exit handlers registered before then (an adapter's, freeing memory at exit).
+    program = ("import atexit, sys, gpubudget\n"
+               "assert 'gpubudget.tracefile' not in sys.modules\n"
+               "pool = gpubudget.gpu_budget('1MiB', name='pool', backend='host')\n"
+               "held = []\n"
+               "atexit.register(lambda: pool.free(held.pop()))\n"
+               "with pool:\n"
+               "    held.append(pool.allocate(4096, tag='weights'))\n"
+               "assert 'gpubudget.tracefile.writer' in sys.modules\n")
+    path = tmp_path / "run.jsonl"
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60, env=subprocess_env(GPUBUDGET_TRACE=str(path)))
+    assert (done.returncode, done.stderr) == (0, "")
+    from gpubudget.tracefile import read_trace
+
+    assert [type(event).__name__ for event in read_trace(path).events] == [
+        "Enter", "Alloc", "Exit", "Free"]
 
 
 def test_a_budget_entered_and_used_imports_none_of_them_either() -> None:

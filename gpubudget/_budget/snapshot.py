@@ -16,30 +16,18 @@ runtime or engine bound to it (a pin), or a PyTorch or CuPy pool (an adapter's u
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import sys
 import weakref
 from typing import TYPE_CHECKING
 
 from .._core import Node, Probe, Tree, available
 from .. import door
-from ..report import (
-    FRAMES_SHOWN,
-    BudgetReport,
-    Denial,
-    DoorLibrary,
-    DoorUsage,
-    LiveBlock,
-    TagUsage,
-    TimelineEvent,
-    Totals,
-    Usage,
-)
 from ..text import printable
 from ..units import format_size
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the report (and dataclasses) loads with the first report, not at import
     from ..budget import Budget
+    from ..report import BudgetReport, DoorUsage, LiveBlock, Totals, Usage
 
 __all__ = ["leaks_at_exit", "snapshot", "watch_leaks", "watch_none"]
 
@@ -48,6 +36,10 @@ _watched: weakref.WeakSet[Budget] = weakref.WeakSet()
 
 def snapshot(node: Node) -> BudgetReport:
     """The report of ``node`` and its descendants, with the tree's timeline for them."""
+    import dataclasses
+
+    from ..report import LiveBlock, TimelineEvent
+
     tree = node.tree
     outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
     with node.lock:
@@ -106,6 +98,8 @@ def _limited_by(tree: Tree) -> str | None:
 
 
 def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
+    from ..report import Totals
+
     allocations, frees, denied, _, _ = node.own_counts()
     return Totals(
         allocations + sum(child.totals.allocations for child in children),
@@ -118,6 +112,8 @@ def _totals(node: Node, children: tuple[BudgetReport, ...]) -> Totals:
 def _report(node: Node, tree: Tree | None, blocks: tuple[LiveBlock, ...],
             children: tuple[BudgetReport, ...], free_bytes: int, largest_free: int,
             totals: Totals, usage: tuple[Usage, ...]) -> BudgetReport:
+    from ..report import BudgetReport, Denial, TagUsage
+
     stats, account = node.stats, node.account
     return BudgetReport(
         name=node.name,
@@ -156,6 +152,8 @@ def _driver_door(node: Node) -> DoorUsage | None:
     numbers = door.numbers(node.budget)
     if numbers is None:
         return None
+    from ..report import DoorLibrary, DoorUsage
+
     return DoorUsage(numbers.foreign, numbers.peak, numbers.live, numbers.refusals,
                      numbers.last_refused, numbers.last_refused_by,
                      tuple(DoorLibrary(lib.name, lib.live_bytes, lib.refusals)
@@ -164,6 +162,8 @@ def _driver_door(node: Node) -> DoorUsage | None:
 
 def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ...]:
     """Ask each adapter what it holds of ``node``; one that fails is left out, and said."""
+    from ..report import Usage
+
     found = []
     for source, probe in probes:
         try:
@@ -230,6 +230,8 @@ def _summary(name: str, leaks: tuple[LiveBlock, ...]) -> str:
 
 def _listing(name: str, leaks: tuple[LiveBlock, ...]) -> str:
     """Every leak with its address, size, tag and stack."""
+    from ..report import FRAMES_SHOWN
+
     lines = [f"gpubudget: {len(leaks)} block(s) of budget {printable(name)!r} still live at "
              f"exit:"]
     for block in leaks:

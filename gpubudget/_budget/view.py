@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 from ..backends import Backend
 from .._core import Node, State, available
-from ..report import BudgetReport
 from .snapshot import snapshot
 from .stats import memory_stats, memory_summary, reset_accumulated_stats
 from ..units import format_size
 
 if TYPE_CHECKING:
     from ..budget import Budget
+    from ..report import BudgetReport  # loaded by the first report
 
 __all__ = ["BudgetView"]
 

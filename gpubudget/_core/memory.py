@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..backends import Backend, Reservation
-from ..backends.virtual import Staging, VirtualRange
 from ..errors import BudgetError, InvariantError
 from ..units import MiB, format_size, round_up
+
+if TYPE_CHECKING:  # only named here: the virtual backends load with a growable root's range
+    from ..backends.virtual import Staging, VirtualRange
 
 __all__ = ["DEFAULT_GRANULE", "Asleep", "Mapping", "free_memory", "reserve"]
 

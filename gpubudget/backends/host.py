@@ -7,14 +7,16 @@ all work is complete at once.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import sys
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .base import Event
-from .virtual import HostVirtualRange
+
+if TYPE_CHECKING:  # ctypes, mmap and the virtual range load with the first reservation
+    import mmap
+
+    from .virtual import HostVirtualRange
 
 __all__ = ["HostBackend", "HostReservation"]
 
@@ -27,6 +29,9 @@ class HostReservation:
     __slots__ = ("_map", "address", "nbytes")
 
     def __init__(self, nbytes: int, noreserve: bool = False) -> None:
+        import ctypes
+        import mmap
+
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if noreserve:
             flags |= getattr(mmap, "MAP_NORESERVE", _MAP_NORESERVE)
@@ -89,6 +94,8 @@ class HostBackend:
             return None
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
+        import ctypes
+
         ctypes.memmove(dst, src, nbytes)
 
     def record_event(self, stream: int) -> Event:
@@ -102,4 +109,6 @@ class HostBackend:
         """Addresses for ``nbytes`` (no memory), mapped granule by granule: see
         :mod:`gpubudget.backends.virtual`. ``device_capacity`` (``None``: the machine's)
         bounds the bytes mapped at once, as a device's memory would."""
+        from .virtual import HostVirtualRange
+
         return HostVirtualRange(nbytes, granule, self.device_capacity)

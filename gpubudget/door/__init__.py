@@ -22,18 +22,19 @@ which :func:`follow` stores in C.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Protocol
 
 from ..context import ACTIVE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # ctypes and the numbers' dataclasses load when the door is first asked
+    import ctypes
+
     from ..budget import Budget
+    from .records import DoorLibrary, DoorNumbers
 
 __all__ = ["DoorLibrary", "DoorNumbers", "device_view", "entered", "follow", "leaving",
            "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of",
@@ -52,37 +53,6 @@ class Ledgered(Protocol):
     door: memoryview | None
 
 
-@dataclass(frozen=True)
-class DoorLibrary:
-    """One library's share of a budget's driver allocations (or of those outside budgets)."""
-
-    name: str  # the file name of the library that called the driver: "libcublasLt.so.13"
-    live_bytes: int  # what its allocations charged there hold now
-    refusals: int  # requests of it refused there
-
-
-@dataclass(frozen=True)
-class DoorNumbers:
-    """What the driver door charged one budget (its own allocations and its children's)."""
-
-    held: int  # bytes charged through the door here and below, a root's own included
-    own: int  # a root's own backend memory (reservation, mapped granules)
-    live: int  # driver allocations live made in this budget itself (a root's own memory not)
-    peak: int  # highest ``held``
-    refusals: int  # requests refused here (asked here, or below and refused by this limit)
-    last_refused: int  # the size of the last request refused here, 0 if none
-    last_refused_by: str | None  # which library asked it
-    libraries: tuple[DoorLibrary, ...]  # this budget's own allocations, by library
-    attribute_only: bool  # the door counts without refusing (GPUBUDGET_DOOR_MODE=attribute)
-
-    @property
-    def foreign(self) -> int:
-        """Bytes charged through the door that are not a root's own backend memory."""
-        return self.held - self.own
-
-
-_I64: Final = ctypes.c_int64
-_P: Final = ctypes.c_void_p
 _lib: list[ctypes.CDLL | None] = []
 _lib_lock: Final = threading.Lock()
 
@@ -97,6 +67,9 @@ def _door() -> ctypes.CDLL | None:
 
 
 def _find() -> ctypes.CDLL | None:
+    import ctypes  # here, at the first budget's entry: not at import
+
+    _I64, _P = ctypes.c_int64, ctypes.c_void_p
     # every library loaded, the door first if it is preloaded
     process = ctypes.CDLL(None, use_errno=True)
     try:
@@ -154,7 +127,9 @@ class _Account:
         if not address:
             raise MemoryError(f"the driver door could not make an account for budget {name!r}")
         self.address: Final[int] = address
-        words = (_I64 * WORDS).from_address(address)
+        import ctypes
+
+        words = (ctypes.c_int64 * WORDS).from_address(address)
         setattr(words, "account", self)  # the ledger's view keeps this (and its C memory) alive
         self.words: Final = memoryview(words).cast("B").cast("q")
         weakref.finalize(self, lib.gbd_account_drop, address)
@@ -356,8 +331,11 @@ def _libraries(lib: ctypes.CDLL,
                address: int | None) -> tuple[int, tuple[DoorLibrary, ...], int]:
     """The bytes live that ``address``'s account (``None``: nobody) was charged for itself,
     their libraries (largest first), and how many allocations hold them."""
-    live = (_I64 * LIBRARIES)()
-    count = _I64()
+    import ctypes
+    from .records import DoorLibrary
+
+    live = (ctypes.c_int64 * LIBRARIES)()
+    count = ctypes.c_int64()
     total = int(lib.gbd_live_bytes(address, live, LIBRARIES, ctypes.byref(count)))
     found = []
     index = 0
@@ -377,7 +355,10 @@ def numbers(budget: Budget) -> DoorNumbers | None:
     account = _accounts.get(budget)
     if lib is None or account is None:
         return None
-    out = (_I64 * 10)()
+    import ctypes
+    from .records import DoorNumbers
+
+    out = (ctypes.c_int64 * 10)()
     lib.gbd_account_numbers(account.address, out)
     name = lib.gbd_library(out[9]) if out[8] else None
     _, libraries, count = _libraries(lib, account.address)
@@ -396,3 +377,17 @@ def outside() -> tuple[int, tuple[DoorLibrary, ...]] | None:
         return None
     total, libraries, _ = _libraries(lib, None)
     return total, libraries
+
+
+if not TYPE_CHECKING:  # mypy sees the names imported above, and no catch-all
+    def __getattr__(name: str) -> object:
+        """The numbers' records, :class:`DoorNumbers` and :class:`DoorLibrary`, loaded (with
+        :mod:`dataclasses`) when first named."""
+        if name in ("DoorLibrary", "DoorNumbers"):
+            from . import records
+
+            return getattr(records, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | {"DoorLibrary", "DoorNumbers"})

@@ -12,7 +12,6 @@ process's trace there."""
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import warnings
@@ -146,8 +145,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-@atexit.register
-def _close_all() -> None:
+def _close_all() -> None:  # at exit: gpubudget.budget registers it at import (see there)
     with _writers_lock:
         for writer in writers_in_use():  # dropped from the cache, a writer may still have lines
             try:
