@@ -130,6 +130,7 @@ def worker(work: Work, index: int, root: Budget, deadline: float, rounds: int, s
                 work.release()
                 tally.add(work.kind, "release_cached")
             done += 1
+        work.release()  # in this thread too: CuPy's FFT plan cache is the thread's own
     except BaseException:  # noqa: BLE001 - reported, the soak fails
         tally.problem(f"{work.kind} thread {index}: {traceback.format_exc()}")
 
