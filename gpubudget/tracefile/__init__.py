@@ -95,7 +95,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
 from .format import (
-    FLUSH_EVERY,
+    BUFFER_BYTES,
+    FLUSH_BYTES,
     FLUSH_SECONDS,
     FORMAT,
     LIMIT_REASONS,
@@ -134,9 +135,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Alloc",
+    "BUFFER_BYTES",
     "Enter",
     "Exit",
-    "FLUSH_EVERY",
+    "FLUSH_BYTES",
     "FLUSH_SECONDS",
     "FORMAT",
     "Free",
