@@ -28,7 +28,7 @@ FLUSH_BYTES: Final = 1 << 20
 FLUSH_SECONDS: Final = 0.25
 """The writer's thread writes what is queued at least this often (seconds)."""
 BUFFER_BYTES: Final = 64 << 20
-"""Most bytes a writer holds, queued and being written (about 650,000 events): an event that
+"""Most bytes a writer holds, queued and being written (about 660,000 events): an event that
 would take it over that is dropped, and so is every later one (the trace stops there), each
 counted; see :mod:`.queue`."""
 MAX_LINE_BYTES: Final = 1 << 20
