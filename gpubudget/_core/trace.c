@@ -230,7 +230,8 @@ void tq_alloc(TraceQueueObject *q, double now, i64 budget, i64 size, i64 align, 
               i64 ptr, i64 nbytes, PyObject *stack) {
     Py_ssize_t frames = stack ? PyTuple_GET_SIZE(stack) : 0;
     if (frames > TRACE_MAX_FRAMES) frames = TRACE_MAX_FRAMES;
-    char *p = tq_room(q, 200 + (tag ? PyBytes_GET_SIZE(tag) : 0) + 22 * frames);
+    /* the line's text is 109 bytes, its seven numbers at most 142, each frame's id 22 */
+    char *p = tq_room(q, 256 + (tag ? PyBytes_GET_SIZE(tag) : 0) + 22 * frames);
     if (p == NULL) return;
     p = put_text(p, "{\"ev\": \"alloc\", \"t\": ");
     p = put_time(p, now - q->t0);
@@ -273,7 +274,7 @@ void tq_alloc(TraceQueueObject *q, double now, i64 budget, i64 size, i64 align, 
 }
 
 void tq_free(TraceQueueObject *q, double now, i64 budget, i64 ptr) {
-    char *p = tq_room(q, 96);
+    char *p = tq_room(q, 128); /* 39 bytes of text, three numbers of at most 62 */
     if (p == NULL) return;
     p = put_text(p, "{\"ev\": \"free\", \"t\": ");
     p = put_time(p, now - q->t0);
