@@ -177,6 +177,7 @@ _PAIR_NAMES = {"plain": "plain: `allocate(4096)`, `free`",
                "tag=": "tagged: `allocate(4096, tag=...)`",
                "track_stacks=True": "with stacks: `track_stacks=True`",
                "trace=": "traced: `trace=PATH`",
+               "trace= track_stacks=True": "traced, with stacks: `trace=PATH, track_stacks=True`",
                "through TensorRT's trampoline": "through TensorRT-RTX's C++ trampoline "
                                                 "(`allocate_async`/`deallocate_async`)"}
 

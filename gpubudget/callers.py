@@ -7,7 +7,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Final
 
-__all__ = ["user_stack", "user_stacklevel"]
+__all__ = ["frame_text", "user_stack", "user_stacklevel"]
 
 _PACKAGE_DIR: Final = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CACHED: Final = 4096
@@ -16,7 +16,7 @@ programs, but not in one that makes code as it runs."""
 _ours_by_name: dict[str, bool] = {}
 """Whether a file is gpubudget's, by its absolute name (a relative one depends on the
 directory current when it is asked, and is not kept)."""
-_frames: dict[tuple[CodeType, int], str] = {}
+_frames: dict[tuple[CodeType, int | None], str] = {}
 """Each frame's line of a stack, by its code and line: made once."""
 
 
@@ -59,6 +59,25 @@ def user_stack() -> tuple[str, ...]:
         frame = frame.f_back
     found.reverse()
     return tuple(found)
+
+
+def frame_text(code: CodeType, line: int | None) -> str | None:
+    """A frame's line of a stack, ``"file:line in function"``, as :func:`user_stack` gives
+    it (the same text, made once); ``None`` for a frame of gpubudget's own code. What the C
+    core's stack walk asks of each frame it has not seen before (``_core/callers.c``)."""
+    ours = _ours_by_name.get(code.co_filename)
+    if ours is None:
+        ours = _ours(code.co_filename)
+    if ours:
+        return None
+    key = (code, line)
+    text = _frames.get(key)
+    if text is None:
+        text = f"{code.co_filename}:{line} in {code.co_name}"
+        if len(_frames) >= _CACHED:
+            _frames.clear()
+        _frames[key] = text
+    return text
 
 
 def user_stacklevel() -> int:

@@ -274,7 +274,8 @@ class BudgetReport:
     allocations, cuBLAS workspaces, other libraries) while the scope was open: free memory
     just after the reservation minus free memory at exit (or now, while open)."""
     trace_error: str | None = None
-    """Root budgets: why the trace file stopped (a write failed), if it did."""
+    """Root budgets: why the trace file stopped (a write failed, or its writer's queue was
+    full and dropped events: how many), if it did."""
     mapped: int | None = None
     """Growable roots (``initial=``): bytes of device memory mapped now; ``None`` for a root
     that reserved its whole limit."""

@@ -25,7 +25,7 @@ from gpubudget import gpu_budget
 from gpubudget.cli import main
 from gpubudget.hostledger import SETTLE_SECONDS, book, sizing
 from gpubudget.report import TAGS_SHOWN
-from gpubudget.tracefile import (FLUSH_EVERY, FLUSH_SECONDS, MAX_FRAMES, MAX_LINE_BYTES,
+from gpubudget.tracefile import (BUFFER_BYTES, FLUSH_BYTES, FLUSH_SECONDS, MAX_FRAMES, MAX_LINE_BYTES,
                                  MAX_TEXT, MAX_TRACE_BYTES)
 from gpubudget.units import GiB, MiB
 from tests.docs_examples import ROOT, SELF_TESTED, Block, blocks, pages, prose
@@ -366,8 +366,9 @@ def test_the_numbers_the_pages_state_are_the_codes() -> None:
     from gpubudget.ray import placement, registry, reporter
 
     traces = _text("traces.md")
-    assert f"every {FLUSH_EVERY} events" in traces and f"last {FLUSH_EVERY - 1} events" in traces
-    assert f"{FLUSH_SECONDS:g} s or more after the previous flush" in traces
+    assert f"at least every {FLUSH_SECONDS:g} s" in traces
+    assert f"as soon as {FLUSH_BYTES // MiB} MiB is queued" in traces
+    assert f"at most {BUFFER_BYTES // MiB} MiB" in traces
     assert f"longer than {MAX_TEXT} characters" in traces and f"({MAX_TEXT - 1} characters" in traces
     assert f"a line over {MAX_LINE_BYTES // MiB} MiB" in traces
     assert f"size limit ({MAX_TRACE_BYTES // GiB} GiB" in traces

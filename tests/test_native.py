@@ -18,6 +18,7 @@ import contextvars
 import random
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +39,7 @@ from gpubudget import Budget, gpu_budget, label
 from gpubudget._core import arena as arena_module
 from gpubudget._core import ledger, native
 from gpubudget.backends.host import HostBackend
+from gpubudget.tracefile import Alloc, Free, read_trace
 from gpubudget.units import KiB
 from tests.helpers import StreamBackend, python_paths
 
@@ -399,12 +401,34 @@ def test_fast_path_runs_whole_in_c_and_leaves_the_rest_to_python() -> None:
         assert "allocate" in _python_calls(lambda: pool.allocate("1KiB"))  # a string
         assert "free" in _python_calls(lambda: pool.free(12345))  # not a block
         with gpu_budget("1KiB", track_stacks=True) as child:
-            assert "allocate" in _python_calls(lambda: child.allocate(KiB))  # stacks: Python
+            calls = _python_calls(lambda: child.allocate(KiB))  # stacks: taken in C
+            assert "allocate" not in calls and set(calls) <= {"frame_text", "_ours"}
         assert pool.used == 2 * KiB  # "1KiB", and the child's block
         for report in pool.report().walk():
             for live in report.live_blocks:
                 assert pool.free(live.address)
         assert pool.used == 0
+
+
+def test_a_traced_tree_with_stacks_stays_in_c(tmp_path: Path) -> None:
+    """Tracing and stacks on the fast path: no Python code runs for a pair once each frame's
+    text is made (callers.frame_text, once per frame); the trace says what Python's would."""
+    path = tmp_path / "t.jsonl"
+    with gpu_budget("1MiB", backend="host", trace=str(path)) as pool:
+        with gpu_budget("64KiB", track_stacks=True) as child:
+            def pair() -> None:
+                assert child.free(child.allocate(KiB, tag="t\u00e9"))  # type: ignore[arg-type]
+
+            calls = [_python_calls(pair) for _ in range(2)]  # one line: the same frames
+            assert calls[0] and calls[1] == []
+            assert child.report().allocations == 2
+    trace = read_trace(path)
+    allocs = [event for event in trace.events if isinstance(event, Alloc)]
+    assert [(a.size, a.align, a.tag, a.nbytes, a.reason) for a in allocs] == [
+        (KiB, 0, "t\u00e9", KiB, None)] * 2
+    assert allocs[0].stack == allocs[1].stack and allocs[0].stack is not None
+    assert allocs[0].stack[-1].endswith(" in pair") and __file__ in allocs[0].stack[-1]
+    assert sum(isinstance(event, Free) for event in trace.events) == 2
 
 
 def test_threads_sharing_a_tree_keep_it_whole() -> None:

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from gpubudget import gpu_budget
 from gpubudget.tracefile import (
-    FLUSH_EVERY,
     FLUSH_SECONDS,
     MAX_LINE_BYTES,
     Alloc,
@@ -96,37 +95,33 @@ def test_writer_writes_a_versioned_header_and_every_event(tmp_path: Path) -> Non
     assert lines[1]["base"] == granted.ptr  # the first block: at the start of its memory
 
 
-def test_writer_flushes_its_header_at_once_and_every_flush_every_events(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # no quiet spell flushes early: a loaded machine can pause the loop for FLUSH_SECONDS
-    monkeypatch.setattr("gpubudget.tracefile.writer.FLUSH_SECONDS", 3600.0)
+def _lines_within(path: Path, count: int, seconds: float = 60.0) -> int:
+    """The file's lines once it holds ``count`` (or ``seconds`` went by: a loaded machine)."""
+    deadline = time.monotonic() + seconds
+    while path.read_bytes().count(b"\n") < count and time.monotonic() < deadline:
+        time.sleep(FLUSH_SECONDS / 10)
+    return path.read_bytes().count(b"\n")
+
+
+def test_writer_writes_its_header_at_once_and_its_thread_writes_events_unasked(
+        tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
     writer = TraceWriter(str(path))
     try:
         assert json.loads(path.read_text())["format"] == "gpubudget-trace"  # no flush called
-        for index in range(FLUSH_EVERY):
+        for index in range(100):
             writer.free(1, index)
-        assert len(path.read_text().splitlines()) >= 1 + FLUSH_EVERY - 1
-        # the FLUSH_EVERY-th event since the header's flush flushed everything
-        assert path.read_text().count("\n") == 1 + FLUSH_EVERY
-    finally:
-        writer.close()
-
-
-def test_writer_flushes_an_event_that_comes_after_a_quiet_spell(tmp_path: Path) -> None:
-    path = tmp_path / "w.jsonl"
-    writer = TraceWriter(str(path))
-    try:
-        writer.free(1, 1)
-        time.sleep(FLUSH_SECONDS * 1.2)
-        writer.free(1, 2)  # FLUSH_SECONDS after the last flush: both go to the file
-        assert path.read_text().count("\n") == 3
+        # no flush called: the writers' thread writes them (within FLUSH_SECONDS, or as
+        # soon as the machine lets it)
+        assert _lines_within(path, 101) == 101
+        writer.free(1, 100)  # a lone event after a quiet spell: written too
+        assert _lines_within(path, 102) == 102
     finally:
         writer.close()
 
 
 _KILLED_CHILD = textwrap.dedent("""
-    import sys
+    import os, sys, time
     from gpubudget import gpu_budget
     events = int(sys.argv[2])
     with gpu_budget("64MiB", name="pool", backend="host", trace=sys.argv[1]) as pool:
@@ -136,13 +131,17 @@ _KILLED_CHILD = textwrap.dedent("""
                 pool.free(blocks.pop())
             else:
                 blocks.append(pool.allocate(4096))
+        deadline = time.monotonic() + 60
+        while (open(sys.argv[1], "rb").read().count(b"\\n") < events + 1
+               and time.monotonic() < deadline):
+            time.sleep(0.01)  # the writers' thread writes them, no flush asked
         print("written", flush=True)
         sys.stdin.read()  # until killed
 """)
 
 
-@pytest.mark.parametrize("events", [FLUSH_EVERY + 1, 5 * FLUSH_EVERY + 17])
-def test_sigkill_loses_at_most_flush_every_minus_one_events(tmp_path: Path, events: int) -> None:
+@pytest.mark.parametrize("events", [10, 20_017])
+def test_sigkill_loses_nothing_the_writers_thread_wrote(tmp_path: Path, events: int) -> None:
     path = tmp_path / "killed.jsonl"
     env = subprocess_env()
     child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, str(path), str(events)],
@@ -158,8 +157,32 @@ def test_sigkill_loses_at_most_flush_every_minus_one_events(tmp_path: Path, even
     assert child.returncode == -signal.SIGKILL
     with TraceReader(path) as reader:
         kept = list(reader)
-    assert events - (FLUSH_EVERY - 1) <= len(kept) <= events
+    assert len(kept) == events and reader.cut_short is None
     assert isinstance(kept[0], Enter) and kept[0].name == "pool"
+
+
+def test_a_full_queue_stops_the_trace_and_counts_every_event_it_drops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpubudget.tracefile.queue.BUFFER_BYTES", 16384)
+    path = tmp_path / "full.jsonl"
+    writer = writer_for(path)
+    with writer._lock:  # held: the writers' thread cannot write meanwhile (a stalled disk)
+        with gpu_budget("64MiB", name="pool", backend="host", trace=str(path)) as pool:
+            for _ in range(500):
+                assert pool.free(pool.allocate(4096, tag="t"))  # type: ignore[arg-type]  # never denied
+            report = pool.report()
+            assert pool.used == 0 and report.allocations == 500
+            assert report.trace_error is not None and "queue was full" in report.trace_error
+        lost = writer.lost  # the root's exit dropped too
+    assert 0 < lost < 1002  # the root's entry, 1,000 events, its exit
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1]) == {"ev": "lost", "t": json.loads(lines[-1])["t"],
+                                     "events": lost}
+    with TraceReader(path) as reader:
+        events = list(reader)
+    assert len(events) + lost == 1002 and reader.lost == lost
+    assert reader.cut_short is not None and f"{lost:,} event(s)" in reader.cut_short
+    assert "queue was full" in reader.cut_short
 
 
 # -- the reader: every kind of bad input ---------------------------------------------------

@@ -69,6 +69,11 @@ def snapshot(node: Node) -> BudgetReport:
         events = [event for event in tree.recorder.events if event[2] in names]
         dropped = tree.recorder.logged - len(tree.recorder.events)
         trace_error = tree.recorder.trace_error
+        writer = tree.recorder.writer
+        if trace_error is None and writer is not None and writer.lost:
+            trace_error = (f"trace to {writer.path!r} stopped: its writer's queue was full "
+                           f"(the file written slower than events came); {writer.lost:,} "
+                           f"event(s) not written, the file says so on its last line")
         mapping = tree.mapping if node.parent is None else None
         residency: dict[str, object] = {} if mapping is None else {
             "mapped": mapping.mapped_bytes, "mapped_peak": mapping.peak_bytes,

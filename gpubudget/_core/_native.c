@@ -13,8 +13,15 @@ static PyMethodDef module_methods[] = {
     {"available", (PyCFunction)py_available, METH_O,
      "available(account): bytes one allocation could still be charged to ``account``."},
     {"install", (PyCFunction)(void (*)(void))py_install, METH_VARARGS | METH_KEYWORDS,
-     "install(budget, node, tree, recorder, pending, mapping, state, label, clock): put the fast "
+     "install(budget, node, tree, recorder, pending, mapping, label, clock, frame_text): put the fast "
      "allocate and free on ``budget`` (the Budget class); once."},
+    {"trace_wait", (PyCFunction)py_trace_wait, METH_O,
+     "trace_wait(seconds): wait (the GIL released) until a TraceQueue holds enough to be "
+     "written, or ``seconds`` pass; for the trace writer's thread."},
+    {"trace_writer", (PyCFunction)py_trace_writer, METH_O,
+     "trace_writer(cls): the TraceWriter class, whose ``_queue`` the fast path writes to."},
+    {"user_stack", (PyCFunction)py_user_stack, METH_NOARGS,
+     "user_stack(): callers.user_stack in C, from the calling frame (after install())."},
     {NULL}};
 
 static struct PyModuleDef native_module = {
@@ -24,14 +31,14 @@ static struct PyModuleDef native_module = {
 PyMODINIT_FUNC PyInit__native(void) {
     if (recorder_init() < 0 || tree_init() < 0) return NULL;
     PyTypeObject *types[] = {&ArenaType, &LockType, &AccountType, &StatsType, &EventLogType,
-                             &RouterType, &RegistryType, &ClockType};
+                             &RouterType, &RegistryType, &ClockType, &TraceQueueType};
     const char *type_names[] = {"Arena", "Lock", "Account", "Stats", "EventLog", "Router",
-                                "Registry", "Clock"};
-    for (int i = 0; i < 8; i++)
+                                "Registry", "Clock", "TraceQueue"};
+    for (int i = 0; i < 9; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL) return NULL;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(module, type_names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -20,12 +20,17 @@
  *   tree.c      tree.py       the fast path: the common case of Tree.allocate and Tree.free,
  *                             whole, as Budget.allocate and Budget.free (node.py installs it)
  *   adapter.c   ../adapter.py Router (by_device) and Clock (hand_clock)
+ *   trace.c     ../tracefile/queue.py
+ *                             TraceQueue: a trace writer's lines not yet written, one
+ *                             buffer; the fast path encodes its events into it
+ *   callers.c   ../callers.py user_stack: the caller's frames, walked without tracebacks
  *   _native.c   __init__.py   the module: its types and functions
  *
  * The fast path (tree.c) does the common case whole, and anything else (a denial, a stream
  * still pending, a growth of a growable root, stacks, tracing, an argument that is not a
  * plain int or str) calls the Python method it replaces, which does everything, as in the
- * pure-Python core. It reads the Python objects' __slots__ at offsets looked up once, so both
+ * pure-Python core (a traced tree's allocations and frees, and stacks, stay in C: trace.c,
+ * callers.c). It reads the Python objects' __slots__ at offsets looked up once, so both
  * cores share their classes. tests/test_native.py runs both side by side and compares every
  * answer and number.
  *
@@ -209,6 +214,29 @@ void entry_release(Entry *e); /* its references */
  * error. */
 int tree_init(void);
 PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds);
+
+/* -- trace.c ------------------------------------------------------------------------------ */
+
+enum { TRACE_MAX_TEXT = 1024, TRACE_MAX_FRAMES = 512 }; /* tracefile/format.py's MAX_TEXT, MAX_FRAMES */
+typedef struct TraceQueueObject TraceQueueObject;
+extern PyTypeObject TraceQueueType;
+/* The queue of a TraceWriter (writer.py tells its class: trace_writer), when it is a
+ * TraceQueue still open; else NULL. */
+TraceQueueObject *writer_queue(PyObject *writer);
+PyObject *tq_tag_text(TraceQueueObject *q, PyObject *tag); /* borrowed, or NULL: error */
+int tq_frames(TraceQueueObject *q, PyObject *stack);         /* -1: error */
+void tq_alloc(TraceQueueObject *q, double now, i64 budget, i64 size, i64 align, PyObject *tag,
+              i64 ptr, i64 nbytes, PyObject *stack);       /* never fails: lost, counted */
+void tq_free(TraceQueueObject *q, double now, i64 budget, i64 ptr);
+double tq_now(void); /* time.perf_counter's clock */
+PyObject *py_trace_wait(PyObject *module, PyObject *arg);
+PyObject *py_trace_writer(PyObject *module, PyObject *cls);
+
+/* -- callers.c ---------------------------------------------------------------------------- */
+
+int callers_install(PyObject *frame_text);
+PyObject *user_stack(void); /* a new tuple of str, or NULL with an exception */
+PyObject *py_user_stack(PyObject *module, PyObject *unused);
 
 /* -- adapter.c ---------------------------------------------------------------------------- */
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Literal
 
 from ..backends import Backend
+from ..callers import frame_text
 from ..context import LABEL
 from ..errors import BudgetError, BudgetNestingError
 from .ledger import Account, charge, encloses, passed_up, refusal
@@ -264,5 +265,5 @@ def install_fast_path(budget: type) -> bool:
         return False
     native.install(budget=budget, node=Node, tree=Tree, recorder=Recorder,
                    pending=PendingFrees, mapping=Mapping, label=LABEL,
-                   clock=time.perf_counter)
+                   clock=time.perf_counter, frame_text=frame_text)
     return True

@@ -138,6 +138,7 @@ typedef struct {
     LockObject *lock;
     EventLogObject *events;
     AccountObject *root;
+    TraceQueueObject *queue; /* the trace writer's queue, NULL when not traced */
 } Parts;
 
 static int tree_parts(PyObject *node, Parts *p) {
@@ -152,11 +153,14 @@ static int tree_parts(PyObject *node, Parts *p) {
         return 0;
     PyObject *events = SLOT(recorder, at.recorder_events), *writer = SLOT(recorder, at.recorder_writer),
              *account = SLOT(root, at.node_account);
-    if (events == NULL || Py_TYPE(events) != &EventLogType || writer != Py_None ||
-        account == NULL || Py_TYPE(account) != &AccountType)
+    TraceQueueObject *queue = NULL; /* a traced tree: its writer's queue, still open */
+    if (writer == NULL || (writer != Py_None && (queue = writer_queue(writer)) == NULL))
+        return 0;
+    if (events == NULL || Py_TYPE(events) != &EventLogType || account == NULL ||
+        Py_TYPE(account) != &AccountType)
         return 0;
     *p = (Parts){tree, (RegistryObject *)live, (ArenaObject *)arena, (LockObject *)lock, (EventLogObject *)events,
-                 (AccountObject *)account};
+                 (AccountObject *)account, queue};
     return 1;
 }
 
@@ -197,14 +201,23 @@ static PyObject *fast_allocate(PyObject *self, PyObject *const *args, Py_ssize_t
         label = tag;
     }
     PyObject *fresh = NULL; /* a new tag's [live, peak], made before the state is read */
+    PyObject *stack = NULL; /* the caller's frames, taken before the state is read */
     PyObject *where = NULL;
 retry:;
     PyObject *node = exactly(SLOT(self, at.budget_node), node_class);
     double time;
     Parts p;
     if (node == NULL || stamp(node, &time) < 0) goto slow_labelled;
-    if (SLOT(node, at.node_track_stacks) != Py_False ||
-        SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
+    PyObject *tracking = SLOT(node, at.node_track_stacks);
+    if (tracking == Py_True && stack == NULL) {
+        /* walking the frames may make frame objects (the collector may run) and run
+         * callers.py's frame_text: taken first, then everything read again */
+        if ((stack = user_stack()) == NULL) goto failed;
+        goto retry;
+    }
+    if (tracking == Py_False) Py_CLEAR(stack);
+    else if (tracking != Py_True) goto slow_labelled;
+    if (SLOT(node, at.node_refusal) != Py_None || !tree_parts(node, &p))
         goto slow_labelled;
     PyObject *mapping = SLOT(p.tree, at.tree_mapping);
     PyObject *fifo = exactly(typed_slot(SLOT(p.tree, at.tree_pending), pending_class, at.pending_fifo),
@@ -232,6 +245,10 @@ retry:;
             goto retry;
         }
     }
+    PyObject *tag_text = NULL; /* the tag as the trace writes it: made once per tag */
+    if (p.queue != NULL && ((label != NULL && (tag_text = tq_tag_text(p.queue, label)) == NULL) ||
+                            (stack != NULL && tq_frames(p.queue, stack) < 0)))
+        goto failed; /* only memory: nothing changed (frames queued are defined, unused) */
     if (!lock_try(p.lock)) goto slow_labelled;
     /* the lock held: refuse, place, then commit; a denial is left to Python (it records it),
      * and so is a block of a growable root that needs a granule mapped (nothing changed) */
@@ -256,24 +273,29 @@ retry:;
         goto failed;
     }
     Entry replaced; /* the commit; nothing below can fail */
-    reg_put(p.live, address, node, nbytes, label, NULL, &replaced);
+    reg_put(p.live, address, node, nbytes, label, stack, &replaced);
     ledger_charge(acct, nbytes);
     st->allocations++;
     st->bytes_allocated += nbytes;
     if (++st->blocks > st->peak_blocks) st->peak_blocks = st->blocks;
     log_append(p.events, time, KIND_ALLOC, id, nbytes, label, acct->used, p.root->used);
+    if (p.queue != NULL) /* the trace's line, in order with the tree's other events */
+        tq_alloc(p.queue, tq_now(), id, nsize, align, tag_text, address, nbytes, stack);
     lock_leave(p.lock);
     if (replaced.owner != NULL) entry_release(&replaced); /* never: addresses are unique */
     Py_XDECREF(fresh);
+    Py_XDECREF(stack);
     Py_XDECREF(label);
     return where;
 failed:
     Py_XDECREF(where);
     Py_XDECREF(fresh);
+    Py_XDECREF(stack);
     Py_XDECREF(label);
     return NULL;
 slow_labelled:
     Py_XDECREF(fresh);
+    Py_XDECREF(stack);
     Py_XDECREF(label);
 slow:
     return slow(slow_allocate, self, args, nargs, kwnames);
@@ -360,6 +382,7 @@ static PyObject *fast_free(PyObject *self, PyObject *const *args, Py_ssize_t nar
     st->blocks--;
     log_append(p.events, time, KIND_FREE, id, nbytes, tag == Py_None ? NULL : tag, acct->used,
                p.root->used);
+    if (p.queue != NULL) tq_free(p.queue, tq_now(), id, address);
     lock_leave(p.lock);
     entry_release(&gone);
     Py_RETURN_TRUE;
@@ -416,17 +439,18 @@ static int put_method(PyObject *cls, PyMethodDef *def, PyObject *function) {
 
 PyObject *py_install(PyObject *module, PyObject *args, PyObject *kwds) {
     static char *names[] = {"budget", "node", "tree", "recorder", "pending", "mapping",
-                            "label", "clock", NULL};
-    PyObject *budget, *node, *tree, *recorder, *pending, *mapping, *label, *clock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OO:install", names, &PyType_Type,
+                            "label", "clock", "frame_text", NULL};
+    PyObject *budget, *node, *tree, *recorder, *pending, *mapping, *label, *clock, *frame_text;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OOO:install", names, &PyType_Type,
                                      &budget, &PyType_Type, &node, &PyType_Type, &tree,
                                      &PyType_Type, &recorder, &PyType_Type, &pending,
-                                     &PyType_Type, &mapping, &label, &clock))
+                                     &PyType_Type, &mapping, &label, &clock, &frame_text))
         return NULL;
     if (configured) {
         PyErr_SetString(PyExc_RuntimeError, "install() runs once");
         return NULL;
     }
+    if (callers_install(frame_text) < 0) return NULL;
     if (!PyContextVar_CheckExact(label)) {
         PyErr_Format(PyExc_TypeError, "label must be a ContextVar, got %R", label);
         return NULL;

@@ -121,6 +121,9 @@ def _ended(run: _Run) -> None:
     """A :class:`Failure` unless ``run`` is the trace of a run that ended: every root exited,
     the last line whole. A run killed midway (``kill -9``, out of memory) may have needed more
     than it recorded: the gate does not pass it."""
+    if run.lost:
+        raise Failure(f"{run.cut_short}; so the run may have needed more than it recorded: "
+                      f"the gate checks only a whole trace")
     if run.cut_short is not None:
         raise Failure(f"{run.name}: its last line is cut short: the run did not end "
                       f"(killed?), so it may have needed more than it recorded; the gate "

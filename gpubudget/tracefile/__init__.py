@@ -31,6 +31,13 @@ unique in the file:
   and one line per distinct frame. The reader yields no event for a frame line; it gives
   each :class:`Alloc` its ``stack`` as the frames' text (``None`` without one).
 
+- ``{"ev": "lost", "t", "events"}``: the writer's queue was full at ``t`` (its file
+  written slower than events came) and dropped ``events`` events from there on: the trace
+  stops there (every later event is dropped too, so that no line names a block the trace
+  never showed). More than one such line may end a trace; their counts add up. The reader
+  yields no event for it; :attr:`TraceReader.lost` gives the count and
+  :attr:`TraceReader.cut_short` says the trace stops there (see :mod:`.queue`).
+
 Names, tags, reasons and backend names are at most :data:`MAX_TEXT` (1024) characters: the
 writer shortens a longer one to 1023 characters and ``…``; a refused ``size`` or ``bytes``
 beyond 64 bits is written as ``2**63 - 1``. So every line gpubudget writes is far shorter
@@ -95,7 +102,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
 from .format import (
-    FLUSH_EVERY,
+    BUFFER_BYTES,
+    FLUSH_BYTES,
     FLUSH_SECONDS,
     FORMAT,
     LIMIT_REASONS,
@@ -134,9 +142,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Alloc",
+    "BUFFER_BYTES",
     "Enter",
     "Exit",
-    "FLUSH_EVERY",
+    "FLUSH_BYTES",
     "FLUSH_SECONDS",
     "FORMAT",
     "Free",

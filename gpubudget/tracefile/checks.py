@@ -127,8 +127,10 @@ class Validator:
         self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent | MappingEvent | None]] = {
             "enter": self.enter, "alloc": self.alloc, "free": self.free,
             "resize": self.resize, "exit": self.exit, "frame": self.frame,
-            "map": self.map, "unmap": self.unmap,
+            "map": self.map, "unmap": self.unmap, "lost": self.lost_line,
         }
+        self.lost = 0  # events the writer dropped (``lost`` lines), the trace stopping there
+        self.lost_at: float | None = None  # the ``t`` of the first ``lost`` line
 
     def known(self, record: dict[str, Any]) -> int:
         budget = _integer(record, "b", 0)
@@ -319,6 +321,15 @@ class Validator:
         if nbytes < size:
             raise Bad(f"'bytes' {nbytes} is less than 'size' {size}")
         return Resize(t, budget, ptr, size, align, nbytes)
+
+    def lost_line(self, record: dict[str, Any]) -> None:
+        """A ``lost`` line: the writer's queue was full at ``t`` and dropped ``events``
+        events from there on (the trace stops there; the counts of such lines add up)."""
+        t = _time(record)
+        self.lost += _integer(record, "events", 1)
+        if self.lost_at is None:
+            self.lost_at = t
+        return None
 
     def exit(self, record: dict[str, Any]) -> Exit:
         t = _time(record)

@@ -7,7 +7,8 @@ from typing import Final
 from ..errors import TraceError
 
 __all__ = [
-    "FLUSH_EVERY",
+    "BUFFER_BYTES",
+    "FLUSH_BYTES",
     "FLUSH_SECONDS",
     "FORMAT",
     "LIMIT_REASONS",
@@ -22,10 +23,14 @@ __all__ = [
 
 FORMAT: Final = "gpubudget-trace"
 VERSION: Final = 1
-FLUSH_EVERY: Final = 64
-"""Events a writer buffers at most before it flushes them to the file."""
+FLUSH_BYTES: Final = 1 << 20
+"""Bytes queued (about 10,000 events) that wake the writer's thread to write them."""
 FLUSH_SECONDS: Final = 0.25
-"""A writer also flushes at an event that comes this long (seconds) after its last flush."""
+"""The writer's thread writes what is queued at least this often (seconds)."""
+BUFFER_BYTES: Final = 64 << 20
+"""Most bytes a writer holds, queued and being written (about 660,000 events): an event that
+would take it over that is dropped, and so is every later one (the trace stops there), each
+counted; see :mod:`.queue`."""
 MAX_LINE_BYTES: Final = 1 << 20
 """Longest line a reader accepts, newline included (1 MiB; the writer's lines are ~100 B)."""
 MAX_TEXT: Final = 1024

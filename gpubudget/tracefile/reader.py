@@ -149,7 +149,11 @@ class TraceReader:
         """Lines read so far."""
         self.bytes_read = 0
         self.cut_short: str | None = None
-        """Set when the last line was cut short and skipped: a sentence saying so."""
+        """Set when the last line was cut short and skipped, or when the writer dropped
+        events (a ``lost`` line: the trace stops there): a sentence saying so."""
+        self.lost = 0
+        """Events the writer dropped, its queue full (``lost`` lines: see
+        :mod:`~gpubudget.tracefile.queue`)."""
         self._progress = progress
         self._next_progress = _READ_PROGRESS_EVERY
         self._prefix = ""  # what a problem on the current line means, before the message
@@ -254,8 +258,17 @@ class TraceReader:
                 event = handler(record)
             except Bad as exc:
                 raise self._error(f"{kind} event: {exc}") from None
+            if kind == "lost":
+                self._lost(validator)
             if event is not None and (mappings or type(event) not in _MAPPINGS):
                 yield event  # None: a frame line, kept by the validator
+
+    def _lost(self, validator: Validator) -> None:
+        """After a ``lost`` line: the trace stops there, :attr:`cut_short` says why."""
+        self.lost = validator.lost
+        self.cut_short = (f"{self.name}:{self.lines}: the trace stops at {validator.lost_at:g} s: "
+                          f"the writer's queue was full (its file written slower than events "
+                          f"came) and {self.lost:,} event(s) from there on were not written")
 
     def _scanned(self, scan: Scanner, skip: Callable[[int], object], buffered: bytes,
                  position: int) -> list[TraceEvent]:

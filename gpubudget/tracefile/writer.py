@@ -1,6 +1,7 @@
-"""Writing traces: one typed method per event, buffered and flushed often enough that a
-killed process loses little (see :class:`TraceWriter`). Which writer a root budget gets, the
-one for its path, is :mod:`.perpath`'s.
+"""Writing traces: one typed method per event, queued (:mod:`.queue`) and written by one
+thread of the writers' own, often enough that a killed process loses little (see
+:class:`TraceWriter`). Which writer a root budget gets, the one for its path, is
+:mod:`.perpath`'s.
 
 A writer holds its file open only while a root budget that writes to it is open (and while
 it is handed out for a root about to enter): a program that gives each job its own trace
@@ -10,23 +11,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import threading
 import time
 import weakref
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
-from ..errors import TraceWriteError
+from ..errors import TraceError, TraceWriteError
+from ..extensions import extension
 from .files import TraceBusy, file_id, open_for_writing, reopen
-from .format import (
-    FLUSH_EVERY,
-    FLUSH_SECONDS,
-    FORMAT,
-    MAX_FRAMES,
-    MAX_TEXT,
-    VERSION,
-)
+from .format import FLUSH_SECONDS, FORMAT, VERSION
+from .queue import TraceQueue, new_queue, shortened, wait
 from ..text import printable
 
 __all__ = ["TraceWriter", "shortened", "writers_in_use"]
@@ -35,32 +30,25 @@ _MAX_INT: Final = (1 << 63) - 1
 """Largest integer the reader accepts: a refused request for more is written as this."""
 
 
-def shortened(text: str) -> str:
-    """``text`` if it has at most :data:`MAX_TEXT` characters, else its start and ``…``.
-
-    >>> len(shortened("x" * 5000)), shortened("x" * 5000)[-2:], shortened("tag")
-    (1024, 'x…', 'tag')
-    """
-    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
-
-
 class TraceWriter:
     """Appends events to one trace file, in the format above; thread-safe.
 
     Opening takes the file as :func:`~gpubudget.tracefile.files.open_for_writing` says (no
     link followed, locked against other processes, nothing overwritten but an earlier trace
     of this user's), or raises :class:`TraceError` in one line. Each method writes one event;
-    names, tags and reasons longer than :data:`MAX_TEXT` characters are shortened, and a
+    names, tags and reasons longer than :data:`~.format.MAX_TEXT` characters are shortened, and a
     refused size beyond 64 bits is written as ``2**63 - 1``, so that the reader accepts every
-    line. Lines are buffered and handed to the operating system every :data:`FLUSH_EVERY`
-    events, at any event that comes :data:`FLUSH_SECONDS` or more after the last flush (the
-    header is flushed at once), at :meth:`flush` (a root budget's exit) and at interpreter
-    exit. So a process killed outright (``SIGKILL``, the OOM killer) loses at most the last
-    ``FLUSH_EVERY - 1`` events, all written within ``FLUSH_SECONDS`` of the last flush; its
-    last line may be cut short, which readers skip. Errors (a full disk) propagate to the
-    caller: budgets catch them, stop tracing that tree and say so in its report. In a child
-    process made by ``fork``, the parent's writers write nothing (their files are the
-    parent's).
+    line. Lines are queued (:mod:`.queue`: an event never waits for the file) and handed to
+    the operating system by the writers' thread, at least every :data:`FLUSH_SECONDS` and
+    as soon as :data:`~.format.FLUSH_BYTES` are queued; the header at once, and the rest at
+    :meth:`flush` (a root budget's exit) and at interpreter exit, by the thread that asks.
+    So a process killed outright (``SIGKILL``, the OOM killer) loses the events of its last
+    ``FLUSH_SECONDS`` or so; its last line may be cut short, which readers skip. A queue that
+    fills (the file written slower than events come) stops the trace there, counting what it
+    drops on a ``lost`` line. Errors (a full disk) propagate to the caller, or, met by the
+    thread, to the next event's: budgets catch them, stop tracing that tree and say so in its
+    report. In a child process made by ``fork``, the parent's writers write nothing (their
+    files are the parent's).
 
     The file is open (and locked) while a root budget that writes to it is open, from its
     ``enter`` to its ``exit``. Without one, the file is closed (its lock released)
@@ -70,8 +58,7 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_queue", "_writing", "_frames", "_next_frame", "_t0", "_flushed_at",
-                 "__weakref__")
+                 "_queue", "_t0", "__weakref__")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
@@ -84,17 +71,15 @@ class TraceWriter:
         self._roots: set[int] = set()  # root budgets open (entered and not exited)
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
-        # (entries written out so far, entries waiting): one value, replaced whole (see _flush)
-        self._queue: tuple[int, list[str]] = (0, [])
-        self._writing: _Writing | None = None  # a flush under way: see _flush
-        self._frames: dict[str, int] = {}  # frame text -> its id, once its line is written
-        self._next_frame = 0  # ids are never reused, even after a failed flush
         self._t0 = time.perf_counter()
-        self._flushed_at = -math.inf  # so that the header is flushed at once
-        _every.add(self)  # flushed at exit, forgotten in a forked child, cached or not
         if earlier is not None:  # this process's trace, written on: its clock goes on
             created = datetime.datetime.fromisoformat(str(earlier["created"])).timestamp()
             self._t0 -= max(time.time() - created, 0.0)
+        # the lines not yet written, and the one being written (see _flush)
+        self._queue: TraceQueue = new_queue(self._t0)
+        _every.add(self)  # flushed at exit, forgotten in a forked child, cached or not
+        _start_thread()
+        if earlier is not None:
             return
         header = {
             "format": FORMAT,
@@ -103,7 +88,9 @@ class TraceWriter:
             "pid": os.getpid(),
         }
         try:
-            self._line(header, self._t0)
+            self._line(header)
+            with self._lock:
+                self._flush()
         except OSError as exc:
             self._fd = None
             os.close(fd)
@@ -120,8 +107,9 @@ class TraceWriter:
         """Whether it holds no file open, has nothing buffered and no root open: a new
         writer for its path would do as well."""
         with self._lock:
-            return (self._fd is None and not self._queue[1] and not self._roots
-                    and not self._expected)
+            queue = self._queue
+            return (self._fd is None and not queue.pending and queue.inflight() is None
+                    and not queue.stopped and not self._roots and not self._expected)
 
     def resume(self) -> bool:
         """Before a root budget writes here: ``True`` if the file can be appended to (it is
@@ -147,18 +135,19 @@ class TraceWriter:
             self._close_if_idle()
 
     # The methods below write events while a budget operation runs. An exception raised
-    # into them from outside (a signal handler's, at any instruction) must not leave the
-    # lock held, nor an event written twice or half: each takes the lock as the tree does
-    # (acquired and released inside ``try``, released by ``except`` if still held; no
-    # ``with``, whose call of ``__exit__`` is outside every handler); an event's lines are
-    # queued by one ``append``, so that :attr:`events` tells whether it was (the recorder
-    # writes it again if not); and ``_flush`` notes what it writes before it writes.
+    # into them from outside (a signal handler's, at any instruction) must not leave an
+    # event written twice or half: an event's line is queued in one step, and ``_flush``
+    # has the queue note what it writes before it writes.
 
     @property
     def events(self) -> int:
-        """Entries queued so far (an event with the new frames of its stack is one)."""
-        written, waiting = self._queue
-        return written + len(waiting)
+        """Entries queued so far (a frame's line is one)."""
+        return self._queue.entries
+
+    @property
+    def lost(self) -> int:
+        """Events dropped since the queue filled (the trace stops at the first)."""
+        return self._queue.lost
 
     def enter(self, budget: int, name: str, parent: int | None, limit: int, align: int,
               reserve: int, backend: str | None, base: int | None = None,
@@ -194,41 +183,11 @@ class TraceWriter:
               nbytes: int, stack: tuple[str, ...] | None = None) -> None:
         """``budget`` was granted ``nbytes`` (aligned) at ``address`` for ``size`` asked;
         ``stack``, outermost frame first, is written as frame ids (its innermost
-        :data:`MAX_FRAMES` frames), each new frame on a ``frame`` line of its own first."""
-        if tag is not None and len(tag) > MAX_TEXT:
-            tag = shortened(tag)
-        fields: dict[str, Any] = {"b": budget, "size": size, "align": align, "tag": tag,
-                                  "ptr": address, "bytes": nbytes, "reason": None}
-        if stack is None:
-            self._event("alloc", fields)
-        else:
-            now = time.perf_counter()
-            record: dict[str, Any] = {"ev": "alloc", "t": round(now - self._t0, 9), **fields}
-            with self._lock:  # the frames' lines and the one naming them, in this order
-                self._stack_lines(record, stack, now)
-
-    def _stack_lines(self, record: dict[str, Any], stack: tuple[str, ...], now: float) -> None:
-        """Lock held: ``record`` with a line for each frame of ``stack`` not written yet
-        before it, queued as one entry. The new frames' ids are taken first and noted last:
-        an exception in between costs ids, or writes a frame again under another id, and
-        never names a frame that is not written."""
+        :data:`~.format.MAX_FRAMES` frames), each new frame on a ``frame`` line of its own first."""
         if self._closed is not None:
             raise TraceWriteError(self._closed)
-        frames = self._frames
-        shown = stack[-MAX_FRAMES:]
-        new = list(dict.fromkeys(frame for frame in shown if frame not in frames))
-        first = self._next_frame
-        self._next_frame = first + len(new)
-        ids = dict(zip(new, range(first, first + len(new))))
-        lines = [json.dumps({"ev": "frame", "id": ids[frame], "at": shortened(frame)}) + "\n"
-                 for frame in new]
-        record["stack"] = [frames[frame] if frame in frames else ids[frame] for frame in shown]
-        lines.append(json.dumps(record) + "\n")
-        waiting = self._queue[1]
-        waiting.append("".join(lines))
-        frames.update(ids)
-        if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
-            self._flush(now)
+        self._queue.alloc(time.perf_counter(), budget, size, align, tag, address, nbytes,
+                          stack)
 
     def deny(self, budget: int, size: int, align: int, tag: str | None, nbytes: int,
              reason: str) -> None:
@@ -239,7 +198,9 @@ class TraceWriter:
 
     def free(self, budget: int, address: int) -> None:
         """The block at ``address`` of ``budget`` was freed."""
-        self._event("free", {"b": budget, "ptr": address})
+        if self._closed is not None:
+            raise TraceWriteError(self._closed)
+        self._queue.free(time.perf_counter(), budget, address)
 
     def resize(self, budget: int, address: int, size: int, align: int, nbytes: int) -> None:
         """The block at ``address`` was resized in place to ``nbytes`` (aligned)."""
@@ -261,33 +222,52 @@ class TraceWriter:
         """Lock held: flush, then close the file if no root writes to it, even if the flush
         failed."""
         try:
-            self._flush(time.perf_counter())
+            self._flush()
         finally:
             self._close_if_idle()
 
     def flush(self) -> None:
-        """Hand the buffered lines to the operating system."""
+        """Hand the queued lines to the operating system, in the calling thread."""
         with self._lock:
-            self._flush(time.perf_counter())
+            self._flush()
 
     def close(self) -> None:
         """Flush, then close the file (which releases its lock); nothing more is written."""
         with self._lock:
             if self._closed is None:
                 try:
-                    self._flush(time.perf_counter())
+                    self._flush()
                 finally:
                     self._closed = f"trace file {self.path!r} is closed"
+                    self._queue.close()
                     self._roots.clear()
                     self._expected = False
                     self._close_if_idle()
+
+    def _written_by_thread(self) -> None:
+        """The writers' thread: write what is queued, unless another thread is writing (it
+        writes it then). A failure of the file stops the trace: the next event is refused
+        with it, and the budget says why in its report."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed is None:
+                self._flush()
+        except (OSError, TraceError) as exc:
+            if isinstance(exc, OSError) and exc.errno is None:
+                raise
+            self._closed = (f"trace file {self.path!r} could not be written: "
+                            f"{type(exc).__name__}: {exc}")
+            self._queue.close()
+        finally:
+            self._lock.release()
 
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
         nothing more, saying ``why`` to whoever tries."""
         self._lock = threading.RLock()  # the parent's may have been held at the fork
-        self._queue = (0, [])
-        self._writing = None
+        self._queue.clear()
+        self._queue.close()
         self._roots.clear()
         if self._closed is None:
             self._closed = why
@@ -299,70 +279,60 @@ class TraceWriter:
                 pass
 
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        self._line({"ev": kind, "t": round(now - self._t0, 9), **fields}, now)
+        if self._closed is not None:
+            raise TraceWriteError(self._closed)
+        self._line({"ev": kind, "t": round(time.perf_counter() - self._t0, 9), **fields})
 
-    def _line(self, record: dict[str, Any], now: float) -> None:
-        line = json.dumps(record) + "\n"
-        with self._lock:
-            if self._closed is not None:
-                raise TraceWriteError(self._closed)
-            waiting = self._queue[1]
-            waiting.append(line)
-            if len(waiting) >= FLUSH_EVERY or now - self._flushed_at >= FLUSH_SECONDS:
-                self._flush(now)
+    def _line(self, record: dict[str, Any]) -> None:
+        self._queue.put(json.dumps(record) + "\n")
 
-    def _flush(self, now: float) -> None:
+    def _flush(self) -> None:
         """Lock held: write out the queued lines (all of them, or an ``OSError`` or a
         :class:`~gpubudget.errors.TraceWriteError`), reopening the file if it is closed.
 
-        What is being written is noted first (``_writing``) and leaves the queue only once
-        written, in one step with the count of entries written: a flush cut short anywhere
-        (an exception raised into it from outside, even between a write and its count) is
+        The queue notes what is being written, and where in the file, before it is written
+        (``take``), and forgets it once written (``done``): a flush cut short anywhere (an
+        exception raised into it from outside, even between a write and ``done``) is
         finished by the next one, which finds in the file's size how much was written. No
         line is lost, none is written twice."""
-        if self._closed is not None or not self._queue[1]:
+        queue = self._queue
+        if self._closed is not None or (not queue.pending and queue.inflight() is None
+                                        and not queue.lost):
             return
         fd = self._fd
         if fd is None:
             fd = self._fd = self._reopened()
         try:
             self._settle(fd)
-            written, waiting = self._queue
-            data = "".join(waiting).encode("utf-8", "surrogatepass")
-            writing = self._writing = _Writing(waiting, len(waiting), self._size, len(data))
-            _write_all(fd, data)
-            self._queue = (written + writing.entries, waiting[writing.entries:])  # one step
-            self._size = writing.start + writing.nbytes
-            self._writing = None
+            data = queue.take(self._size)
+            if data is not None:
+                _write_all(fd, data)
+                self._size += len(data)
+                queue.done()
         except OSError as exc:
             if exc.errno is not None:  # the file's failure (not a signal handler's)
-                self._writing = None  # the trace stops: nothing left to finish
-                self._frames.clear()  # their lines may be lost: write them again, new ids
+                queue.done()  # the trace stops: nothing left to finish
+                queue.forget_frames()  # their lines may be lost: written again, new ids
             raise
         finally:
             self._close_if_idle()
-        self._flushed_at = now
 
     def _settle(self, fd: int) -> None:
         """Lock held, ``fd`` the file: finish the flush under way, if any, from what the file
-        holds (no other process writes it: it is locked); its entries leave the queue."""
-        writing = self._writing
-        if writing is None:
+        holds (no other process writes it: it is locked)."""
+        inflight = self._queue.inflight()
+        if inflight is None:
             return
-        written, waiting = self._queue
-        if waiting is writing.waiting:  # not yet out of the queue
-            done = os.fstat(fd).st_size - writing.start
-            if not 0 <= done <= writing.nbytes:
-                raise TraceWriteError(f"trace file {self.path!r} changed while this process "
-                                      f"wrote it ({done} of {writing.nbytes} bytes): not "
-                                      f"appended to")
-            if done < writing.nbytes:
-                data = "".join(waiting[:writing.entries]).encode("utf-8", "surrogatepass")
-                _write_all(fd, data[done:])
-            self._queue = (written + writing.entries, waiting[writing.entries:])
-        self._size = writing.start + writing.nbytes
-        self._writing = None
+        start, data = inflight
+        done = os.fstat(fd).st_size - start
+        if not 0 <= done <= len(data):
+            raise TraceWriteError(f"trace file {self.path!r} changed while this process "
+                                  f"wrote it ({done} of {len(data)} bytes): not "
+                                  f"appended to")
+        if done < len(data):
+            _write_all(fd, data[done:])
+        self._size = start + len(data)
+        self._queue.done()
 
     def _reopened(self) -> int:
         """Lock held, the file closed: a descriptor to append to it again, or an error."""
@@ -390,19 +360,9 @@ class TraceWriter:
         """Lock held: close the file if no root budget writes to it (or is about to), and no
         flush cut short waits to be finished (see ``_flush``)."""
         if (not self._roots and not self._expected and self._fd is not None
-                and self._writing is None):
+                and self._queue.inflight() is None):
             fd, self._fd = self._fd, None
             os.close(fd)
-
-
-class _Writing(NamedTuple):
-    """A flush under way: the queue's list, how many of its entries, where in the file they
-    start, and their bytes."""
-
-    waiting: list[str]
-    entries: int
-    start: int
-    nbytes: int
 
 
 def _close_lost(file: tuple[int, int]) -> bool:
@@ -433,6 +393,37 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 _every: Final[weakref.WeakSet[TraceWriter]] = weakref.WeakSet()  # every writer still used
+_thread: threading.Thread | None = None  # the writers' thread, once started in this process
+
+
+def _start_thread() -> None:
+    """Start the writers' thread if this process has none yet (a daemon: at interpreter
+    exit :mod:`.perpath` closes every writer, which writes what is left)."""
+    global _thread
+    if _thread is None:
+        _thread = threading.Thread(target=_write_queued, name="gpubudget-trace-writer",
+                                   daemon=True)
+        _thread.start()
+
+
+def _write_queued() -> None:
+    """The writers' thread: every writer's queue written at least every
+    :data:`FLUSH_SECONDS`, and as soon as one holds :data:`~.format.FLUSH_BYTES`."""
+    while True:
+        wait(FLUSH_SECONDS)
+        for writer in list(_every):
+            writer._written_by_thread()
+
+
+def _forget_thread() -> None:
+    global _thread
+    _thread = None  # a forked child has no thread: the next writer starts one
+
+
+os.register_at_fork(after_in_child=_forget_thread)
+native: Final = extension("_core", "_native")
+if native is not None:
+    native.trace_writer(TraceWriter)  # the fast path queues a traced tree's events itself
 
 
 def writers_in_use() -> list[TraceWriter]:
