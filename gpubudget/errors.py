@@ -27,6 +27,11 @@
 
 Bad arguments raise the built-in ``ValueError``/``TypeError`` with the offending input quoted.
 Nothing here is ever raised inside a TensorRT callback: callbacks answer ``None``/``False``.
+
+Code of gpubudget that expects a system call's failure (``except OSError``), or a backend's
+(``except Exception``), hands what it caught to :func:`raise_if_from_outside` first: an
+``OSError`` that no system call raised, such as the ``TimeoutError`` of a ``SIGALRM``
+handler, is raised again rather than taken for the failure expected.
 """
 
 from __future__ import annotations
@@ -92,6 +97,27 @@ class TraceWriteError(TraceError, BudgetError):
     >>> issubclass(TraceWriteError, BudgetError) and issubclass(TraceWriteError, TraceError)
     True
     """
+
+
+def raise_if_from_outside(exc: BaseException) -> None:
+    """Raise ``exc`` again, as it is, if it is an ``OSError`` without an error number: no
+    system call's failure, but an exception from outside (a signal handler's
+    ``TimeoutError`` landing in the ``try``). For the ``except`` of code that expects a
+    system call's or a backend's failure; anything else is left to it.
+
+    >>> try:
+    ...     try:
+    ...         raise TimeoutError("the alarm")
+    ...     except OSError as exc:
+    ...         raise_if_from_outside(exc)
+    ...         print("taken for the file's failure")
+    ... except TimeoutError as exc:
+    ...     print("propagated:", exc)
+    propagated: the alarm
+    >>> raise_if_from_outside(FileNotFoundError(2, "No such file"))  # a system call's: kept
+    """
+    if isinstance(exc, OSError) and exc.errno is None:
+        raise exc
 
 
 class InvariantError(GpuBudgetError, AssertionError):

@@ -204,3 +204,54 @@ def test_a_slot_in_a_state_never_written_is_cleared_unless_it_is_this_processs(
     other.forget()  # its process ends: nobody locks the slot it held
     with ledger.current():
         assert ledger.claim(mine(), "new", "me") == theirs  # free again; its own is not
+
+
+class _AlarmAsLocked:
+    """``fcntl`` whose ``flock`` takes the lock, then raises as a signal handler would once
+    the call returns (a ``TimeoutError``: an ``OSError`` without an error number)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(fcntl, name)
+
+    @staticmethod
+    def flock(fd: int, operation: int) -> None:
+        fcntl.flock(fd, operation)
+        if operation & fcntl.LOCK_EX:
+            raise TimeoutError("alarm")
+
+
+def test_a_signal_handlers_timeout_as_the_files_lock_is_taken_propagates_and_drops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = open_book(tmp_path)
+    with monkeypatch.context() as patch:
+        patch.setattr(book, "fcntl", _AlarmAsLocked())
+        for taking in (ledger.locked, ledger.current):
+            with pytest.raises(TimeoutError, match="alarm"), taking():
+                pytest.fail("locked")
+            other = os.open(ledger.path, os.O_RDONLY)  # another open file: another holder
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+            finally:
+                os.close(other)
+
+
+def test_a_signal_handlers_timeout_in_a_slots_lock_propagates_and_claims_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger = open_book(tmp_path)
+
+    def alarm(*args: object) -> int:
+        raise TimeoutError("alarm")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(book, "_range_lock", alarm)
+        with ledger.current(), pytest.raises(TimeoutError, match="alarm"):
+            ledger.claim(mine(), "cut", "me")  # not taken for a system without the locks
+    with ledger.current():
+        assert ledger.live_entries() == [] and ledger.mine == set()
+        slot = ledger.claim(mine(), "whole", "me")
+    with monkeypatch.context() as patch:
+        patch.setattr(book, "_range_lock", alarm)
+        with ledger.locked(), pytest.raises(TimeoutError, match="alarm"):
+            ledger.release(slot)  # the slot is free, its lock left to the next release
+    with ledger.current():
+        assert ledger.live_entries() == []

@@ -321,6 +321,49 @@ def test_a_failure_while_showing_a_child_never_reaches_its_budget(
             assert block is not None and first.free(block) and first.used == 0
 
 
+class _Alarm:
+    """Raises a signal handler's ``TimeoutError`` (an ``OSError`` without an error number)."""
+
+    def __init__(self, *args: object) -> None:
+        raise TimeoutError("alarm")
+
+
+class _AlarmedRow:
+    """The struct of a child's row, whose write raises as a signal handler's exception would."""
+
+    def pack_into(self, *args: object) -> None:
+        raise TimeoutError("alarm")
+
+
+@pytest.mark.parametrize("where", ["the file's lock", "the child's row"])
+def test_a_signal_handlers_timeout_while_showing_a_child_propagates_and_leaves_no_row(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubudget import current_budget
+    from gpubudget.hostledger import children
+    from gpubudget.hostledger.book import DeviceBook
+    from gpubudget.hostledger.children import Family
+
+    with gpu_budget("8MiB", name="pool", backend="host") as pool:
+        with monkeypatch.context() as patch:
+            if where == "the file's lock":  # its first child takes a page
+                patch.setattr(DeviceBook, "_take", _Alarm)
+            else:
+                patch.setattr(children, "CHILD", _AlarmedRow())
+            with pytest.raises(TimeoutError, match="alarm"):  # not taken for the file's failure
+                with gpu_budget("1MiB", name="cut"):
+                    pytest.fail("entered")
+        assert current_budget() is pool
+        pool.check()
+        assert pool._node.tree is not None
+        family = pool._node.tree.recorder.family
+        assert isinstance(family, Family) and family.rows == {}  # shown still, nothing hidden
+        assert shown() == ((), 0)
+        with gpu_budget("2MiB", name="next") as after:
+            assert shown()[0] == (numbers(after, 1),)
+        # one page taken, each of its rows free again: none was lost to the alarm
+        assert len(family.pages) == 1 and len(family.free) == PAGE_ROWS - 1
+
+
 _FORKED = """
 import contextvars, os, sys
 from gpubudget import gpu_budget

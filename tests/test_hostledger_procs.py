@@ -69,3 +69,24 @@ def test_a_pid_no_system_gives_is_a_process_that_ended(pid: int,
     assert procs.alive(pid, 1, me.pidns, me.boot) is False
     monkeypatch.setattr(procs, "_PROC", "/no/proc/here")  # where os.kill would be asked
     assert procs.alive(pid, 1, me.pidns, me.boot) is False
+
+
+def test_a_signal_handlers_timeout_reading_proc_propagates_not_taken_for_an_ended_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def alarm(*args: object, **kwargs: object) -> None:
+        raise TimeoutError("alarm")  # an OSError without an error number
+
+    def missing(*args: object, **kwargs: object) -> None:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    me = procs.myself()
+    other = os.getppid()
+    monkeypatch.setattr(procs, "open", missing, raising=False)
+    assert procs.start_time(other) is None  # the system's answer: no such process
+    assert procs.alive(other, 1, me.pidns, me.boot) is False
+    monkeypatch.setattr(procs, "open", alarm, raising=False)
+    for read in (lambda: procs.start_time(other), lambda: procs.alive(other, 1, me.pidns,
+                                                                      me.boot),
+                 procs.process_title, procs.boot_id.__wrapped__):
+        with pytest.raises(TimeoutError, match="alarm"):
+            read()

@@ -259,7 +259,7 @@ _ALARMS = """
                 assert pool.free(address)
             assert pool.used == 0, pool.used
     rare = in_flight < 20 and stranded < 20 and len(elsewhere) < 20
-    print(gpubudget.compiled, raised + len(elsewhere), missing, inside > 0, rare, flush=True)
+    print(gpubudget.compiled, raised, len(elsewhere), missing, inside > 0, rare, flush=True)
 """
 
 
@@ -274,11 +274,11 @@ def test_a_signal_handlers_timeout_propagates_from_the_public_api_and_leaves_it_
     trace = str(tmp_path / "run.jsonl") if traced else "-"
     result = _run(_ALARMS, trace, GPUBUDGET_PURE="1" if core == "pure" else "0")
     assert result.returncode == 0, result.stderr
-    compiled, raised, missing, inside, rare = result.stdout.split()
+    compiled, raised, elsewhere, missing, inside, rare = result.stdout.split()
     assert compiled == str(core == "C")
-    # each alarm propagated, or Python printed it from a weakref callback or finalizer; one
-    # in 200 has been seen missing with the C core under a loaded test run (cause not found)
-    assert int(raised) + int(missing) == 200 and int(missing) <= 1 and rare == "True"
+    # each alarm propagated, or Python itself sent it to sys.unraisablehook (it landed in a
+    # weakref callback or a finalizer, where no code can raise); none was swallowed
+    assert (int(raised) + int(elsewhere), int(missing), rare) == (200, 0, "True"), result
     if core == "pure" or traced:
         assert inside == "True"  # and some landed inside gpubudget's own code
 

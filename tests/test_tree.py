@@ -298,7 +298,8 @@ class Injected(BaseException):
     """What the fault injector raises: a BaseException, as an asynchronous one may be."""
 
 
-LOCK_TAKERS = ("allocate", "free", "resize", "_record", "note_error", "_deny", "check", "fault")
+LOCK_TAKERS = ("allocate", "free", "resize", "_record", "note_error", "_deny", "check", "read",
+               "fault")
 
 
 def _lock_taking_code() -> set[Any]:
@@ -386,6 +387,7 @@ def _scenarios() -> dict[str, Any]:
         "owner": run(lambda p, c, a, b: p.owner_of(a)),
         "size of": run(lambda p, c, a, b: p.size_of(a)),
         "check": run(lambda p, c, a, b: p.check()),
+        "report": run(lambda p, c, a, b: p.report()),
         "enter and exit a child": run(lambda p, c, a, b: gpu_budget("1KiB").__enter__().__exit__(
             None, None, None)),
         "exit with a hook that fails": run(lambda p, c, a, b: _exit_with_failing_hook()),
@@ -412,6 +414,9 @@ def test_a_signal_handlers_exception_leaves_the_lock_free_and_the_tree_whole(nam
             if not free:
                 lock.release()  # so that the test fails instead of hanging at the exit
             assert free, f"{name}: the lock is held after a fault at instruction {index}"
+            tree = budget._node.tree
+            assert tree is not None and (tree.reading, tree.deferred) == (0, []), (
+                f"{name}: a walk is left open after a fault at instruction {index}")
             try:  # and the operation happened whole or not at all
                 consistent(budget.root)
             except (AssertionError, InvariantError) as broken:

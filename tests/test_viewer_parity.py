@@ -30,7 +30,7 @@ from tests.test_viewer_browser import (
     shot,
     start_browser,
 )
-from tests.test_viewer_snapshot import BASE, frames, snapshot_fixture
+from tests.test_viewer_torchsnap import BASE, frames, snapshot_fixture
 
 from selenium.webdriver.common.by import By  # noqa: E402  (test_viewer_browser skips first)
 from selenium.webdriver.common.keys import Keys  # noqa: E402
@@ -48,7 +48,7 @@ def browser() -> Iterator[Any]:
 
 
 def parity_snapshot() -> dict[str, Any]:
-    """The snapshot of :mod:`tests.test_viewer_snapshot`, its weights block asking for 1,000
+    """The snapshot of :mod:`tests.test_viewer_torchsnap`, its weights block asking for 1,000
     bytes less than its 3 MiB, its activations on stream 0xbeef, its pool's on stream 7."""
     data = copy.deepcopy(snapshot_fixture())
     data["segments"][0]["blocks"][0]["requested_size"] = 3 * MiB - 1000

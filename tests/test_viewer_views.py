@@ -34,7 +34,7 @@ from tests.test_viewer_browser import (
     shot,
     start_browser,
 )
-from tests.test_viewer_snapshot import BASE, snapshot_fixture
+from tests.test_viewer_torchsnap import BASE, snapshot_fixture
 
 from selenium.webdriver.common.by import By  # noqa: E402  (test_viewer_browser skips first)
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from .._core import Node, Probe, Tree, available
 from .. import door
+from ..errors import raise_if_from_outside
 from ..text import printable
 from ..units import format_size
 
@@ -38,48 +39,18 @@ def snapshot(node: Node) -> BudgetReport:
     """The report of ``node`` and its descendants, with the tree's timeline for them."""
     import dataclasses
 
-    from ..report import LiveBlock, TimelineEvent
+    from ..report import TimelineEvent
 
     tree = node.tree
     outside = _outside_bytes(tree) if tree is not None and node.parent is None else None
     with node.lock:
         probed = [(member, tuple(member.probes.items())) for member in node.subtree()]
     usage = {member: _usage(member, probes) for member, probes in probed}
-    with node.lock if tree is None else tree.read():  # adapters' code ran outside it
-        nodes = node.subtree()
-        own: dict[Node, list[LiveBlock]] = {}
-        free_bytes = largest_free = 0
-        if tree is not None:
-            for address, entry in tree.entries():
-                own.setdefault(entry.owner, []).append(
-                    LiveBlock(address, entry.nbytes, entry.tag, entry.stack))
-            if tree.reservation is not None:
-                free_bytes, largest_free = tree.arena.free_bytes, tree.arena.largest_free
-        made: dict[Node, BudgetReport] = {}
-        for member in reversed(nodes):  # children before their parents
-            children = tuple(made.pop(child) for child in member.children)
-            blocks = sorted(own.get(member, ()), key=lambda block: block.address)
-            made[member] = _report(member, tree, tuple(blocks), children, free_bytes,
-                                   largest_free, _totals(member, children),
-                                   usage.get(member, ()))
-        report = made[node]
-        if tree is None:
-            return report
-        names = {member.id: member.name for member in nodes}
-        events = [event for event in tree.recorder.events if event[2] in names]
-        dropped = tree.recorder.logged - len(tree.recorder.events)
-        trace_error = tree.recorder.trace_error
-        writer = tree.recorder.writer
-        if trace_error is None and writer is not None and writer.lost:
-            trace_error = (f"trace to {writer.path!r} stopped: its writer's queue was full "
-                           f"(the file written slower than events came); {writer.lost:,} "
-                           f"event(s) not written, the file says so on its last line")
-        mapping = tree.mapping if node.parent is None else None
-        residency: dict[str, object] = {} if mapping is None else {
-            "mapped": mapping.mapped_bytes, "mapped_peak": mapping.peak_bytes,
-            "asleep": mapping.asleep.nbytes if mapping.asleep is not None else None,
-            "host_kept": mapping.kept_bytes,
-            "callback_errors": report.callback_errors + tuple(mapping.errors)}
+    if tree is None:
+        with node.lock:
+            return _walk(node, None, usage)[0]
+    report, names, events, dropped, trace_error, residency = tree.read(
+        lambda: _walk(node, tree, usage))  # adapters' code ran outside it
     start = events[0][0] if events else 0.0
     timeline = tuple(
         TimelineEvent(t - start, kind, names[budget], size, tag, used, total)
@@ -89,6 +60,56 @@ def snapshot(node: Node) -> BudgetReport:
                                outside_bytes=outside, trace_error=trace_error,
                                limited_by=_limited_by(tree) if node.parent is None else None,
                                **residency)  # type: ignore[arg-type]
+
+
+if TYPE_CHECKING:
+    _Walked = tuple[BudgetReport, dict[int, str],
+                    list[tuple[float, str, int, int, str | None, int, int]],
+                    int, str | None, dict[str, object]]
+    """A walk's report, the budgets' names by id, their events, the count of events
+    dropped, the trace's error and the root's residency fields."""
+
+
+def _walk(node: Node, tree: Tree | None, usage: dict[Node, tuple[Usage, ...]]) -> _Walked:
+    """The lock held (a walk of the tree, :meth:`~gpubudget._core.tree.Tree.read`): the
+    report of ``node`` and its descendants, and what its timeline is made of."""
+    from ..report import LiveBlock
+
+    nodes = node.subtree()
+    own: dict[Node, list[LiveBlock]] = {}
+    free_bytes = largest_free = 0
+    if tree is not None:
+        for address, entry in tree.entries():
+            own.setdefault(entry.owner, []).append(
+                LiveBlock(address, entry.nbytes, entry.tag, entry.stack))
+        if tree.reservation is not None:
+            free_bytes, largest_free = tree.arena.free_bytes, tree.arena.largest_free
+    made: dict[Node, BudgetReport] = {}
+    for member in reversed(nodes):  # children before their parents
+        children = tuple(made.pop(child) for child in member.children)
+        blocks = sorted(own.get(member, ()), key=lambda block: block.address)
+        made[member] = _report(member, tree, tuple(blocks), children, free_bytes,
+                               largest_free, _totals(member, children),
+                               usage.get(member, ()))
+    report = made[node]
+    if tree is None:
+        return report, {}, [], 0, None, {}
+    names = {member.id: member.name for member in nodes}
+    events = [event for event in tree.recorder.events if event[2] in names]
+    dropped = tree.recorder.logged - len(tree.recorder.events)
+    trace_error = tree.recorder.trace_error
+    writer = tree.recorder.writer
+    if trace_error is None and writer is not None and writer.lost:
+        trace_error = (f"trace to {writer.path!r} stopped: its writer's queue was full "
+                       f"(the file written slower than events came); {writer.lost:,} "
+                       f"event(s) not written, the file says so on its last line")
+    mapping = tree.mapping if node.parent is None else None
+    residency: dict[str, object] = {} if mapping is None else {
+        "mapped": mapping.mapped_bytes, "mapped_peak": mapping.peak_bytes,
+        "asleep": mapping.asleep.nbytes if mapping.asleep is not None else None,
+        "host_kept": mapping.kept_bytes,
+        "callback_errors": report.callback_errors + tuple(mapping.errors)}
+    return report, names, events, dropped, trace_error, residency
 
 
 def _limited_by(tree: Tree) -> str | None:
@@ -176,6 +197,7 @@ def _usage(node: Node, probes: tuple[tuple[str, Probe], ...]) -> tuple[Usage, ..
             library, outside, waiting_in_use, waiting_cached = (
                 [int(value) for value in more] + [0, 0, 0, 0])[:4]
         except Exception as exc:  # noqa: BLE001 - a report never fails for an adapter
+            raise_if_from_outside(exc)
             with node.lock:
                 node.stats.errors.append(f"{source} usage: {type(exc).__name__}: {exc}")
             continue

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Final
 
 from ..backends import Backend, Reservation
-from ..errors import BudgetError, InvariantError
+from ..errors import BudgetError, InvariantError, raise_if_from_outside
 from ..units import MiB, format_size, round_up
 
 if TYPE_CHECKING:  # only named here: the virtual backends load with a growable root's range
@@ -115,6 +115,7 @@ class Mapping:
                     done.append(index)
         except Exception as exc:  # noqa: BLE001 - the device cannot back it: undo, say so
             self._undo(done)
+            raise_if_from_outside(exc)
             self._note(f"growth of {format_size(nbytes)} refused: {type(exc).__name__}: {exc}")
             return "device_full"
         self._tell("map", done)
@@ -258,20 +259,23 @@ class Mapping:
         never heard of)."""
         unmapped = 0
         gone: list[int] = []
-        for index in indices:
-            try:
-                self.memory.unmap(index)
-            except Exception as exc:  # noqa: BLE001 - a broken driver: keep going, say so
-                self._note(f"unmapping granule {index} failed: {type(exc).__name__}: {exc}")
-                continue
-            self.mapped[index] = 0
-            unmapped += 1
-            gone.append(index)
-        self.count -= unmapped
-        if self.published is not None:
-            self.published[0] = self.count * self.granule
-        if told:
-            self._tell("unmap", gone)
+        try:
+            for index in indices:
+                try:
+                    self.memory.unmap(index)
+                except Exception as exc:  # noqa: BLE001 - a broken driver: keep going, say so
+                    raise_if_from_outside(exc)  # the granules unmapped so far counted first
+                    self._note(f"unmapping granule {index} failed: {type(exc).__name__}: {exc}")
+                    continue
+                self.mapped[index] = 0
+                unmapped += 1
+                gone.append(index)
+        finally:
+            self.count -= unmapped
+            if self.published is not None:
+                self.published[0] = self.count * self.granule
+            if told:
+                self._tell("unmap", gone)
         return unmapped
 
     def _note(self, message: str) -> None:
@@ -311,6 +315,7 @@ def reserve(backend: Backend, capacity: int, align: int, name: str,
     except BudgetError:
         raise
     except Exception as exc:  # MemoryError, or whatever a backend of the user's raises
+        raise_if_from_outside(exc)
         info = free_memory(backend)
         where = (f"{format_size(info[0])} free of {format_size(info[1])} total" if info
                  else "free memory unknown")
@@ -343,5 +348,6 @@ def free_memory(backend: Backend) -> tuple[int, int] | None:
     """The backend's ``(free, total)`` bytes, or ``None`` if it cannot say."""
     try:
         return backend.mem_info()
-    except Exception:  # noqa: BLE001 - the backend's failure: only a statistic
+    except Exception as exc:  # noqa: BLE001 - the backend's failure: only a statistic
+        raise_if_from_outside(exc)
         return None

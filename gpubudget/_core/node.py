@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from ..backends import Backend
 from ..callers import frame_text
 from ..context import LABEL
-from ..errors import BudgetError, BudgetNestingError
+from ..errors import BudgetError, BudgetNestingError, raise_if_from_outside
 from .ledger import Account, charge, encloses, passed_up, refusal
 from .memory import Mapping
 from ..extensions import extension
@@ -196,6 +196,7 @@ class Node:
                 try:
                     hook()
                 except Exception as exc:  # noqa: BLE001 - leaving never fails for an adapter
+                    raise_if_from_outside(exc)
                     tree.note_error(self, f"exit hook: {type(exc).__name__}: {exc}")
 
     def release_if_unused(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, Protocol
 
 from ..callers import user_stacklevel
-from ..errors import TraceError
+from ..errors import TraceError, raise_if_from_outside
 from ..extensions import extension
 
 native: Final = extension("_core", "_native")  # the C core, or None
@@ -179,7 +179,8 @@ class Recorder:
             return clock()
         try:
             return float(clock())
-        except Exception:  # noqa: BLE001 - the backend's failure
+        except Exception as exc:  # noqa: BLE001 - the backend's failure
+            raise_if_from_outside(exc)
             return float("nan")
 
     @property
@@ -293,8 +294,7 @@ class Recorder:
         try:
             change(*args)
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            if isinstance(exc, OSError) and exc.errno is None:
-                raise
+            raise_if_from_outside(exc)
             family, self.family = self.family, None
             if family is not None:
                 family.close()
@@ -322,8 +322,7 @@ class Recorder:
         try:
             write(*args)
         except (OSError, TraceError) as exc:
-            if not _writer_failed(exc):
-                raise
+            raise_if_from_outside(exc)
             self._trace_failed(exc)
 
     def _trace_failed(self, exc: BaseException) -> None:
@@ -347,10 +346,3 @@ def _runs(indices: list[int]) -> Iterator[tuple[int, int]]:
             yield ordered[start], at - start
             start = at
 
-
-def _writer_failed(exc: BaseException) -> bool:
-    """Whether the trace writer raised ``exc`` because its file cannot be written: its own
-    error, or an operating system's (which has an error number), not one from outside."""
-    if isinstance(exc, TraceError):
-        return True
-    return isinstance(exc, OSError) and exc.errno is not None

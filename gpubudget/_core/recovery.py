@@ -58,8 +58,8 @@ def _arena(tree: Tree, truth: dict[int, int]) -> None:
     try:
         arena.check()
         taken = {block.address: block.size for block in arena.walk() if not block.free}
-    except Exception:  # noqa: BLE001 - its own invariants broke: rebuilt below
-        taken = None
+    except Exception:  # noqa: BLE001 - its own invariants broke: rebuilt below (so does one
+        taken = None  # landing from outside here, while the exception recovered from is raised)
     if taken != truth:
         tree.arena = rebuilt(arena, truth)
 

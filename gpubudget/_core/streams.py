@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Final, Protocol
 
 from ..backends import Event
+from ..errors import raise_if_from_outside
 
 __all__ = ["Pending", "PendingFrees"]
 
@@ -104,5 +105,6 @@ def _finished(event: Event, wait: bool, on_error: Callable[[str], None]) -> bool
             return True
         return event.query()
     except Exception as exc:  # noqa: BLE001 - the backend's failure: reported, block not lost
+        raise_if_from_outside(exc)  # still pending
         on_error(f"stream event failed, block freed: {type(exc).__name__}: {exc}")
         return True

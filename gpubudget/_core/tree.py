@@ -36,13 +36,12 @@ Invariants, checked by :meth:`Tree.check` (``Budget.check()``):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Final, Literal
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
-from ..errors import InvariantError
+from ..errors import InvariantError, raise_if_from_outside
 from .ledger import charge, passed_up, refusal
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
@@ -63,6 +62,8 @@ if TYPE_CHECKING:
     from ..tracefile import TraceWriter
 
 __all__ = ["Denied", "Tree", "new_lock", "unreleased"]  # new_lock from locks.py
+
+T = TypeVar("T")
 
 Denied = tuple[str, str, int]
 """Why a request was denied: (reason, name of the budget that refused, aligned bytes)."""
@@ -253,24 +254,29 @@ class Tree:
             self.fault()
             raise
 
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        """Hold the lock for a walk of the registry and the arena (a report, ``check()``):
-        a block freed meanwhile by this thread (a finalizer that the collector runs at an
-        allocation inside the walk; the lock is re-entrant) is freed as the walk ends, so
-        that the walk sees one state, and nothing changes under its loops."""
+    def read(self, walk: Callable[[], T]) -> T:
+        """``walk()`` (a walk of the registry and the arena: a report, ``check()``) with the
+        lock held: a block freed meanwhile by this thread (a finalizer that the collector
+        runs at an allocation inside the walk; the lock is re-entrant) is freed as the walk
+        ends, so that the walk sees one state, and nothing changes under its loops.
+
+        The lock is a ``with`` block and the walk's end plain statements of the same frame
+        (no context manager's ``__exit__``, whose first instruction may raise): an exception
+        landing anywhere, even as the walk starts or ends, leaves no walk open."""
         with self.lock:
             self.reading += 1
             fast, self.fast = self.fast, False  # every free through ``free`` meanwhile
             try:
-                yield
+                return walk()
             finally:
-                self.reading -= 1
+                self.reading -= 1  # first, before any call
                 if not self.reading:
                     self.fast = fast if self.closed is None else False
-                    deferred, self.deferred = self.deferred, []
-                    for node, address, stream in deferred:
+                    deferred = self.deferred
+                    while deferred:  # each left listed until freed
+                        node, address, stream = deferred[0]
                         self.free(node, address, stream)
+                        del deferred[0]
 
     def fault(self, granted: int | None = None) -> None:
         """In the ``except`` of an operation cut short by an exception that landed inside it
@@ -291,6 +297,7 @@ class Tree:
             self.backend.copy(moved, address, min(old, nbytes))
         except Exception as exc:  # noqa: BLE001 - the backend's failure: the old block stays
             self.free(owner, moved, None)
+            raise_if_from_outside(exc)
             self.note_error(owner, f"resize copy failed, block kept: "
                                    f"{type(exc).__name__}: {exc}")
             return None
@@ -388,6 +395,7 @@ class Tree:
             event = self.backend.record_event(stream)
             return None if event.query() else event
         except Exception as exc:  # noqa: BLE001 - the backend's failure: free never raises
+            raise_if_from_outside(exc)  # nothing changed yet
             owner.stats.errors.append(f"free on stream {stream:#x} refused, block kept: "
                                       f"{type(exc).__name__}: {exc}")
             return False
@@ -455,13 +463,13 @@ class Tree:
             try:
                 reservation.release()
             except Exception as exc:  # noqa: BLE001 - the backend's failure: the accounting is done
+                raise_if_from_outside(exc)
                 self.root.stats.errors.append(
                     f"returning the reservation failed: {type(exc).__name__}: {exc}")
 
     def check(self) -> None:
         """Raise :class:`~gpubudget.errors.InvariantError` naming the first broken invariant."""
-        with self.read():
-            self._check_locked()
+        self.read(self._check_locked)
 
     def _check_locked(self) -> None:
         self.arena.check()

@@ -15,7 +15,7 @@ import warnings
 from typing import Final
 
 from ..callers import user_stacklevel
-from ..errors import BackendError
+from ..errors import BackendError, raise_if_from_outside
 from .base import Backend, Event, Reservation
 from .host import HostBackend
 
@@ -59,6 +59,7 @@ def _create(name: str, device: int | None) -> Backend:
 
         return PyCudaBackend(device if device is not None else 0)
     except Exception as exc:  # ImportError, cuda.Error, missing libcuda, no such device
+        raise_if_from_outside(exc)
         raise BackendError(
             f"the 'pycuda' backend is not usable here for device {device} "
             f"({type(exc).__name__}: {exc}); install PyCUDA (pip install 'gpubudget[cuda]') on "
@@ -83,7 +84,8 @@ def cuda_usable() -> bool:
 
         cuda.init()
         return bool(cuda.Device.count() > 0)
-    except Exception:  # noqa: BLE001 - any failure means "no usable CUDA here"
+    except Exception as exc:  # noqa: BLE001 - any failure means "no usable CUDA here"
+        raise_if_from_outside(exc)
         return False
 
 
@@ -94,7 +96,8 @@ def current_device() -> int:
         from .pycuda import current_device as current
 
         return current()
-    except Exception:  # noqa: BLE001 - no CUDA here: device 0
+    except Exception as exc:  # noqa: BLE001 - no CUDA here: device 0
+        raise_if_from_outside(exc)
         return 0
 
 

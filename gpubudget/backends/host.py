@@ -11,6 +11,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Final
 
+from ..errors import raise_if_from_outside
 from .base import Event
 
 if TYPE_CHECKING:  # ctypes, mmap and the virtual range load with the first reservation
@@ -84,13 +85,15 @@ class HostBackend:
         try:
             return HostReservation(nbytes, self.noreserve)
         except (OSError, OverflowError, ValueError) as exc:
+            raise_if_from_outside(exc)
             raise MemoryError(str(exc)) from exc
 
     def mem_info(self) -> tuple[int, int] | None:
         try:
             page = os.sysconf("SC_PAGE_SIZE")
             return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-        except (OSError, ValueError):  # pragma: no cover - platforms without sysconf names
+        except (OSError, ValueError) as exc:  # pragma: no cover - platforms without sysconf names
+            raise_if_from_outside(exc)
             return None
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:

@@ -26,6 +26,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Final, Protocol
 
+from ..errors import raise_if_from_outside
+
 if TYPE_CHECKING:
     from .pycuda import PyCudaBackend
 
@@ -132,6 +134,7 @@ class HostStaging:
         try:
             self._map: mmap.mmap | None = mmap.mmap(-1, max(nbytes, 1))
         except (OSError, OverflowError, ValueError) as exc:
+            raise_if_from_outside(exc)
             raise MemoryError(f"no host memory for {nbytes} bytes of staging: {exc}") from exc
         anchor = ctypes.c_char.from_buffer(self._map)
         self.address: Final = ctypes.addressof(anchor)

@@ -28,11 +28,12 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Final
 
+from ..errors import raise_if_from_outside
+from ..holding import holding
 from .children import ChildBudget, read_children
 from .errors import LedgerDamaged, LedgerError, LedgerFull, LedgerLocked
 from .files import LedgerDirectory
@@ -109,7 +110,8 @@ def _locked_by_anyone(fd: int, slot: int) -> bool | None:
         return None
     try:
         return _range_lock(fd, _OFD[1], fcntl.F_WRLCK, slot) != fcntl.F_UNLCK
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return None
 
 
@@ -162,36 +164,39 @@ class DeviceBook:
             os.close(self.fd)
             raise
         self.identity: Final = identity
-        self.threads: Final = threading.Lock()  # flock is per open file, not per thread
+        # flock is per open file, not per thread: one thread at a time. Re-entrant, with the
+        # file's lock counted (_holding), so that a thread never waits for itself: a
+        # ``with locked()`` whose ``__exit__`` an exception cut as it began is left
+        # suspended, holding both, for as long as that exception's traceback is kept.
+        self.threads: Final = threading.RLock()
         self.index: Final = SlotIndex()
         self.mine: Final[set[int]] = set()
         """The slots this process holds."""
-        self._holding = False
+        self._holding = 0  # how many times this process's thread took the file's lock
         self._stuck = False
 
     # -- the lock --------------------------------------------------------------------------
 
-    @contextmanager
-    def locked(self, wait: float | None = None) -> Iterator[None]:
+    @holding
+    def locked(self, wait: float | None = None) -> Generator[None, None, None]:
         """The file's lock, exclusive, for a change of slot owners; :class:`LedgerLocked`
         after :data:`LOCK_SECONDS` (:data:`STUCK_SECONDS` while the lock seems stuck), or
-        after ``wait`` seconds if given (a wait that short says nothing of a stuck lock)."""
-        got = self.threads.acquire(timeout=-1 if wait is None else wait)
-        try:
-            if not got:
-                raise LedgerLocked(f"the ledger file {str(self.path)!r} is in use by another "
-                                   f"thread of this process for more than {wait:g} s")
-            self._take(wait)
+        after ``wait`` seconds if given (a wait that short says nothing of a stuck lock).
+        Another thread of this process using the file is waited for first (it holds the
+        file's lock no longer than that either): ``with``, so that no exception landing
+        from outside can leave the thread lock taken."""
+        with self.threads:
             try:
+                self._take(wait)
                 yield
-            finally:
-                self._drop()
-        finally:
-            if got:
-                self.threads.release()
+            finally:  # _drop(), inline: no call before the unlock
+                if self._holding:
+                    self._holding -= 1
+                    if not self._holding:
+                        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    @contextmanager
-    def current(self) -> Iterator[SlotIndex]:
+    @holding
+    def current(self) -> Generator[SlotIndex, None, None]:
         """The file's lock, with the index brought up to date and the slots of processes
         that have ended cleared: what a claim needs. Processes are checked (a read of
         ``/proc`` each) and a stale index's slots decoded without the lock; under it, only
@@ -200,8 +205,8 @@ class DeviceBook:
             index = self.index
             checked = set(index.owners)
             ended = self._ended(checked)  # without the lock
-            self._take()
             try:
+                self._take()
                 if not self._catch_up():  # too far behind: copy, decode without the lock
                     copied = self._copy()
                     self._drop()
@@ -220,31 +225,39 @@ class DeviceBook:
                 for slot in sorted(doomed - self.mine):
                     self._clear(slot)
                 yield index
-            finally:
-                self._drop()
+            finally:  # _drop(), inline: no call before the unlock
+                if self._holding:
+                    self._holding -= 1
+                    if not self._holding:
+                        fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def _take(self, wait: float | None = None) -> None:
         short = wait is not None
         if wait is None:
             wait = STUCK_SECONDS if self._stuck else LOCK_SECONDS
+        if self._holding:  # this thread holds it already (see ``threads``)
+            self._holding += 1
+            return
         deadline = time.monotonic() + wait
         while True:
             try:
+                self._holding = 1  # first: an exception landing as flock returns is dropped
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                self._holding = 0
                 if time.monotonic() > deadline:
                     self._stuck = self._stuck or not short
                     raise LedgerLocked(_locked_message(self.path, wait)) from None
                 time.sleep(_POLL_SECONDS)
             else:
-                self._holding = True
                 self._stuck = False
                 return
 
     def _drop(self) -> None:
         if self._holding:
-            self._holding = False
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self._holding -= 1
+            if not self._holding:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def _catch_up(self) -> bool:
         """Lock held: read the index up to date from the log; ``False`` if it must be
@@ -391,7 +404,8 @@ class DeviceBook:
             _range_lock(self.locks_fd, _OFD[0], fcntl.F_WRLCK, slot)
         except (BlockingIOError, PermissionError):
             return False
-        except OSError:  # no open-file-description locks here: pids decide alone
+        except OSError as exc:  # no open-file-description locks here: pids decide alone
+            raise_if_from_outside(exc)
             return True
         return True
 
@@ -399,8 +413,8 @@ class DeviceBook:
         if self.locks_fd is not None and _OFD[0] is not None:
             try:
                 _range_lock(self.locks_fd, _OFD[0], fcntl.F_UNLCK, slot)
-            except OSError:
-                pass
+            except OSError as exc:
+                raise_if_from_outside(exc)
 
     def forget(self) -> None:
         """In a forked child: drop the inherited slot locks (they are the parent's)."""

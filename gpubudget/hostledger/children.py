@@ -14,7 +14,8 @@ When no row can be had (the file's pages are all taken, or the lock is held else
 more than :data:`PAGE_WAIT`), the child is *hidden*: its budget works as any budget does,
 the root's slot counts it in ``hidden`` until it is released, and ``gpubudget top`` says how
 many are hidden. A child whose parent is hidden is hidden too. Nothing here ever fails a
-budget.
+budget; an exception from outside (a Ctrl-C, a signal handler's ``TimeoutError``) propagates,
+leaving every page and row either this root's, and freed with it, or free.
 
 :func:`read_children` builds, for a reader (``top``, metrics), each live root's children as
 an indented tree (:class:`ChildBudget`), trusting nothing it reads.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from ..errors import raise_if_from_outside
 from .errors import LedgerError
 from .layout import (
     CHILD,
@@ -91,9 +93,11 @@ class Family:
             self.hidden.add(account)
             self.book.words[slot_word(self.slot, "hidden")] = len(self.hidden)
             return
-        row = self.free.pop()
-        offset = CHILDREN + row * CHILD_BYTES
         depth = above[1] + 1
+        row = self.free[-1]
+        self.rows[account] = (row, depth)  # first: released() frees it, whatever lands next
+        del self.free[-1]
+        offset = CHILDREN + row * CHILD_BYTES
         book = self.book
         CHILD.pack_into(book.map, offset, FREE, above[0] + 1, depth, serial,
                         min(account.limit, _MOST), min(account.reserve, _MOST), account.used,
@@ -102,7 +106,6 @@ class Family:
         words[offset // 8] = OPEN  # last: readers see it whole
         at = offset // 8 + _USED  # then "peak"
         account.published = words[at: at + 2]
-        self.rows[account] = (row, depth)
 
     def released(self, account: Any) -> None:
         """``account``'s budget was released: its row is free (or it is hidden no more)."""
@@ -142,11 +145,14 @@ class Family:
                 for field, value in zip(_HEAD, self.head):
                     words[page_word(page, field)] = value
                 words[page_word(page, "owner")] = self.slot + 1  # last: the page is whole
+                self.pages.append(page)  # then this root's (no signal is handled in between)
                 if page >= words[_PAGES_HIGH]:
                     words[_PAGES_HIGH] = page + 1
-        except (LedgerError, OSError):
+        except LedgerError:
             return False
-        self.pages.append(page)
+        except OSError as exc:  # the file's lock refused
+            raise_if_from_outside(exc)  # a signal handler's TimeoutError propagates
+            return False
         first = page * PAGE_ROWS + 1
         self.free.extend(range(first + PAGE_ROWS - 2, first - 1, -1))  # lowest row first
         return True

@@ -196,12 +196,14 @@ class Claim:
             if self not in _claims:
                 return
             _claims.discard(self)
-        self._let_go()
         try:
-            with self.book.locked():
-                self.book.release(self.slot)
-        except LedgerLocked:  # the slot is ours: free it without the lock
-            self.book.release_unlocked(self.slot)
+            self._let_go()
+        finally:  # whatever lands meanwhile: the slot is freed, once
+            try:
+                with self.book.locked():
+                    self.book.release(self.slot)
+            except LedgerLocked:  # the slot is ours: free it without the lock
+                self.book.release_unlocked(self.slot)
 
     def _let_go(self, forked: bool = False) -> None:
         """Stop publishing into the slot (the root's numbers and its children's rows), and

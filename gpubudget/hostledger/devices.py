@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from ..backends import Backend, HostBackend
+from ..errors import raise_if_from_outside
 from ..units import format_size, parse_size
 
 __all__ = ["DEVICE_MEMORY_ENV", "HOST_IDENTITY", "LedgerDevice", "device_for", "host_device"]
@@ -70,7 +71,8 @@ def host_device() -> LedgerDevice:
                             total, hard=True)
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # pragma: no cover - platforms without these names
+    except (OSError, ValueError) as exc:  # pragma: no cover - platforms without these names
+        raise_if_from_outside(exc)
         total = 0
     return LedgerDevice(HOST_IDENTITY, "host memory", total, hard=False)
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Final
 
+from ..errors import raise_if_from_outside
 from .errors import LedgerError
 from .layout import FILE_BYTES, HEADER_BYTES, Header, decode_header, encode_header
 
@@ -87,11 +88,13 @@ class LedgerDirectory:
             except FileExistsError:
                 pass
             except OSError as exc:
+                raise_if_from_outside(exc)
                 raise LedgerError(f"cannot create the ledger directory {str(path)!r}: "
                                   f"{exc.strerror or exc}") from None
         try:
             self.fd: Final = os.open(path, _DIRECTORY_FLAGS)
         except OSError as exc:
+            raise_if_from_outside(exc)
             raise LedgerError(f"cannot open the ledger directory {str(path)!r}: "
                               + _why(exc, os.path.islink(path))) from None
         try:
@@ -140,6 +143,7 @@ class LedgerDirectory:
             except FileNotFoundError:
                 raise
             except OSError as exc:
+                raise_if_from_outside(exc)
                 raise LedgerError(f"cannot open the ledger file {self._show(name)!r}: "
                                   + _why(exc)) from None
             # Two names for a moment: a creator between link() and unlink() (see create)
@@ -172,14 +176,15 @@ class LedgerDirectory:
         except FileExistsError:  # another process made it meanwhile: use theirs
             return self.open(name, writable=True)
         except OSError as exc:
+            raise_if_from_outside(exc)
             raise LedgerError(f"cannot create the ledger file {self._show(name)!r}: "
                               + _why(exc)) from None
         finally:
             os.close(fd)
             try:
                 os.unlink(temporary, dir_fd=self.fd)
-            except OSError:
-                pass
+            except OSError as exc:
+                raise_if_from_outside(exc)
         return self.open(name, writable=True)
 
     def _file_mode(self) -> int:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from ..errors import raise_if_from_outside
 from ..units import format_size, parse_size
 
 __all__ = ["CGROUP_ROOT", "HAMI_ENV", "MPS_ENV", "OutsideLimit", "Where", "outside_limits",
@@ -135,7 +136,8 @@ def _own_cgroup(where: Where) -> Path | None:
     """This process's cgroup v2 directory (the ``0::`` line of ``/proc/self/cgroup``)."""
     try:
         lines = where.proc_cgroup.read_text(encoding="utf-8").splitlines()
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return None
     for line in lines:
         if line.startswith("0::"):
@@ -155,7 +157,8 @@ def _dmem(where: Where, pci_bus_id: str | None, uuid: str | None) -> list[Outsid
         path = directory / "dmem.max"
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError:
+        except OSError as exc:
+            raise_if_from_outside(exc)
             lines = []
         for line in lines:
             region, _, value = line.strip().rpartition(" ")
@@ -186,7 +189,8 @@ def _nvml(nvml: Any, uuid: str | None) -> list[OutsideLimit]:
         limits = shape()
         ask(handle, limits)
         hard = int(limits.hardLimit)
-    except Exception:  # noqa: BLE001 - NVMLError_NotSupported, a driver without them
+    except Exception as exc:  # noqa: BLE001 - NVMLError_NotSupported, a driver without them
+        raise_if_from_outside(exc)
         return []
     if hard <= 0 or hard >= unlimited:
         return []

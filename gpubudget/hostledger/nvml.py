@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import raise_if_from_outside
+
 __all__ = ["GpuProcesses", "read_nvml", "started"]
 
 _lock = threading.Lock()
@@ -49,7 +51,8 @@ def started() -> Any:
     """pynvml, started, or ``None`` where it is not installed or NVML does not start."""
     try:
         return _module()
-    except Exception:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
+    except Exception as exc:  # noqa: BLE001 - ImportError, NVMLError_LibraryNotFound, ...
+        raise_if_from_outside(exc)  # a root's entry asks: a signal handler's propagates
         return None
 
 

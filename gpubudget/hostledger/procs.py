@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Final
 
+from ..errors import raise_if_from_outside
+
 __all__ = ["ProcessIdentity", "alive", "boot_id", "myself", "pid_namespace", "process_title",
            "start_time"]
 
@@ -31,7 +33,8 @@ def boot_id() -> int:
     try:
         with open(f"{_PROC}/sys/kernel/random/boot_id", encoding="ascii") as file:
             return int(file.read().strip().replace("-", "")[:16], 16)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        raise_if_from_outside(exc)
         return 0
 
 
@@ -39,7 +42,8 @@ def pid_namespace() -> int:
     """The inode of this process's PID namespace, 0 where unknown."""
     try:
         return os.stat(f"{_PROC}/self/ns/pid").st_ino
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return 0
 
 
@@ -53,7 +57,8 @@ def start_time(pid: int) -> int | None:
     try:
         with open(f"{_PROC}/{pid}/stat", "rb") as file:
             data = file.read()
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)  # or another root's slot would be taken for a dead one's
         return None
     # "pid (comm) state ppid ...": comm may hold spaces and parentheses; field 22 is the
     # start time, the 20th after the last ')'.
@@ -114,7 +119,8 @@ def process_title() -> str:
         with open(f"{_PROC}/self/cmdline", "rb") as file:
             words = [word.decode("utf-8", "replace") for word in file.read().split(b"\0")
                      if word]
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         words = [sys.executable, *sys.argv]
     if not words:
         return f"pid {os.getpid()}"

@@ -9,7 +9,7 @@
  * string, a number out of range, a blank line, a problem of any kind) stops the scan
  * before it: the Python reader reads it the way it always did, and says what is wrong in
  * its own words. So the events, and every message, are the same with or without this
- * module; only the speed differs (tests/test_trace_parsers.py and test_trace_scanner.py
+ * module; only the speed differs (tests/test_tracefile_fastparse.py and test_tracefile_cscan.py
  * compare them). Lines in the writer's own layout are matched literal by literal; any other
  * layout of the same object (keys in another order, other spaces, unknown keys with plain
  * values, a key twice: the last counts, as in json) is read key by key.

@@ -34,7 +34,7 @@ import os
 import stat
 from typing import Final
 
-from ..errors import TraceWriteError
+from ..errors import TraceWriteError, raise_if_from_outside
 from ..text import printable
 from .format import FORMAT
 
@@ -110,7 +110,7 @@ def reopen(path: str, written: FileId, size: int) -> int | None:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
                      | os.O_NONBLOCK)
     except OSError as exc:
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
             return None  # removed, or a link put in its place: not the file written
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
@@ -127,7 +127,7 @@ def reopen(path: str, written: FileId, size: int) -> int | None:
         _blocking(fd)
     except OSError as exc:
         os.close(fd)
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
     except BaseException:
         os.close(fd)
@@ -144,7 +144,7 @@ def _open(path: str, flags: int, shown: str) -> int:
     try:  # non-blocking: a FIFO must not hang the open
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     except OSError as exc:
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         if exc.errno == errno.ELOOP and os.path.islink(path):
             raise TraceWriteError(f"trace file {shown} is a symbolic link: not followed (name "
                                   f"the file itself)") from None
@@ -178,7 +178,7 @@ def _claim(fd: int, shown: str, continued: bool) -> dict[str, object] | None:
         _blocking(fd)
         return None
     except OSError as exc:
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         raise TraceWriteError(f"cannot write trace file {shown}: {_reason(exc)}") from None
 
 
@@ -245,7 +245,7 @@ def _started(pid: int) -> float | None:
     except FileNotFoundError:
         return None if os.path.isdir("/proc") else _exists(pid)
     except (OSError, ValueError, IndexError, StopIteration) as exc:
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         return _exists(pid)
 
 
@@ -255,7 +255,7 @@ def _exists(pid: int) -> float | None:
     except ProcessLookupError:
         return None
     except OSError as exc:  # another user's
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
     return -float("inf")
 
 
@@ -265,7 +265,7 @@ def _header(fd: int) -> dict[str, object]:
         first = os.pread(fd, _HEADER_BYTES, 0).partition(b"\n")[0]
         found = json.loads(first)
     except (OSError, ValueError) as exc:
-        _raise_if_foreign(exc)
+        raise_if_from_outside(exc)
         return {}
     return found if isinstance(found, dict) else {}
 
@@ -282,10 +282,3 @@ def _kind(mode: int) -> str:
 def _reason(exc: OSError) -> str:
     return printable(exc.strerror or str(exc))
 
-
-def _raise_if_foreign(exc: Exception) -> None:
-    """Raise ``exc`` again, as it is, if it is no failure of the file: an ``OSError`` that no
-    system call raised (it has no error number), such as a signal handler's
-    ``TimeoutError``."""
-    if isinstance(exc, OSError) and exc.errno is None:
-        raise exc

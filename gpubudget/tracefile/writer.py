@@ -17,7 +17,7 @@ import time
 import weakref
 from typing import Any, Final
 
-from ..errors import TraceError, TraceWriteError
+from ..errors import TraceError, TraceWriteError, raise_if_from_outside
 from ..extensions import extension
 from .files import TraceBusy, file_id, open_for_writing, reopen
 from .format import FLUSH_SECONDS, FORMAT, VERSION
@@ -94,6 +94,7 @@ class TraceWriter:
         except OSError as exc:
             self._fd = None
             os.close(fd)
+            raise_if_from_outside(exc)
             raise TraceWriteError(f"cannot write trace file {printable(repr(path))}: "
                                   f"{printable(exc.strerror or str(exc))}") from None
 
@@ -372,14 +373,16 @@ def _close_lost(file: tuple[int, int]) -> bool:
     closed = False
     try:
         descriptors = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return False
     for fd in descriptors:
         try:
             if fd not in held and file_id(os.fstat(fd)) == file:
                 os.close(fd)
                 closed = True
-        except OSError:  # closed meanwhile (the listing's own descriptor)
+        except OSError as exc:  # closed meanwhile (the listing's own descriptor)
+            raise_if_from_outside(exc)
             continue
     return closed
 

@@ -30,8 +30,8 @@ from gpubudget.tracefile.cscan import NATIVE, scanner
 from gpubudget.adapter import hooks
 
 from .helpers import subprocess_env
-from .test_core_choice import _copy, _env
-from .test_trace_parsers import HEADER, ROOT, alike, alloc
+from .test_extensions import _copy, _env
+from .test_tracefile_fastparse import HEADER, ROOT, alike, alloc
 
 pytestmark = pytest.mark.skipif(not NATIVE, reason="the C scanner is not built (no C "
                                 "compiler at install, or GPUBUDGET_PURE=1)")

@@ -236,7 +236,7 @@ def _ext_pickle() -> bytes:
 
 @pytest.mark.parametrize("name, data, said", [
     ("a global, protocol 0", b"cos\nsystem\n(S'true'\ntR.", "it names os.system"),
-    ("an instance", pickle.dumps(_Cls(), protocol=2), "it names tests.test_viewer_snapshot"),
+    ("an instance", pickle.dumps(_Cls(), protocol=2), "it names tests.test_viewer_torchsnap"),
     ("an exception", pickle.dumps(ValueError("x")), "it names builtins.ValueError"),
     ("a function", pickle.dumps(os.getcwd), "it names posix.getcwd"),
     ("BUILD on plain data", b"\x80\x04}\x94}\x94b.", "it uses the BUILD opcode"),
