@@ -172,3 +172,26 @@ def test_a_slot_held_at_exit_is_freed_though_the_ledger_loaded_late(tmp_path: Pa
 
     (device,) = host_view(ledger, nvml=False, idle=True).devices
     assert (device.entries, device.ended) == ((), 0)  # released at exit, not left to the dead
+
+
+def test_a_roots_entry_loads_what_its_budgets_would_load_later() -> None:
+    # once a root is open, allocate, free, report and a child's entry import nothing: CPython's
+    # import system catches OSError while it looks for files, so a signal handler's
+    # TimeoutError landing in an import could be lost (tests/test_interrupts.py's alarms)
+    opened = _imported("import gpubudget\n"
+                       "with gpubudget.gpu_budget('1MiB', backend='host'):\n"
+                       "    import sys; before = set(sys.modules)\n")
+    assert [name for name in ("gpubudget.report", "gpubudget.jsontext", "decimal",
+                              "dataclasses", "gpubudget.door.records")
+            if not _found(opened, name)] == []
+    done = subprocess.run([sys.executable, "-c", (
+        "import json, sys, gpubudget\n"
+        "with gpubudget.gpu_budget('1MiB', backend='host') as pool:\n"
+        "    before = set(sys.modules)\n"
+        "    with gpubudget.gpu_budget('1.5KiB', name='child') as child:\n"
+        "        child.free(child.allocate(512, tag='t'))\n"
+        "        pool.report(); str(child.report()); pool.check()\n"
+        "    print(json.dumps(sorted(set(sys.modules) - before)))\n")],
+        capture_output=True, text=True, timeout=60, env=subprocess_env())
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []  # nothing imported inside the open root

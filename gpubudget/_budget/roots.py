@@ -46,6 +46,26 @@ _open_roots_lock: Final = threading.Lock()
 os.register_at_fork(after_in_child=getattr(_open_roots_lock, "_at_fork_reinit"))
 
 
+def _load_the_rest() -> None:
+    """Load what an open root's budgets would otherwise load on first use (the first report,
+    a size with decimals, the door's numbers), so that no import runs inside ``allocate``,
+    ``free``, ``report`` or a child's entry once a root is open. CPython's import system
+    catches ``OSError`` while it looks for a module's file, and a signal handler's
+    ``TimeoutError`` is one: landing in an import, it could be lost, or turned into a
+    ``ModuleNotFoundError`` of a module that is there (seen with a SIGALRM handler)."""
+    if _loaded:
+        return
+    import decimal  # noqa: F401 - units.parse_size("1.5GiB")
+    import json  # noqa: F401 - text.quote, the report's JSON
+    from .. import report  # noqa: F401 - with dataclasses and json (jsontext)
+    from ..door import records  # noqa: F401
+
+    _loaded.append(True)
+
+
+_loaded: Final[list[bool]] = []
+
+
 def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request: int | Share,
               initial: int | None) -> Tree:
     """Open ``node`` as a root on ``backend`` (see the module docstring): ``request`` its
@@ -53,6 +73,7 @@ def open_root(node: Node, backend: Backend, writer: TraceWriter | None, request:
     ``BudgetError`` (``LedgerError`` from the ledger), with nothing held, if it cannot."""
     from ..hostledger.claims import claim_root  # loaded at the first root's entry
 
+    _load_the_rest()
     limit, claim = claim_root(backend, node.name, request, node.align, initial)
     if claim is None:  # not registered: nothing to publish
         return _opened_under_door(node, backend, writer, limit, initial)
