@@ -337,7 +337,8 @@ def part_nccl() -> None:
     table_head()
     with root_budget() as root:
         with gpu_budget("8GiB", name="nccl-model") as model:
-            dist.init_process_group("nccl", init_method=f"file:///tmp/gpubudget-nccl-{os.getpid()}",
+            store = Path(os.environ.get("TMPDIR", "/tmp")) / f"gpubudget-nccl-{os.getpid()}"
+            dist.init_process_group("nccl", init_method=store.as_uri(),
                                     rank=0, world_size=1, device_id=torch.device("cuda:0"))
             t = torch.arange(64 * MiB // 4, dtype=torch.float32, device="cuda")
             for _ in range(3):
@@ -347,6 +348,7 @@ def part_nccl() -> None:
             note(f"nccl-model: {door_line(model)}")
             note(f"checksum {float(t[:1000].sum()):.6e}")
             dist.destroy_process_group()
+            store.unlink(missing_ok=True)
             del t
             torch.cuda.empty_cache()
             torch.cuda.synchronize()
@@ -451,7 +453,10 @@ def part_cost(pairs: int, rounds: int) -> None:
     lib = Path(os.environ.get("TMPDIR", "/tmp")) / f"door-pairs-{os.getpid()}.so"
     subprocess.run([cc, "-O2", "-fPIC", "-shared", "-o", str(lib),
                     str(ROOT / "scripts" / "door_pairs.c")], check=True)
-    timer = ctypes.CDLL(str(lib))
+    try:
+        timer = ctypes.CDLL(str(lib))
+    finally:
+        lib.unlink()  # mapped now: the file is not needed
     timer.pairs_ns.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long,
                                ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
     context()
@@ -504,7 +509,6 @@ def part_cost(pairs: int, rounds: int) -> None:
             wall = statistics.median(t[1] for t in times[name])
             row(name, f"{cpu:,.0f}", f"{cpu - base_cpu:+,.0f}", f"{wall:,.0f}",
                 f"{wall - base_wall:+,.0f}", f"{wall / base_wall:.3f}")
-    lib.unlink()
 
 
 def part_serve() -> None:
@@ -571,6 +575,10 @@ def main() -> int:
             return 1
         return 0
     chosen = [p for p in (args.only.split(",") if args.only else PARTS) if p]
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown or (args.only and args.part != "all"):
+        parser.error(f"--only takes parts of 'all', from {', '.join(PARTS)}; got "
+                     f"{args.only!r}")
     failed = 0
     for part in chosen:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **PARTS[part][1])

@@ -202,7 +202,7 @@ def soak(minutes: float, threads: int, seed: int, fake: bool, rounds: int,
             work.release()
         gc.collect()
         root.check()
-        for _ in range(50):  # under the driver door, its watcher releases them (4 a second)
+        for _ in range(50):  # under the driver door, its watcher thread releases them
             report = root.report()
             waiting = [child.name for child in report.walk() if child.state != "released"
                        and child.name != "soak"]

@@ -42,6 +42,9 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "cli/visual.py": ("test_viewer.py", "view and export"),
     "context.py": ("test_scope.py", "the active budgets and the label"),
     "door/build.py": ("test_door.py", "the door built on first use"),
+    "door/records.py": ("test_door.py", "door.numbers(); when it loads, in test_import_cost"),
+    "door/shared.py": ("test_door.py", "the door file, read by top and metrics from another "
+                                       "process"),
     "errors.py": ("test_doctests.py", "its examples; each error where it is raised"),
     "hostledger/__init__.py": ("test_hostledger_view.py", "host_view, and the rest by module"),
     "hostledger/errors.py": ("test_hostledger_failures.py", "the ledger when it cannot be used"),

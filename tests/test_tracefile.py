@@ -183,6 +183,19 @@ def test_a_full_queue_stops_the_trace_and_counts_every_event_it_drops(
     assert len(events) + lost == 1002 and reader.lost == lost
     assert reader.cut_short is not None and f"{lost:,} event(s)" in reader.cut_short
     assert "queue was full" in reader.cut_short
+    # once its lost line is written, the writers' thread finds nothing to do: it does not
+    # reopen the closed file each time it wakes (it did, every 0.25 s, for good)
+    reopened: list[int] = []
+    reopen = type(writer)._reopened
+
+    def counted(self: Any) -> int:
+        reopened.append(1)
+        return reopen(self)
+
+    monkeypatch.setattr(type(writer), "_reopened", counted)
+    for _ in range(5):
+        writer._written_by_thread()
+    assert reopened == [] and path.read_text().splitlines() == lines
 
 
 # -- the reader: every kind of bad input ---------------------------------------------------

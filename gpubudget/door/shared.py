@@ -35,6 +35,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from ..errors import raise_if_from_outside
+
 if TYPE_CHECKING:
     from ..report import DoorLibrary
 
@@ -144,9 +146,10 @@ def share(lib: ctypes.CDLL) -> None:
         for leftover in (temporary, name):
             try:
                 os.unlink(leftover, dir_fd=directory.fd)
-            except OSError:
-                pass
+            except OSError as gone:
+                raise_if_from_outside(gone)
         directory.close()
+        raise_if_from_outside(exc)  # a signal handler's, not the file's: it propagates
         warnings.warn(f"gpubudget: the driver door's numbers are not shown to top or "
                       f"metrics: cannot make {str(directory.path / name)!r}: "
                       f"{exc.strerror or exc}", RuntimeWarning, stacklevel=2)
@@ -161,8 +164,8 @@ def _remove(path: str, pid: int) -> None:
     if os.getpid() == pid:  # a forked child leaves its parent's file alone
         try:
             os.unlink(path)
-        except OSError:
-            pass
+        except OSError as exc:
+            raise_if_from_outside(exc)
 
 
 # -- reading: every process's file ---------------------------------------------------------
@@ -175,7 +178,8 @@ def read_doors(directory: str | os.PathLike[str]) -> dict[tuple[int, int, int], 
     try:
         names = [name for name in os.listdir(directory)
                  if name.endswith(_SUFFIX) and name.startswith("door-")]
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return {}
     found: dict[tuple[int, int, int], DoorShare] = {}
     for name in sorted(names):
@@ -203,7 +207,8 @@ def read_doors(directory: str | os.PathLike[str]) -> dict[tuple[int, int, int], 
 def _read(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return None
     try:
         import stat
@@ -212,7 +217,8 @@ def _read(path: str) -> bytes | None:
         if not stat.S_ISREG(info.st_mode) or info.st_size > HEADER_BYTES + (1 << 20) * ROW_BYTES:
             return None
         return os.pread(fd, info.st_size - info.st_size % 8, 0)
-    except OSError:
+    except OSError as exc:
+        raise_if_from_outside(exc)
         return None
     finally:
         os.close(fd)

@@ -58,7 +58,7 @@ class TraceWriter:
     """
 
     __slots__ = ("path", "_lock", "_fd", "_file", "_size", "_roots", "_expected", "_closed",
-                 "_queue", "_t0", "__weakref__")
+                 "_queue", "_t0", "__weakref__", "_lost_written")
 
     def __init__(self, path: str, *, continued: bool = False) -> None:
         self.path = path
@@ -68,6 +68,7 @@ class TraceWriter:
         info = os.fstat(fd)
         self._file = file_id(info)
         self._size = info.st_size  # bytes written: what the file holds while it is closed
+        self._lost_written = 0  # dropped events a written ``lost`` line has counted
         self._roots: set[int] = set()  # root budgets open (entered and not exited)
         self._expected = True  # handed out for a root about to enter: kept open for it
         self._closed: str | None = None  # why nothing more is written, once closed
@@ -249,19 +250,17 @@ class TraceWriter:
         """The writers' thread: write what is queued, unless another thread is writing (it
         writes it then). A failure of the file stops the trace: the next event is refused
         with it, and the budget says why in its report."""
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._closed is None:
-                self._flush()
-        except (OSError, TraceError) as exc:
-            if isinstance(exc, OSError) and exc.errno is None:
-                raise
-            self._closed = (f"trace file {self.path!r} could not be written: "
-                            f"{type(exc).__name__}: {exc}")
-            self._queue.close()
-        finally:
-            self._lock.release()
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._closed is None:
+                    self._flush()
+            except (OSError, TraceError) as exc:
+                raise_if_from_outside(exc)
+                self._closed = (f"trace file {self.path!r} could not be written: "
+                                f"{type(exc).__name__}: {exc}")
+                self._queue.close()
+            finally:
+                self._lock.release()
 
     def forget(self, why: str) -> None:
         """In a process forked from the writing one: drop the buffered lines and write
@@ -298,18 +297,20 @@ class TraceWriter:
         line is lost, none is written twice."""
         queue = self._queue
         if self._closed is not None or (not queue.pending and queue.inflight() is None
-                                        and not queue.lost):
+                                        and queue.lost <= self._lost_written):
             return
         fd = self._fd
         if fd is None:
             fd = self._fd = self._reopened()
         try:
             self._settle(fd)
+            lost = queue.lost  # take() counts these at least, in a lost line
             data = queue.take(self._size)
             if data is not None:
                 _write_all(fd, data)
                 self._size += len(data)
                 queue.done()
+            self._lost_written = lost
         except OSError as exc:
             if exc.errno is not None:  # the file's failure (not a signal handler's)
                 queue.done()  # the trace stops: nothing left to finish
