@@ -65,6 +65,19 @@ def _close_traces() -> None:  # free memory (an adapter's, registered later, run
         perpath._close_all()
 
 
+def _door_at_exit(budget: Budget) -> None:
+    """A traced budget about to exit under the driver door: its trace gets what the door
+    charged it, on the line before its ``exit`` (``Recorder.door_at_exit``); nothing for a
+    budget the door never charged nor refused (its peak and refusals 0)."""
+    node = budget._node
+    tree = node.tree
+    if tree is None or tree.recorder.writer is None:
+        return
+    numbers = door.numbers(budget)
+    if numbers is not None and (numbers.peak or numbers.refusals):
+        tree.recorder.door_at_exit(node.id, numbers)
+
+
 @final
 class Budget(BudgetView, Residency):
     """A scoped limit on device memory; use it as a context manager.
@@ -269,7 +282,10 @@ class Budget(BudgetView, Residency):
             door.follow()  # the driver door, where loaded: the budget now current here
             held = Hooks(self)  # exited, not released, while its driver allocations live
             door.leaving(self, held.pin, held.unpin)
-            self._node.close()
+            try:
+                _door_at_exit(self)
+            finally:
+                self._node.close()
         if not innermost:
             misnested(f"budget {self.name!r} exited while budget {chain[-1].name!r} entered "
                        f"inside it is still active; {ADVICE}", exc_type)

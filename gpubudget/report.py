@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from .jsontext import dumps
 from .units import format_size
+
+if TYPE_CHECKING:
+    from .tracefile import Door
 
 __all__ = [
     "FRAMES_SHOWN",
@@ -128,6 +131,15 @@ class DoorUsage:
     """This budget's own driver allocations by library, largest first."""
     attribute_only: bool
     """Counted without refusing (``gpubudget run --attribute-only``)."""
+
+    @classmethod
+    def from_trace(cls, door: Door) -> DoorUsage:
+        """The numbers of a trace's ``door`` line (what the door had charged the budget
+        when it exited), as a live report gives them."""
+        return cls(door.foreign, door.peak, door.allocations, door.refusals,
+                   door.last_refused, door.last_refused_by,
+                   tuple(DoorLibrary(name, live, refusals)
+                         for name, live, refusals in door.libraries), door.attribute_only)
 
 
 @dataclass(frozen=True)

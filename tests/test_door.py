@@ -805,3 +805,89 @@ def test_the_viewer_gets_each_budgets_door_numbers_from_a_report(lab: Path, tmp_
     with gpu_budget("1MiB", backend="host", name="plain") as plain:
         without.write_text(plain.report().to_json(), encoding="utf-8")
     assert _data(model_from_report_file(without, max_bytes=1 << 20))["budgets"][0][10] is None
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_a_trace_carries_the_door_and_its_report_and_viewer_show_it(lab: Path, tmp_path: Path,
+                                                                    pure: bool) -> None:
+    """Each traced budget the door charged or refused gets a ``door`` line just before its
+    ``exit``; ``gpubudget report`` of the trace prints the door line each budget's live
+    report printed as it exited, and the viewer draws the same numbers as from a report."""
+    from gpubudget.tracefile import Door, TraceReader
+    from gpubudget.viewer import model_from_trace
+    from gpubudget.viewer.page import _data
+
+    path = tmp_path / "run.jsonl"
+    out = python(lab, f"""
+        def door_line(budget):
+            return [line.strip() for line in str(budget.report()).splitlines()
+                    if "driver allocations" in line][0]
+        with gpu_budget("1MiB", backend="host", name="root", trace={str(path)!r}) as root:
+            with gpu_budget("256KiB", name="child") as child:
+                status, a = driver.alloc(100_000)
+                driver.alloc(200_000)  # refused
+                out["child"] = door_line(child)
+            with gpu_budget("128KiB", name="quiet") as quiet:
+                out["quiet"] = door_line(quiet)  # nothing charged, nothing refused
+            driver.free(a)
+            out["root"] = door_line(root)
+    """, pure)
+    assert out["quiet"] == "driver allocations (through the door): 0 B held, peak 0 B"
+    assert out["child"] == ("driver allocations (through the door): 97.66 KiB held, peak "
+                            "97.66 KiB; by library: libffi.so.8 97.66 KiB; 1 refused, the "
+                            "last 195.31 KiB asked by libffi.so.8")
+    assert out["root"] == "driver allocations (through the door): 0 B held, peak 97.66 KiB"
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    ids = {line["name"]: line["b"] for line in lines if line["ev"] == "enter"}
+    doors = [(index, line) for index, line in enumerate(lines) if line["ev"] == "door"]
+    assert [line["b"] for _, line in doors] == [ids["child"], ids["root"]]  # none for quiet
+    for index, line in doors:
+        assert lines[index + 1] == {"ev": "exit", "t": lines[index + 1]["t"], "b": line["b"]}
+    child_line = {key: value for key, value in doors[0][1].items() if key != "t"}
+    assert child_line == {
+        "ev": "door", "b": ids["child"], "held": 100_000, "own": 0, "allocations": 1,
+        "peak": 100_000, "refusals": 1, "last_refused": 200_000,
+        "last_refused_by": "libffi.so.8", "libraries": [["libffi.so.8", 100_000, 1]],
+        "attribute_only": False}
+    assert (doors[1][1]["held"], doors[1][1]["peak"], doors[1][1]["libraries"]) == (
+        0, 100_000, [])
+
+    parsers = ["json", "msgspec", "c"]  # every reader: the same events
+    readings = []
+    for parser in parsers:
+        try:
+            with TraceReader(path, parser=parser) as reader:
+                readings.append(list(reader.events(door=True)))
+        except ImportError:
+            continue  # that parser is not there
+    assert all(reading == readings[0] for reading in readings)
+    assert [event for event in readings[0] if isinstance(event, Door)][0] == Door(
+        doors[0][1]["t"], ids["child"], 100_000, 0, 1, 100_000, 1, 200_000, "libffi.so.8",
+        (("libffi.so.8", 100_000, 1),), False)
+
+    shown = subprocess.run([sys.executable, "-m", "gpubudget", "report", str(path)],
+                           env=environment(lab), capture_output=True, text=True,
+                           timeout=120, check=True).stdout
+    printed = ["driver allocations" + line.split("driver allocations", 1)[1]
+               for line in shown.splitlines() if "driver allocations" in line]
+    assert printed == [out["root"], out["child"]]  # quiet: no line, as it had no door line
+    as_json = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpubudget", "report", "--json", str(path)],
+        env=environment(lab), capture_output=True, text=True, timeout=120,
+        check=True).stdout)
+    root_report = as_json["roots"][0]
+    assert [child["name"] for child in root_report["children"]] == ["child", "quiet"]
+    assert root_report["children"][0]["driver_door"] == {
+        "held": 100_000, "peak": 100_000, "allocations": 1, "refusals": 1,
+        "last_refused": 200_000, "last_refused_by": "libffi.so.8",
+        "libraries": [{"name": "libffi.so.8", "live": 100_000, "refusals": 1}],
+        "attribute_only": False}
+    assert root_report["children"][1].get("driver_door") is None
+
+    model = model_from_trace(path)
+    assert [budget.name for budget in model.budgets] == ["root", "child", "quiet"]
+    assert [row[10] for row in _data(model)["budgets"]] == [
+        [0, 0, 0, None, []],
+        [100_000, 1, 200_000, "libffi.so.8", [["libffi.so.8", 100_000, 1]]],
+        None]

@@ -27,6 +27,7 @@ from ..extensions import extension
 native: Final = extension("_core", "_native")  # the C core, or None
 
 if TYPE_CHECKING:
+    from ..door.records import DoorNumbers
     from ..tracefile import TraceWriter
     from .ledger import Account
     from .memory import Mapping
@@ -155,7 +156,7 @@ class Recorder:
     """A tree's event log and trace writer (see the module docstring)."""
 
     __slots__ = ("events", "writer", "trace_error", "clock", "published", "family", "base",
-                 "mapping", "root")
+                 "mapping", "root", "doors")
 
     def __init__(self, writer: TraceWriter | None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -169,6 +170,8 @@ class Recorder:
         self.base = 0  # where the root's blocks sit, and a growable root's granules
         self.mapping: Mapping | None = None
         self.root: int | None = None  # the root's budget id, once entered
+        # under the driver door: budget id -> what the door charged it, for its exit's trace
+        self.doors: dict[int, DoorNumbers] = {}
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
@@ -302,7 +305,18 @@ class Recorder:
                           f"ledger: {type(exc).__name__}: {exc}", RuntimeWarning,
                           stacklevel=user_stacklevel())
 
+    def door_at_exit(self, budget: int, numbers: DoorNumbers) -> None:
+        """Budget ``budget``, traced and under the driver door, is about to exit: ``numbers``
+        (what the door charged it) are written on the line before its ``exit`` (see
+        :meth:`exited`). Taken by the budget layer, outside the tree's lock: the hooks
+        charge the door without it anyway."""
+        if self.writer is not None:
+            self.doors[budget] = numbers
+
     def exited(self, budget: int, root: bool) -> None:
+        numbers = self.doors.pop(budget, None) if self.doors else None
+        if numbers is not None and self.writer is not None:
+            self._trace(self.writer.door, budget, numbers)
         if self.writer is not None:
             self._trace(self.writer.exit, budget)
         if root and self.writer is not None:

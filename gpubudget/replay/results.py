@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Final, Union
+from typing import TYPE_CHECKING, Final, Union
 
 from ..adapter import hand_clock
 from ..backends.host import HostBackend, HostReservation
 from ..report import BudgetReport
 from ..tracefile import LIMIT_REASONS, Trace, TraceError, TraceReader
 
+if TYPE_CHECKING:
+    from ..budget import Budget
+    from ..report import DoorUsage
+
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
-           "TraceSource", "as_recorded"]
+           "TraceSource", "as_recorded", "with_door"]
 PROBE_REASONS: Final = LIMIT_REASONS
 """Denial reasons whose requests are replayed as probes (a larger limit would grant them)."""
 TraceSource = Union[Trace, TraceReader, str, "os.PathLike[str]"]
@@ -132,4 +136,30 @@ def as_recorded(report: BudgetReport, recorded: dict[int, int],
         made[id(item)] = replace(item, live_blocks=tuple(blocks),
                                  children=tuple(made.pop(id(child))
                                                 for child in item.children))
+    return made[id(report)]
+
+
+def with_door(report: BudgetReport, budget: Budget,
+              door: dict[Budget, DoorUsage]) -> BudgetReport:
+    """``report`` (of the replayed ``budget``) with the driver door's numbers that the trace
+    recorded (``door``: replayed budget -> its ``door`` line's numbers) on each budget's
+    report. A replay has no door: these are the recording's, as the budget's exit saw them.
+    The report and the budgets are walked side by side: a report's children are its
+    budget's, in the same order (taken at one moment: a replay runs in one thread)."""
+    pairs: list[tuple[BudgetReport, Budget | None]] = []
+    stack: list[tuple[BudgetReport, Budget | None]] = [(report, budget)]
+    while stack:  # parents before children, without recursion
+        item, member = stack.pop()
+        pairs.append((item, member))
+        children = member.children if member is not None else ()
+        if len(children) != len(item.children):
+            children = ()  # not the same tree (never, in one thread): shown without the door
+        stack.extend((child, children[index] if children else None)
+                     for index, child in enumerate(item.children))
+    made: dict[int, BudgetReport] = {}
+    for item, member in reversed(pairs):  # children before parents
+        made[id(item)] = replace(
+            item, driver_door=door.get(member, item.driver_door) if member is not None
+            else item.driver_door,
+            children=tuple(made.pop(id(child)) for child in item.children))
     return made[id(report)]

@@ -11,11 +11,12 @@ from dataclasses import replace
 from ..budget import Budget
 from ..adapter import hooks, separate_roots
 from ..errors import BudgetError, GpuBudgetError
-from ..report import BudgetReport
+from ..report import BudgetReport, DoorUsage
 from ..tracefile import (
     MAX_TRACE_BYTES,
     Sink,
     Alloc,
+    Door,
     Enter,
     Exit,
     Free,
@@ -33,6 +34,7 @@ from .results import (
     ReplayError,
     ReplayResult,
     TraceSource,
+    with_door,
 )
 
 __all__ = ["PROBE_REASONS", "Recorded", "ReplayBackend", "ReplayError", "ReplayResult",
@@ -99,8 +101,9 @@ class Replayer:
         self.blocks: dict[int, tuple[_Member, int, int]] = {}  # -> (member, address, bytes)
         self.stacks: dict[int, tuple[str, ...]] = {}  # replayed address -> recorded stack
         self.shortfall = 0  # stop_at_denial: how much more limit the refused request needed
+        self.door: dict[int, Door] = {}  # budget id -> its trace's door line (the driver door)
 
-    def run(self, events: Iterable[TraceEvent]) -> ReplayResult:
+    def run(self, events: Iterable[TraceEvent | Door]) -> ReplayResult:
         """Replay ``events`` (up to the first denial, with ``stop_at_denial``); the roots'
         reports and every budget's numbers."""
         try:
@@ -128,7 +131,7 @@ class Replayer:
         self.stop_at_denial = True
         return bool(self.run(events).denials)
 
-    def play(self, events: Iterable[TraceEvent]) -> None:
+    def play(self, events: Iterable[TraceEvent | Door]) -> None:
         """The loop: granted allocations and frees inline (most events), the rest by
         method."""
         backend = self.backend
@@ -179,6 +182,8 @@ class Replayer:
                     self.exit(event)
                 elif type(event) is Resize:
                     self.resize(event)
+                elif type(event) is Door:
+                    self.door[event.budget] = event  # for the reports: nothing to replay
             if unpins and index in unpins:
                 for budget in unpins.pop(index):
                     hooks(budget).unpin()
@@ -219,7 +224,10 @@ class Replayer:
         budget = self.members[root].budget
         assert budget is not None  # a root whose entry fails ends the replay
         recorded = {address: ptr for ptr, (_, address, _) in self.blocks.items()}
-        return as_recorded(budget.report(), recorded, self.stacks)
+        report = as_recorded(budget.report(), recorded, self.stacks)
+        door = {member.budget: DoorUsage.from_trace(line) for bid, line in self.door.items()
+                if (member := self.members[bid]).budget is not None}
+        return with_door(report, budget, door) if door else report
 
     @staticmethod
     def recorded(member: _Member) -> Recorded:
@@ -378,13 +386,15 @@ def replay(
     ('pool', 100096, 1, 'weights')
     """
     if isinstance(trace, Trace):
-        return Replayer(limits or {}, last_uses=last_uses_of(trace.events)).run(trace.events)
+        replayer = Replayer(limits or {}, last_uses=last_uses_of(trace.events))
+        replayer.door = {line.budget: line for line in trace.door}
+        return replayer.run(trace.events)
     replayer = Replayer(limits or {})
     if isinstance(trace, TraceReader):
-        return replace(replayer.run(trace.events(sink=replayer.sink())),
+        return replace(replayer.run(trace.events(sink=replayer.sink(), door=True)),
                        cut_short=trace.cut_short)
     with TraceReader(trace, max_bytes=max_bytes, progress=progress) as reader:
-        return replace(replayer.run(reader.events(sink=replayer.sink())),
+        return replace(replayer.run(reader.events(sink=replayer.sink(), door=True)),
                        cut_short=reader.cut_short)
 
 def last_uses_of(events: Iterable[TraceEvent]) -> dict[int, int]:

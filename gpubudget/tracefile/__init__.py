@@ -22,6 +22,16 @@ unique in the file:
 - ``{"ev": "free", "t", "b", "ptr"}``: the block at ``ptr`` of budget ``b`` was freed;
 - ``{"ev": "resize", "t", "b", "ptr", "size", "align", "bytes"}``: the block at ``ptr`` was
   resized in place (a move is recorded as an ``alloc`` and a ``free``);
+- ``{"ev": "door", "t", "b", "held", "own", "allocations", "peak", "refusals",
+  "last_refused", "last_refused_by", "libraries", "attribute_only"}``: under the driver door
+  (``gpubudget run``), what the door had charged budget ``b`` when its ``with`` block
+  ended, on the line just before its ``exit``: the numbers of
+  :class:`gpubudget.door.DoorNumbers` (``held`` counts a root's own memory, ``own``;
+  ``allocations`` is its ``live``, the driver allocations made in the budget itself still
+  live; ``last_refused_by`` the library that asked the last request refused here, or null),
+  and ``libraries``, the budget's own driver allocations by library, largest first, as
+  ``[name, live bytes, refusals]`` lists (at most 64). Written only under the door, and only
+  for a budget the door charged or refused something (its ``peak`` or ``refusals`` not 0);
 - ``{"ev": "exit", "t", "b"}``: the budget's ``with`` block ended;
 - ``{"ev": "frame", "id", "at"}``: defines frame ``id`` (``"file:line in function"``) for
   the stacks of later ``alloc`` lines. A budget with ``track_stacks=True`` writes each
@@ -38,9 +48,10 @@ unique in the file:
   yields no event for it; :attr:`TraceReader.lost` gives the count and
   :attr:`TraceReader.cut_short` says the trace stops there (see :mod:`.queue`).
 
-Names, tags, reasons and backend names are at most :data:`MAX_TEXT` (1024) characters: the
-writer shortens a longer one to 1023 characters and ``…``; a refused ``size`` or ``bytes``
-beyond 64 bits is written as ``2**63 - 1``. So every line gpubudget writes is far shorter
+Names, tags, reasons, backend names and a door line's library names are at most
+:data:`MAX_TEXT` (1024) characters: the writer shortens a longer one to 1023 characters and
+``…``; a refused ``size`` or ``bytes`` beyond 64 bits is written as ``2**63 - 1``, and a door
+line's numbers are kept within ``[0, 2**63)``. So every line gpubudget writes is far shorter
 than :data:`MAX_LINE_BYTES` and within the ranges below: every trace it writes, it reads.
 
 Writers are shared per path within a process, so several root budgets (``GPUBUDGET_TRACE``)
@@ -69,18 +80,25 @@ and what is wrong:
 - granules: ``granule`` is a power of two, on a root's line with its ``base`` (>= 0);
   ``map`` and ``unmap`` name a growable root entered earlier, and whole granules of its
   range, each not yet mapped (``map``) or mapped (``unmap``);
+- door lines: ``held``, ``own``, ``allocations``, ``peak``, ``refusals`` and
+  ``last_refused`` integers >= 0, ``last_refused_by`` a string or null, ``libraries`` a list
+  of ``[name, bytes, refusals]`` (a non-blank string, two integers >= 0), ``attribute_only``
+  true or false (absent: false); the budget entered earlier and not yet exited;
 - blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
   not live in the same tree (a block still live in another tree is dropped: that tree was
   garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a
   limit or fragmentation); ``free`` and ``resize`` name a live block of that budget.
 
 Keys not named above are ignored (room for later writers of version 1). Frame lines came
-later in version 1, and then ``base``, ``granule``, ``map`` and ``unmap``: a gpubudget older
-than them reads the keys as unknown, and refuses a trace with stacks, or with a growable
-root's granules, naming the ``frame`` or ``map`` event it does not know; this one reads the
-traces those wrote. Iterating a reader (and replaying, and ``fit``) leaves the ``map`` and
-``unmap`` events out, checked: a replay maps its own memory;
-:meth:`TraceReader.events_with_mappings` gives them too (the viewer draws them). Empty lines are skipped (a run of them a buffer at a
+later in version 1, then ``base``, ``granule``, ``map`` and ``unmap``, then ``door``: a
+gpubudget older than them reads the keys as unknown, and refuses a trace with stacks, with a
+growable root's granules, or written under the driver door, naming the ``frame``, ``map`` or
+``door`` event it does not know; this one reads the traces those wrote. Iterating a reader
+(and ``fit``) leaves the ``map``, ``unmap`` and ``door`` events out, checked: a replay maps
+its own memory, and has no door; :meth:`TraceReader.events_with_mappings` gives the
+mappings too (the viewer draws them), and ``door=True`` (there and in
+:meth:`TraceReader.events`) the door's :class:`Door` events (``gpubudget report`` and the
+viewer show them). Empty lines are skipped (a run of them a buffer at a
 time, so a file of nothing else reads at disk speed; they still count as lines in the
 messages and toward ``max_bytes``). A last line cut short without its newline (the writing
 process was killed mid-line) is skipped, and :attr:`TraceReader.cut_short` says so. The
@@ -100,7 +118,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Final
 
-from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
+from .events import (Alloc, Door, Enter, Exit, Free, Header, Map, MappingEvent, Resize,
+                     TraceEvent, Unmap)
 from .format import (
     BUFFER_BYTES,
     FLUSH_BYTES,
@@ -143,6 +162,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Alloc",
     "BUFFER_BYTES",
+    "Door",
     "Enter",
     "Exit",
     "FLUSH_BYTES",

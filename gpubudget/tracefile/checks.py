@@ -7,7 +7,8 @@ import math
 from collections.abc import Callable
 from typing import Any, Final
 
-from .events import Alloc, Enter, Exit, Free, Header, Map, MappingEvent, Resize, TraceEvent, Unmap
+from .events import (Alloc, Door, Enter, Exit, Free, Header, Map, MappingEvent, Resize,
+                     TraceEvent, Unmap)
 from ..text import quote as _quote
 from .format import FORMAT, LIMIT_REASONS, MAX_FRAMES, VERSION
 
@@ -115,6 +116,24 @@ def _alignment(record: dict[str, Any], *, zero: bool) -> int:
     return value
 
 
+def _libraries(record: dict[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    """A ``door`` line's ``libraries``: ``[name, live bytes, refusals]`` triples."""
+    value = _field(record, "libraries")
+    if type(value) is not list:
+        raise Bad(f"'libraries' must be a list of [name, bytes, refusals], got "
+                  f"{_quote(value)}")
+    found = []
+    for index, item in enumerate(value):
+        if (type(item) is not list or len(item) != 3 or type(item[0]) is not str
+                or not item[0].strip() or any(type(number) is not int
+                                              or not 0 <= number < _INT_RANGE
+                                              for number in item[1:])):
+            raise Bad(f"'libraries'[{index}] must be [name, bytes, refusals] (a non-blank "
+                      f"string and two integers >= 0 and below 2**63), got {_quote(item)}")
+        found.append((item[0], item[1], item[2]))
+    return tuple(found)
+
+
 class Validator:
     """The rules of the module docstring that span lines: ids, parents, live blocks."""
 
@@ -124,10 +143,12 @@ class Validator:
         self.frames: dict[int, str] = {}  # frame id -> its text (``frame`` lines)
         self.frame_lines: dict[int, int] = {}  # frame id -> the line that defined it
         self.line = 0  # the line being checked
-        self.handlers: dict[str, Callable[[dict[str, Any]], TraceEvent | MappingEvent | None]] = {
+        self.handlers: dict[str, Callable[[dict[str, Any]],
+                                          TraceEvent | MappingEvent | Door | None]] = {
             "enter": self.enter, "alloc": self.alloc, "free": self.free,
             "resize": self.resize, "exit": self.exit, "frame": self.frame,
             "map": self.map, "unmap": self.unmap, "lost": self.lost_line,
+            "door": self.door,
         }
         self.lost = 0  # events the writer dropped (``lost`` lines), the trace stopping there
         self.lost_at: float | None = None  # the ``t`` of the first ``lost`` line
@@ -330,6 +351,25 @@ class Validator:
         if self.lost_at is None:
             self.lost_at = t
         return None
+
+    def door(self, record: dict[str, Any]) -> Door:
+        """A ``door`` line: what the driver door charged a budget entered earlier, written
+        before its ``exit``."""
+        t = _time(record)
+        budget = self.known(record)
+        entry = self.budgets[budget]
+        if entry.exited:
+            raise Bad(f"{self.describe(budget)} already exited, at line {entry.exited}; its "
+                      f"door line comes before its exit")
+        held, own, allocations, peak, refusals, last_refused = (
+            _integer(record, key, 0) for key in ("held", "own", "allocations", "peak",
+                                                 "refusals", "last_refused"))
+        last_refused_by = _text(record, "last_refused_by", optional=True)
+        attribute_only = record.get("attribute_only", False)
+        if type(attribute_only) is not bool:
+            raise Bad(f"'attribute_only' must be true or false, got {_quote(attribute_only)}")
+        return Door(t, budget, held, own, allocations, peak, refusals, last_refused,
+                    last_refused_by, _libraries(record), attribute_only)
 
     def exit(self, record: dict[str, Any]) -> Exit:
         t = _time(record)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Union
 
-__all__ = ["Alloc", "Enter", "Exit", "Free", "Header", "Map", "MappingEvent", "Resize",
+__all__ = ["Alloc", "Door", "Enter", "Exit", "Free", "Header", "Map", "MappingEvent", "Resize",
            "TraceEvent", "Unmap"]
 
 
@@ -103,6 +103,32 @@ class Exit(NamedTuple):
 
     t: float
     budget: int
+
+
+class Door(NamedTuple):
+    """Under the driver door (``gpubudget run``): what the door had charged ``budget`` when
+    its ``with`` block ended, the numbers of :class:`gpubudget.door.DoorNumbers` (written on
+    the line before the budget's ``exit``). ``held`` counts a root's own memory (``own``)
+    too; ``allocations`` is the driver allocations made in the budget itself still live;
+    ``libraries`` its own allocations by library, ``(name, live bytes, refusals)``, largest
+    first."""
+
+    t: float
+    budget: int
+    held: int
+    own: int
+    allocations: int
+    peak: int
+    refusals: int
+    last_refused: int
+    last_refused_by: str | None
+    libraries: tuple[tuple[str, int, int], ...]
+    attribute_only: bool
+
+    @property
+    def foreign(self) -> int:
+        """Bytes charged through the door that are not a root's own memory."""
+        return max(self.held - self.own, 0)
 
 
 TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]

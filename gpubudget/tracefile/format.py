@@ -34,10 +34,11 @@ counted; see :mod:`.queue`."""
 MAX_LINE_BYTES: Final = 1 << 20
 """Longest line a reader accepts, newline included (1 MiB; the writer's lines are ~100 B)."""
 MAX_TEXT: Final = 1024
-"""Longest name, tag, reason or backend name the writer writes, in characters: a longer one
-is cut to ``MAX_TEXT - 1`` characters and ``…``. JSON writes a character in 12 bytes at most
-(a surrogate pair), and a line holds two such texts, so every line written stays far below
-:data:`MAX_LINE_BYTES`: every trace gpubudget writes, gpubudget reads."""
+"""Longest name, tag, reason, backend name or library name the writer writes, in characters:
+a longer one is cut to ``MAX_TEXT - 1`` characters and ``…``. JSON writes a character in 12
+bytes at most (a surrogate pair), and a line holds two such texts (a ``door`` line 65: its
+64 libraries at most, and the one refused last, under 800 KiB), so every line written stays
+below :data:`MAX_LINE_BYTES`: every trace gpubudget writes, gpubudget reads."""
 MAX_FRAMES: Final = 512
 """Most frames an allocation's ``stack`` holds: the writer keeps the innermost ones."""
 MAX_TRACE_BYTES: Final = 4 << 30

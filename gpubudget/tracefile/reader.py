@@ -8,13 +8,13 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, Final, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Final, Literal, cast, overload
 
 from ..units import format_size
 from .checks import Bad, Validator, header
-from .events import Header, Map, MappingEvent, TraceEvent, Unmap
+from .events import Door, Header, Map, MappingEvent, TraceEvent, Unmap
 from .cscan import NATIVE, Sink, scanner
 from .fastparse import AVAILABLE, fast_lines
 from .format import (
@@ -188,11 +188,22 @@ class TraceReader:
     def __iter__(self) -> Iterator[TraceEvent]:
         return self.events()
 
-    def events(self, sink: Sink | None = None) -> Iterator[TraceEvent]:
+    @overload
+    def events(self, sink: Sink | None = None, *,
+               door: Literal[False] = False) -> Iterator[TraceEvent]: ...
+
+    @overload
+    def events(self, sink: Sink | None = None, *,
+               door: Literal[True]) -> Iterator[TraceEvent | Door]: ...
+
+    def events(self, sink: Sink | None = None, *,
+               door: bool = False) -> Iterator[TraceEvent] | Iterator[TraceEvent | Door]:
         """The events, as iterating the reader gives them; with ``sink`` (the tables of a
         replay, see :mod:`gpubudget.replay.run`) and the C scanner, the granted allocations
         and frees that the replay can take whole are replayed into it as they are read, and
-        only the other events are yielded, in order.
+        only the other events are yielded, in order. With ``door=True``, the
+        :class:`~gpubudget.tracefile.Door` events of a trace written under the driver door
+        come too (left out otherwise, checked).
 
         >>> import os, tempfile
         >>> from gpubudget import gpu_budget
@@ -204,19 +215,32 @@ class TraceReader:
         ...     [(type(event).__name__, event.t >= 0) for event in reader.events()]
         [('Enter', True), ('Alloc', True), ('Free', True), ('Exit', True)]
         """
-        return cast("Iterator[TraceEvent]", self._events(sink, False))  # none left out
+        if door:
+            return cast("Iterator[TraceEvent | Door]", self._events(sink, False, True))
+        return cast("Iterator[TraceEvent]", self._events(sink, False, False))  # none left out
 
-    def events_with_mappings(self) -> Iterator[TraceEvent | MappingEvent]:
+    @overload
+    def events_with_mappings(self, *, door: Literal[False] = False
+                             ) -> Iterator[TraceEvent | MappingEvent]: ...
+
+    @overload
+    def events_with_mappings(self, *, door: Literal[True]
+                             ) -> Iterator[TraceEvent | MappingEvent | Door]: ...
+
+    def events_with_mappings(self, *, door: bool = False
+                             ) -> Iterator[TraceEvent | MappingEvent | Door]:
         """The events, with the :class:`~gpubudget.tracefile.Map` and
         :class:`~gpubudget.tracefile.Unmap` events of growable roots among them (which the
-        other ways of reading check and leave out: a replay maps its own memory)."""
-        return self._events(None, True)
+        other ways of reading check and leave out: a replay maps its own memory); with
+        ``door=True``, the :class:`~gpubudget.tracefile.Door` events too."""
+        return self._events(None, True, door)
 
-    def _events(self, sink: Sink | None, mappings: bool
-                ) -> Iterator[TraceEvent | MappingEvent]:
+    def _events(self, sink: Sink | None, mappings: bool, door: bool
+                ) -> Iterator[TraceEvent | MappingEvent | Door]:
         if self._iterated:
             raise RuntimeError(f"{self.name}: a TraceReader is read once; open another")
         self._iterated = True
+        left_out = (() if mappings else _MAPPINGS) + (() if door else (Door,))
         validator = Validator()
         handlers = validator.handlers
         # the C scanner leaves few lines, not worth importing msgspec for
@@ -260,7 +284,7 @@ class TraceReader:
                 raise self._error(f"{kind} event: {exc}") from None
             if kind == "lost":
                 self._lost(validator)
-            if event is not None and (mappings or type(event) not in _MAPPINGS):
+            if event is not None and type(event) not in left_out:
                 yield event  # None: a frame line, kept by the validator
 
     def _lost(self, validator: Validator) -> None:
@@ -441,14 +465,24 @@ def _json_kind(value: object) -> str:
 
 @dataclass(frozen=True)
 class Trace:
-    """A trace file's header and events, validated and held in memory (small traces)."""
+    """A trace file's header and events, validated and held in memory (small traces);
+    ``door``: the :class:`~gpubudget.tracefile.Door` events of a trace written under the
+    driver door, apart (``events`` holds what iterating a reader gives)."""
 
     header: Header
     events: list[TraceEvent]
+    door: list[Door] = field(default_factory=list)
 
 
 def read_trace(path: str | os.PathLike[str], *, max_bytes: int = MAX_TRACE_BYTES) -> Trace:
     """Read and validate a whole trace file into memory; :class:`TraceError` with one clear
     line if it is not a valid trace. For large traces iterate a :class:`TraceReader`."""
+    events: list[TraceEvent] = []
+    door: list[Door] = []
     with TraceReader(path, max_bytes=max_bytes) as reader:
-        return Trace(reader.header, list(reader))
+        for event in reader.events(door=True):
+            if isinstance(event, Door):
+                door.append(event)
+            else:
+                events.append(event)
+        return Trace(reader.header, events, door)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import TraceError, TraceWriteError, raise_if_from_outside
 from ..extensions import extension
@@ -24,10 +24,21 @@ from .format import FLUSH_SECONDS, FORMAT, VERSION
 from .queue import TraceQueue, new_queue, shortened, wait
 from ..text import printable
 
+if TYPE_CHECKING:
+    from ..door.records import DoorNumbers
+
 __all__ = ["TraceWriter", "shortened", "writers_in_use"]
 
 _MAX_INT: Final = (1 << 63) - 1
 """Largest integer the reader accepts: a refused request for more is written as this."""
+_DOOR_LIBRARIES: Final = 64
+"""Libraries a ``door`` line lists at most (the door tells 64 apart): with each name at most
+:data:`~.format.MAX_TEXT` characters, the line stays below :data:`~.format.MAX_LINE_BYTES`."""
+
+
+def _count(value: int) -> int:
+    """A door number as the reader accepts it: within ``[0, 2**63)``."""
+    return min(max(int(value), 0), _MAX_INT)
 
 
 class TraceWriter:
@@ -208,6 +219,21 @@ class TraceWriter:
         """The block at ``address`` was resized in place to ``nbytes`` (aligned)."""
         self._event("resize", {"b": budget, "ptr": address, "size": size, "align": align,
                                "bytes": nbytes})
+
+    def door(self, budget: int, numbers: DoorNumbers) -> None:
+        """Under the driver door: what it had charged ``budget`` when its ``with`` block
+        ended (``numbers``, :func:`gpubudget.door.numbers`' answer), on the line before the
+        budget's ``exit``. Library names are shortened as other texts are, and at most
+        64 libraries are listed (all the door tells apart)."""
+        self._event("door", {
+            "b": budget, "held": _count(numbers.held), "own": _count(numbers.own),
+            "allocations": _count(numbers.live), "peak": _count(numbers.peak),
+            "refusals": _count(numbers.refusals), "last_refused": _count(numbers.last_refused),
+            "last_refused_by": (None if numbers.last_refused_by is None
+                                else shortened(numbers.last_refused_by)),
+            "libraries": [[shortened(lib.name), _count(lib.live_bytes), _count(lib.refusals)]
+                          for lib in numbers.libraries[:_DOOR_LIBRARIES]],
+            "attribute_only": bool(numbers.attribute_only)})
 
     def exit(self, budget: int) -> None:
         """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed.

@@ -1,6 +1,7 @@
 """Reading a trace into a :class:`~gpubudget.viewer.model.ViewModel`: its accounting replayed
-(``used`` with reserves, as the ledger charges it), every block's life, the roots' regions
-and a growable root's mapped granules (see :mod:`gpubudget.viewer.model`)."""
+(``used`` with reserves, as the ledger charges it), every block's life, the roots' regions,
+a growable root's mapped granules and, for a trace written under the driver door, what the
+door charged each budget (see :mod:`gpubudget.viewer.model`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from ..tracefile import (
     MAX_TRACE_BYTES,
     Alloc,
+    Door,
     Enter,
     Exit,
     Free,
@@ -163,6 +165,15 @@ class TraceState:
         if placed is not None:
             self.model.regions.append((root, placed[0], placed[1], self.spans[root][0], at))
 
+    def door(self, event: Door) -> None:
+        """A ``door`` line (the trace written under the driver door): what the door had
+        charged the budget when it exited, by library, and its refusals, drawn in its row
+        of the budget tree as from a report. No event of the timelines: the door's bytes
+        are not the budget's blocks."""
+        from ..report import DoorUsage  # here: most traces have no door line
+
+        self.model.budgets[self.index[event.budget]].door = DoorUsage.from_trace(event)
+
     def exit(self, event: Exit) -> None:
         at = self.model.tick(event.t)
         budget = self.index[event.budget]
@@ -191,9 +202,9 @@ def model_from_trace(path: str | os.PathLike[str], *, title: str | None = None,
     state = TraceState(model)
     handlers: dict[type, Any] = {Enter: state.enter, Alloc: state.alloc, Free: state.free,
                                  Resize: state.free, Exit: state.exit, Map: state.mapped,
-                                 Unmap: state.mapped}
+                                 Unmap: state.mapped, Door: state.door}
     with TraceReader(path, max_bytes=max_bytes, progress=progress) as reader:
-        for event in reader.events_with_mappings():
+        for event in reader.events_with_mappings(door=True):
             handlers[type(event)](event)
     model.end = max(model.times[-1] if model.times else 0.0,
                     max((d[0] for d in model.denials), default=0.0))
