@@ -290,3 +290,19 @@ def test_a_budget_exits_even_when_asking_the_door_is_cut_short(
     writer_for(path).flush()
     assert [line["ev"] for line in map(json.loads, path.read_text().splitlines()[1:])] == [
         "enter", "exit"]
+
+
+def test_report_prints_a_traces_library_names_safely(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A trace is input: a library name that a terminal would act on is printed escaped."""
+    from gpubudget.cli.traces import report_command
+
+    evil = "lib\x1b]0;owned\x07.so"
+    path = write(tmp_path / "evil.jsonl", [
+        HEADER, ROOT, {**ROOT_DOOR, "refusals": 1, "last_refused": MiB,
+                       "last_refused_by": evil, "libraries": [[evil, MiB, 1]]}, EXIT_ROOT])
+    report_command(str(path), None, False, None, 1 << 30)
+    shown = capsys.readouterr().out
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert ("by library: lib\\x1b]0;owned\\x07.so 1.00 MiB; 1 refused, the last 1.00 MiB "
+            "asked by lib\\x1b]0;owned\\x07.so") in shown

@@ -16,7 +16,7 @@ from ..errors import GpuBudgetError
 from ..plot import plot_format
 from ..replay import Fit, ReplayResult, fit, replay
 from ..replay.fit import reading_progress
-from ..report import BudgetReport, LiveBlock
+from ..report import BudgetReport, DoorUsage, LiveBlock
 from ..tracefile import TraceReader
 from ..text import printable
 from ..units import GiB, KiB, MiB, format_size
@@ -50,8 +50,20 @@ def _safe_report(report: BudgetReport) -> BudgetReport:
             live_blocks=tuple(_safe_block(block) for block in item.live_blocks),
             by_tag=tuple(dataclasses.replace(u, tag=printable(u.tag)) for u in item.by_tag),
             callback_errors=tuple(printable(error) for error in item.callback_errors),
+            driver_door=_safe_door(item.driver_door),
         )
     return made[id(report)]
+
+
+def _safe_door(door: DoorUsage | None) -> DoorUsage | None:
+    """``door`` (a trace's door line) with its library names printable."""
+    if door is None:
+        return None
+    return dataclasses.replace(
+        door, last_refused_by=None if door.last_refused_by is None
+        else printable(door.last_refused_by),
+        libraries=tuple(dataclasses.replace(lib, name=printable(lib.name))
+                        for lib in door.libraries))
 
 
 def _safe_block(block: LiveBlock) -> LiveBlock:
