@@ -94,11 +94,11 @@ later in version 1, then ``base``, ``granule``, ``map`` and ``unmap``, then ``do
 gpubudget older than them reads the keys as unknown, and refuses a trace with stacks, with a
 growable root's granules, or written under the driver door, naming the ``frame``, ``map`` or
 ``door`` event it does not know; this one reads the traces those wrote. Iterating a reader
-(and ``fit``) leaves the ``map``, ``unmap`` and ``door`` events out, checked: a replay maps
-its own memory, and has no door; :meth:`TraceReader.events_with_mappings` gives the
-mappings too (the viewer draws them), and ``door=True`` (there and in
-:meth:`TraceReader.events`) the door's :class:`Door` events (``gpubudget report`` and the
-viewer show them). Empty lines are skipped (a run of them a buffer at a
+(and replaying, and ``fit``) leaves the ``map`` and ``unmap`` events out, checked: a replay
+maps its own memory; :meth:`TraceReader.events_with_mappings` gives them too (the viewer
+draws them). It leaves the ``door`` events out too, checked (``fit`` has no door);
+``door=True``, there and in :meth:`TraceReader.events`, gives them as :class:`Door` events
+(a replay's reports and the viewer show their numbers). Empty lines are skipped (a run of them a buffer at a
 time, so a file of nothing else reads at disk speed; they still count as lines in the
 messages and toward ``max_bytes``). A last line cut short without its newline (the writing
 process was killed mid-line) is skipped, and :attr:`TraceReader.cut_short` says so. The

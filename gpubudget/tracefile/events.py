@@ -132,6 +132,7 @@ class Door(NamedTuple):
 
 
 TraceEvent = Union[Enter, Alloc, Free, Resize, Exit]
-"""One validated event of a trace (what a reader yields unless asked for mappings)."""
+"""One validated event of a trace (what a reader yields unless asked for mappings, or for the
+driver door's :class:`Door` events too)."""
 MappingEvent = Union[Map, Unmap]
 """A growable root's change of what it has mapped (yielded only when asked for)."""
