@@ -807,6 +807,83 @@ def test_the_viewer_gets_each_budgets_door_numbers_from_a_report(lab: Path, tmp_
     assert _data(model_from_report_file(without, max_bytes=1 << 20))["budgets"][0][10] is None
 
 
+# -- the door and gpubudget's allocator at the same moment ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def hooked(lab: Path) -> Path:
+    """The door built with its tests' hook: ``gbd_test_between(fn)`` has the next charge
+    call ``fn`` once, after it checked the limit and before it adds its bytes."""
+    cc = build.compiler()
+    assert cc is not None
+    target = lab / "libgpubudget_door-hooked.so"
+    subprocess.run([cc, *build.FLAGS, "-DGBD_TEST_HOOKS", "-o", str(target),
+                    str(build.SOURCE), *build.LIBS], check=True)
+    return target
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_an_allocation_between_the_doors_check_and_its_charge_is_seen(
+        lab: Path, hooked: Path, pure: bool) -> None:
+    # the door has checked 192 KiB against the model's 256 KiB, and gpubudget's allocator
+    # takes 128 KiB before the door adds them: the door reads the allocator's word again
+    # after adding, and refuses; never both, 320 KiB, in a 256 KiB budget
+    out = python(lab, """
+        hook = ctypes.CDLL(None).gbd_test_between
+        hook.argtypes = [ctypes.c_void_p]
+        with gpu_budget("1MiB", backend="host", name="root") as root:
+            with gpu_budget("256KiB", name="model") as model:
+                blocks = []
+                @ctypes.CFUNCTYPE(None)
+                def between():
+                    blocks.append(model.allocate(128 << 10))
+                hook(ctypes.cast(between, ctypes.c_void_p))
+                status, p = driver.alloc(192 << 10)
+                out["door"] = status
+                out["block"] = blocks[0] is not None
+                out["model"] = [model.report().used, held(model)]
+                out["root"] = held(root)
+                model.free(blocks[0])
+    """, pure, GPUBUDGET_DOOR_LIB=str(hooked))
+    assert out == {"door": 2, "block": True, "model": [128 << 10, 0], "root": 0}
+
+
+@pytest.mark.parametrize("pure", CORES)
+def test_a_driver_allocation_between_the_allocators_check_and_its_charge_is_seen(
+        lab: Path, pure: bool) -> None:
+    # gpubudget's allocator has checked 3 MiB against the model's 4 MiB and, before it
+    # charges them, maps a granule of its growable root; meanwhile another thread of the
+    # model asks the driver for 2 MiB: the allocator showed the door its 3 MiB first, so the
+    # door refuses; never both, 5 MiB, in a 4 MiB budget
+    out = python(lab, """
+        from backend import FakeCudaBackend
+        from gpubudget.backends.virtual import CudaVirtualRange
+        MiB = 1 << 20
+        other = []
+        class Range(CudaVirtualRange):
+            def map(self, index):
+                if not other:
+                    thread = threading.Thread(target=bind(lambda: other.append(
+                        driver.alloc(2 * MiB))))
+                    thread.start(); thread.join()
+                super().map(index)
+        class Backend(FakeCudaBackend):
+            def reserve_virtual(self, nbytes, granule):
+                return Range(self, nbytes, granule)
+        before = driver.used()
+        with gpu_budget("16MiB", backend=Backend(), initial=0, name="grows") as root:
+            with gpu_budget("4MiB", name="model") as model:
+                block = model.allocate(3 * MiB)
+                out["block"] = block is not None
+                out["door"] = other[0][0]
+                out["model"] = [model.report().used, held(model)]
+                out["device"] = driver.used() - before
+                model.free(block)
+    """, pure)
+    MiB = 1 << 20
+    assert out == {"block": True, "door": 2, "model": [3 * MiB, 0], "device": 4 * MiB}
+
+
 @pytest.mark.parametrize("pure", CORES)
 def test_a_trace_carries_the_door_and_its_report_and_viewer_show_it(lab: Path, tmp_path: Path,
                                                                     pure: bool) -> None:

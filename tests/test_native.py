@@ -157,7 +157,7 @@ def test_ledgers_agree(seed: int) -> None:
                 reserve = 0
             pairs.append((native.Account(f"a{i}", limit, reserve, parent[0]),
                           ledger.PYTHON[0](f"a{i}", limit, reserve, parent[1])))
-        _, py_available, py_charge, py_passed_up, py_refusal = ledger.PYTHON
+        _, py_available, py_charge, py_passed_up, py_refusal = ledger.PYTHON[:5]
         for _ in range(40):
             c, py = pairs[rng.randrange(len(pairs))]
             delta = rng.choice([rng.randint(-300, 600), 2**70, -(2**70), 0])
@@ -172,6 +172,77 @@ def test_ledgers_agree(seed: int) -> None:
             assert native.passed_up(c, c.used) == py_passed_up(py, py.used)
             for a, b in pairs:
                 assert (a.used, a.peak, a.depth, a.plain) == (b.used, b.peak, b.depth, b.plain)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_claims_agree_and_leave_the_door_the_bytes_being_charged(seed: int) -> None:
+    # under the driver door, a claim shows the door what ``used`` will be before it reads the
+    # door's bytes again; one that passes stands until charge or settle, one that is refused
+    # leaves every word as it was: both ledgers, the same answers and words
+    assert native is not None
+    rng = random.Random(seed)
+    _, _, py_charge, _, _, py_claim, py_settle = ledger.PYTHON
+    for _ in range(100):
+        pairs: list[tuple[Any, Any, memoryview, memoryview]] = []
+        for i in range(rng.randint(1, 5)):
+            parent = pairs[rng.randrange(i)] if i else (None, None, None, None)
+            limit = rng.randint(0, 3000)
+            reserve = rng.choice([0, 0, rng.randint(0, 500)]) if i else 0
+            c = native.Account(f"a{i}", limit, reserve, parent[0])
+            py = ledger.PYTHON[0](f"a{i}", limit, reserve, parent[1])
+            words = (memoryview(bytearray(24)).cast("q"), memoryview(bytearray(24)).cast("q"))
+            if rng.random() < 0.7:  # levels under the door, and levels not
+                held, own = rng.randint(0, 800), rng.choice([0, 0, rng.randint(0, 400)])
+                for w in words:
+                    w[0], w[2] = held, own
+                c.door, py.door = words
+            pairs.append((c, py, *words))
+        for _ in range(30):
+            c, py, _, _ = pairs[rng.randrange(len(pairs))]
+            delta = rng.randint(1, 700)
+            before = [(list(a), list(b)) for _, _, a, b in pairs]
+            refused_c, refused_py = native.claim(c, delta), py_claim(py, delta)
+            assert (refused_c is None) == (refused_py is None)
+            if refused_c is not None and refused_py is not None:
+                assert refused_c.name == refused_py.name
+                assert [(list(a), list(b)) for _, _, a, b in pairs] == before  # settled
+            elif rng.random() < 0.7:
+                native.charge(c, delta)
+                py_charge(py, delta)
+            else:  # the arena could not place it: withdrawn
+                native.settle(c)
+                py_settle(py)
+                assert [(list(a), list(b)) for _, _, a, b in pairs] == before
+            for a, b, wa, wb in pairs:
+                assert (a.used, a.peak) == (b.used, b.peak)
+                assert list(wa) == list(wb)
+                if a.door is not None:
+                    assert wa[1] == a.used  # charged or settled: the door sees ``used``
+
+
+def test_a_claim_stands_until_charged_or_settled() -> None:
+    assert native is not None
+    cores: list[tuple[Any, Any, Any, Any]] = [
+        (native.Account, native.claim, native.settle, native.charge),
+        (ledger.PYTHON[0], ledger.PYTHON[5], ledger.PYTHON[6], ledger.PYTHON[2])]
+    for account_type, claim, settle, charge in cores:
+        root = account_type("root", 1000)
+        child = account_type("child", 600, 0, root)
+        root_words, child_words = (memoryview(bytearray(24)).cast("q") for _ in range(2))
+        root.door, child.door = root_words, child_words
+        root_words[0] = 500  # the door charged the root 500 bytes, none of them its own
+        assert claim(child, 500) is None
+        assert (child_words[1], root_words[1], child.used) == (500, 500, 0)  # shown, not used
+        settle(child)
+        assert (child_words[1], root_words[1]) == (0, 0)
+        refused = claim(child, 800)  # past the child's limit: nothing shown
+        assert refused is not None and refused.name == "child"
+        assert claim(child, 600) is root  # 600 + 500 > 1000 at the root: the child settled
+        assert (child_words[1], root_words[1]) == (0, 0)
+        assert claim(child, 400) is None
+        charge(child, 400)
+        assert (child_words[1], root_words[1], child.used, root.used) == (400, 400, 400, 400)
+        assert claim(child, 0) is None and claim(child, -50) is None  # nothing to show
 
 
 def test_published_words_follow_the_root() -> None:

@@ -291,6 +291,48 @@ def test_a_budget_dropped_with_live_blocks_keeps_its_memory() -> None:
             assert other is not None and later.free(other)
 
 
+# -- under the driver door, a claim is charged or withdrawn ---------------------------------
+
+
+def _granted(address: int | None) -> int:
+    assert address is not None
+    return address
+
+
+@pytest.mark.parametrize("path", ["fast", "python"])
+def test_every_claim_the_door_was_shown_is_charged_or_withdrawn(path: str) -> None:
+    # an allocation shows the door's word the bytes it is about to charge before it checks;
+    # whatever then stops it (the arena cannot place it, a limit, a resize that cannot grow
+    # in place), the word is the budget's ``used`` again afterwards
+    with gpu_budget("128KiB", name="pool", backend="host") as pool:
+        if path == "python":
+            python_paths(pool)
+        with gpu_budget("128KiB", name="c") as child:
+            nodes: list[Any] = [pool._node, child._node]
+            for node in nodes:
+                node.account.door = memoryview(bytearray(24)).cast("q")
+
+            def words() -> list[tuple[int, int]]:
+                return [(node.account.door[1], node.account.used) for node in nodes]
+
+            a, b, c, d = (_granted(child.allocate(16 * KiB)) for _ in range(4))
+            child.free(a)
+            child.free(c)
+            assert child.allocate(80 * KiB) is None  # 96 KiB free, 64 at most in one piece
+            assert child.report().denials[-1].reason == "fragmented"
+            assert words() == [(32 * KiB, 32 * KiB)] * 2
+            nodes[0].account.door[0] = 90 * KiB  # the door charged the pool 90 KiB
+            assert child.allocate(16 * KiB) is None  # 32 + 16 + 90 > 128 at the pool
+            assert words() == [(32 * KiB, 32 * KiB)] * 2
+            nodes[0].account.door[0] = 0
+            moved = _granted(child.resize(b, 40 * KiB))  # d is in the way: not in place
+            assert moved != b
+            assert words() == [(56 * KiB, 56 * KiB)] * 2
+            for block in (moved, d):
+                child.free(block)
+            assert words() == [(0, 0)] * 2
+
+
 # -- no signal handler's exception leaves the tree's lock held -----------------------------
 
 
@@ -359,6 +401,8 @@ def _scenarios() -> dict[str, Any]:
             with gpu_budget("64KiB", name="pool", backend=backend) as pool:
                 python_paths(pool)
                 with gpu_budget("32KiB", name="c") as child:
+                    for budget in (pool, child):  # as the driver door gives them (empty)
+                        budget._node.account.door = memoryview(bytearray(24)).cast("q")
                     a, b = child.allocate(KiB), child.allocate(KiB)
                     inject(lambda: body(pool, child, a, b))
                     for block in [x.address for x in pool.report().walk()[1].live_blocks]:
@@ -422,6 +466,11 @@ def test_a_signal_handlers_exception_leaves_the_lock_free_and_the_tree_whole(nam
             except (AssertionError, InvariantError) as broken:
                 raise AssertionError(f"{name}: a fault at instruction {index} left the tree "
                                      f"inconsistent: {broken}") from None
+            for node in budget.root._node.subtree():  # no claim left standing for the door
+                door = node.account.door
+                assert door is None or door[1] == node.account.used, (
+                    f"{name}: a fault at instruction {index} left {node.name!r}'s door word "
+                    f"at {door[1]}, its used at {node.account.used}")
 
         scenario(inject)
         if not fired:

@@ -8,6 +8,10 @@ static PyMethodDef module_methods[] = {
     {"refusal", (PyCFunction)(void (*)(void))py_refusal, METH_FASTCALL,
      "refusal(account, delta): the first account up the chain that ``delta`` more bytes would "
      "take over its limit, or None."},
+    {"claim", (PyCFunction)(void (*)(void))py_claim, METH_FASTCALL,
+     "claim(account, delta): refusal(), and under the driver door the bytes shown to it first."},
+    {"settle", (PyCFunction)py_settle, METH_O,
+     "settle(account): withdraw a claim that was not charged."},
     {"charge", (PyCFunction)(void (*)(void))py_charge, METH_FASTCALL,
      "charge(account, delta): add ``delta`` bytes up the chain; raise the peaks."},
     {"available", (PyCFunction)py_available, METH_O,

@@ -70,14 +70,23 @@ static void account_undoor(AccountObject *self) {
     }
 }
 
+/* Loads in the one order of all sequentially consistent operations (plain loads on x86): a
+ * claim's store before them is seen by the door's compare-and-swap after them, or they see
+ * that compare-and-swap (see ledger_claim). */
 static inline i64 door_foreign(const AccountObject *a) {
     const int64_t *w = (const int64_t *)a->door_words.buf;
-    i64 foreign = __atomic_load_n(&w[0], __ATOMIC_ACQUIRE) - __atomic_load_n(&w[2], __ATOMIC_ACQUIRE);
+    i64 foreign = __atomic_load_n(&w[0], __ATOMIC_SEQ_CST) - __atomic_load_n(&w[2], __ATOMIC_SEQ_CST);
     return foreign > 0 ? foreign : 0;
 }
 
 static inline void door_store(AccountObject *a) {
     __atomic_store_n(&((int64_t *)a->door_words.buf)[1], a->used, __ATOMIC_RELEASE);
+}
+
+/* What the door is to count of this account until the charge or the settle: `used` plus
+ * the bytes being claimed, ordered before the door's bytes are read again. */
+static inline void door_claim(AccountObject *a, i64 used) {
+    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], used, __ATOMIC_SEQ_CST);
 }
 
 static PyObject *Account_get_door(AccountObject *self, void *closure) {
@@ -206,6 +215,39 @@ AccountObject *ledger_refusal(AccountObject *account, i64 delta) {
     return NULL;
 }
 
+/* ledger_refusal, closing the race with the driver door: at each level under the door it
+ * first shows the door the bytes it is about to charge (door_claim), then reads the door's
+ * bytes again and checks. The door does the mirror image (its compare-and-swap, then the
+ * ledger's word read again), so of an allocation on each side at the same moment at least
+ * one sees the other: both may be refused, never both granted past the limit. A claim that
+ * passes stands until ledger_charge (which stores the same number) or ledger_settle; a
+ * refusal settles what it claimed. */
+AccountObject *ledger_claim(AccountObject *account, i64 delta) {
+    if (delta <= 0) return ledger_refusal(account, delta);
+    AccountObject *node = account;
+    while (node != NULL && delta > 0) {
+        int o = over(node, delta);
+        if (!o && node->door != NULL) { /* used + delta <= limit: no overflow */
+            door_claim(node, node->used + delta);
+            o = over(node, delta);
+        }
+        if (o) {
+            ledger_settle(account);
+            return o > 0 ? node : UNDECIDED;
+        }
+        if (!account->plain && node->reserve)
+            delta = passed_up(node, node->used + delta) - passed_up(node, node->used);
+        node = node->parent;
+    }
+    return NULL;
+}
+
+/* Every level's door word back to its `used`: a claim withdrawn (idempotent, cheap). */
+void ledger_settle(AccountObject *account) {
+    for (AccountObject *link = account; link != NULL; link = link->parent)
+        if (link->door != NULL) door_store(link);
+}
+
 /* ledger_refusal in Python ints, with the limits and reserves as given: for requests and
  * limits beyond 64 bits (never on the fast path). A new reference, or NULL with an error. */
 static PyObject *exact_refusal(AccountObject *account, PyObject *delta) {
@@ -314,6 +356,28 @@ PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *result = refused ? (PyObject *)refused : Py_None;
     Py_INCREF(result);
     return result;
+}
+
+PyObject *py_claim(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    i64 delta;
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "claim(account, delta)");
+    AccountObject *a = as_account(args[0]);
+    if (a == NULL) return NULL;
+    if (!PyLong_Check(args[1])) return PyErr_Format(PyExc_TypeError, "delta must be an int");
+    int ok;
+    delta = as_i64(args[1], &ok);
+    AccountObject *refused = ok ? ledger_claim(a, delta) : UNDECIDED;
+    if (refused == UNDECIDED) return exact_refusal(a, args[1]); /* beyond the door's words */
+    PyObject *result = refused ? (PyObject *)refused : Py_None;
+    Py_INCREF(result);
+    return result;
+}
+
+PyObject *py_settle(PyObject *module, PyObject *arg) {
+    AccountObject *a = as_account(arg);
+    if (a == NULL) return NULL;
+    ledger_settle(a);
+    Py_RETURN_NONE;
 }
 
 PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {

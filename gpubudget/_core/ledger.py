@@ -6,7 +6,8 @@ so its reserve counts in the parent from entry on. Every change goes through two
 used in this order with the tree's lock held:
 
 1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
-   changes nothing and names the first account that refuses;
+   changes nothing and names the first account that refuses; or :func:`claim`, the same
+   question asked for an allocation about to be made (below);
 2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
    so a request that is refused, or that the arena cannot place, never moves a peak. An
    account with words to publish into (``published``: a root registered in the host ledger,
@@ -19,6 +20,14 @@ Under the driver door (:mod:`gpubudget.door`), an account also has the door's wo
 budget (``door``): :func:`refusal` and :func:`available` count the bytes the door charged it
 (that are not a root's own memory) against its limit, and :func:`charge` stores ``used`` into
 them, for the door to count against the same limit. Without the door ``door`` is ``None``.
+The door charges from threads of its own, without the tree's lock, so an allocation is
+checked with :func:`claim`: at each level under the door it first stores what ``used`` will
+be into the door's words, then reads the door's bytes again and checks. The door does the
+mirror image (its compare-and-swap, then this word read again), so of two allocations made
+at the same moment, one through the door and one here, at least one sees the other: both may
+be refused, never both granted past the limit. A claim that passes stands until
+:func:`charge` stores the same number, or :func:`settle` withdraws it (an allocation the
+arena cannot place, or one cut short).
 
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
@@ -27,13 +36,15 @@ of its own live blocks plus, for each unreleased child, ``max(child.used, child.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, cast
 
 from ..extensions import extension
 
 native: Final = extension("_core", "_native")  # the C core, or None
 
-__all__ = ["Account", "available", "charge", "encloses", "passed_up", "publish", "refusal"]
+__all__ = ["Account", "available", "charge", "claim", "encloses", "passed_up", "publish",
+           "refusal", "settle"]
 
 
 class Account:
@@ -105,6 +116,67 @@ def refusal(account: Account, delta: int) -> Account | None:
     return None
 
 
+_refusal: Final = refusal  # the Python ones, for claim below (the names become C's)
+
+
+def _claimed(door: memoryview, used: int) -> int:
+    """Store ``used`` into ``door``'s word 1, then read the door's bytes that are not a root's
+    own, in that order for the door's threads too (the door library's ``gbd_claim``: a
+    Python store and load are not ordered against another core's compare-and-swap)."""
+    if not _gbd_claim:
+        import ctypes  # here: only under the door
+
+        found = getattr(ctypes.CDLL(None), "gbd_claim", None)  # the preloaded door
+        if found is not None:
+            found.restype = ctypes.c_int64
+            found.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        _gbd_claim.append(cast("Callable[[int, int], int] | None", found))
+    claim_at = _gbd_claim[0]
+    if claim_at is None:  # words no door library writes (a test's): nobody to race
+        door[1] = used
+        return max(door[0] - door[2], 0)
+    import ctypes
+
+    return claim_at(ctypes.addressof(ctypes.c_int64.from_buffer(door)), used)
+
+
+_gbd_claim: list[Callable[[int, int], int] | None] = []  # the door's gbd_claim, once looked up
+
+
+def claim(account: Account, delta: int) -> Account | None:
+    """:func:`refusal` for an allocation about to be charged: under the door, each level's
+    word first shows the door ``used + delta`` (see the module's docstring). Call
+    :func:`charge` or :func:`settle` after a claim that passed; a refusal settles itself."""
+    if delta <= 0:
+        return _refusal(account, delta)
+    node: Account | None = account
+    while node is not None and delta > 0:
+        used = node.used + delta
+        refused = used > node.limit or (
+            node.door is not None and used + _foreign(node) > node.limit)
+        if not refused and node.door is not None:
+            refused = used + _claimed(node.door, used) > node.limit
+        if refused:
+            _settle(account)
+            return node
+        if node.reserve:  # only what rises above the floor reaches the parent
+            delta = _passed_up(node, used) - _passed_up(node, node.used)
+        node = node.parent
+    return None
+
+
+def settle(account: Account) -> None:
+    """Store each level's ``used`` back into its door words: a claim withdrawn."""
+    link: Account | None = account
+    while link is not None:
+        if link.door is not None:
+            link.door[1] = link.used
+        link = link.parent
+
+
+_settle: Final = settle
+
+
 def charge(account: Account, delta: int) -> None:
     """Add ``delta`` bytes (negative to give back) to ``account`` and, as reserves pass them
     up, to its ancestors; raise their peaks. Call :func:`refusal` first for ``delta > 0``."""
@@ -174,7 +246,7 @@ def encloses(account: Account, other: Account) -> bool:
     return False
 
 
-PYTHON: Final = (Account, available, charge, passed_up, refusal)
+PYTHON: Final = (Account, available, charge, passed_up, refusal, claim, settle)
 """The ledger in Python, whichever core runs (tests compare it with the C one)."""
 
 if native is not None and not TYPE_CHECKING:  # the same rules in C: ledger.c
@@ -183,3 +255,5 @@ if native is not None and not TYPE_CHECKING:  # the same rules in C: ledger.c
     charge = native.charge
     passed_up = native.passed_up
     refusal = native.refusal
+    claim = native.claim
+    settle = native.settle

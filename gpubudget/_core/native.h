@@ -11,7 +11,8 @@
  *                             size, free end -> start, taken start -> size), in units of
  *                             the granularity
  *   ledger.c    ledger.py     Account: one budget's limit, reserve, used, peak; refusal(),
- *                             charge(), available(), passed_up() up the chain of parents
+ *                             claim(), settle(), charge(), available(), passed_up() up the
+ *                             chain of parents
  *   recorder.c  recorder.py   Stats: one budget's counters (its methods stay in Python);
  *                             EventLog: a tree's bounded timeline, a ring of C records
  *   locks.c     locks.py      Lock: a tree's re-entrant lock; Python code holds it with
@@ -117,10 +118,14 @@ extern PyTypeObject AccountType;
 
 AccountObject *ledger_refusal(AccountObject *account, i64 delta);
 void ledger_charge(AccountObject *account, i64 delta); /* delta bytes up the chain, peaks */
+AccountObject *ledger_claim(AccountObject *account, i64 delta); /* refusal, shown to the door */
+void ledger_settle(AccountObject *account); /* a claim that was not charged, withdrawn */
 /* functions of the module (_native.c) */
 PyObject *py_passed_up(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_claim(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_settle(PyObject *module, PyObject *arg);
 PyObject *py_available(PyObject *module, PyObject *arg);
 
 /* -- recorder.c --------------------------------------------------------------------------- */

@@ -21,7 +21,7 @@ from ..backends import Backend
 from ..callers import frame_text
 from ..context import LABEL
 from ..errors import BudgetError, BudgetNestingError, raise_if_from_outside
-from .ledger import Account, charge, encloses, passed_up, refusal
+from .ledger import Account, charge, claim, encloses, passed_up
 from .memory import Mapping
 from ..extensions import extension
 from .recorder import Recorder, Stats
@@ -139,7 +139,7 @@ class Node:
         reserve = round_up(self.account.reserve, granularity)
         account = Account(self.name, self.account.limit, reserve, parent.account)
         if reserve:
-            refused = refusal(parent.account, reserve)
+            refused = claim(parent.account, reserve)  # charged at once below
             if refused is not None:
                 raise BudgetError(
                     f"budget {self.name!r} cannot set aside reserve {format_size(reserve)}: "

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .arena import Arena
-from .ledger import passed_up, publish
+from .ledger import passed_up, publish, settle
 
 if TYPE_CHECKING:
     from .node import Node
@@ -96,8 +96,9 @@ def _ledger(tree: Tree, nodes: list[Node]) -> None:
             account.used = used
             if used > account.peak:
                 account.peak = used
-    for node in nodes:  # what other processes read of the root and its children, as they are
+    for node in nodes:  # what other processes and the driver door read, as they are now
         publish(node.account)
+        settle(node.account)  # a claim the operation cut short made, withdrawn
 
 
 def _counts(tree: Tree, nodes: list[Node]) -> None:

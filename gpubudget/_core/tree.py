@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Final, Literal, TypeVar
 from .arena import Arena
 from ..backends import Backend, Event, Reservation, device_of
 from ..errors import InvariantError, raise_if_from_outside
-from .ledger import charge, passed_up, refusal
+from .ledger import charge, claim, passed_up, settle
 from .memory import Mapping, free_memory, reserve
 from .recorder import Recorder
 from .registry import LiveEntry, Record, new_registry
@@ -168,7 +168,7 @@ class Tree:
                                       why)
                     return None
                 account = node.account
-                refused = refusal(account, nbytes)
+                refused = claim(account, nbytes)  # shown to the driver door, if it is loaded
                 if refused is not None:
                     refused.refusals += 1
                     self._deny_locked(node, size, align, tag, nbytes, "over_limit",
@@ -185,6 +185,7 @@ class Tree:
                         self.arena.free(address)
                         address = None
                 if address is None:
+                    settle(account)  # the claim withdrawn
                     self._deny_locked(node, size, align, tag, nbytes, reason, node.name, why)
                     return None
                 charge(account, nbytes)  # the commit: ledger, registry, record
@@ -331,7 +332,7 @@ class Tree:
             self._deny_locked(owner, size, align, tag, nbytes, "asleep", owner.name)
             return None
         in_place = address % granularity == 0 and (
-            delta <= 0 or refusal(owner.account, delta) is None)
+            delta <= 0 or claim(owner.account, delta) is None)
         if in_place and self.arena.resize(address, nbytes) and not self._unbacked(
                 address, old, nbytes):
             charge(owner.account, delta)  # the commit
@@ -339,6 +340,7 @@ class Tree:
             self.recorder.resized(owner.stats, owner.id, address, size, align, tag, old,
                                   nbytes, owner.account.used, self.root.account.used)
             return address
+        settle(owner.account)  # a claim not charged in place (the move claims again)
         return (owner, size, align, tag, stack, old, nbytes)
 
     def _unbacked(self, address: int, old: int, nbytes: int) -> bool:

@@ -378,20 +378,51 @@ static inline int64_t room(account *a) {
     return atomic_load(&a->limit) - held - extra;
 }
 
-/* Charge `size` to `a` and every ancestor; NULL when granted, else the account refusing. */
+#ifdef GBD_TEST_HOOKS /* the tests' build only: a call between the check and the CAS */
+static void (*_Atomic test_between)(void);
+EXPORT void gbd_test_between(void (*fn)(void)) { atomic_store(&test_between, fn); }
+static void between(void) {
+    void (*fn)(void) = atomic_exchange(&test_between, NULL); /* once */
+    if (fn != NULL) fn();
+}
+#else
+static inline void between(void) {}
+#endif
+
+/* Whether `size` more bytes at `link` pass its limit, `held` the door's bytes there before
+ * them. The ledger's bytes count as far as they pass the root's own memory (own bytes being
+ * charged now included: they are what will hold the ledger's blocks). */
+static inline int over_limit(account *link, int64_t held, int64_t size, int is_own) {
+    int64_t core = atomic_load(&link->core), own = atomic_load(&link->own) + (is_own ? size : 0);
+    int64_t extra = core > own ? core - own : 0, limit = atomic_load(&link->limit);
+    return size > limit || held + extra > limit - size;
+}
+
+/* Give `size` back from `a` up to (not including) `stop`. */
+static void charge_undone(account *a, account *stop, int64_t size) {
+    for (account *back = a; back != stop; back = back->parent) atomic_fetch_sub(&back->held, size);
+}
+
+/* Charge `size` to `a` and every ancestor; NULL when granted, else the account refusing.
+ * At each level: checked, added by compare-and-swap, then checked again against the ledger's
+ * word read after it. The ledger does the mirror image (ledger.c's ledger_claim: its word
+ * stored, the door's read after), so of two allocations at the same moment, one here and one
+ * through gpubudget's allocator, at least one sees the other: never both past the limit. */
 static account *charge(account *a, int64_t size, int is_own) {
     int check = !attribute_only;
     for (account *link = a; link != NULL; link = link->parent) {
         int64_t held = atomic_load(&link->held);
         for (;;) {
-            int64_t core = atomic_load(&link->core), own = atomic_load(&link->own);
-            int64_t extra = core > own ? core - own : 0, limit = atomic_load(&link->limit);
-            if (check && (size > limit || held + extra > limit - size)) {
-                for (account *back = a; back != link; back = back->parent)
-                    atomic_fetch_sub(&back->held, size);
+            if (check && over_limit(link, held, size, is_own)) {
+                charge_undone(a, link, size);
                 return link;
             }
+            between();
             if (atomic_compare_exchange_weak(&link->held, &held, held + size)) break;
+        }
+        if (check && over_limit(link, held, size, is_own)) { /* the ledger's word, again */
+            charge_undone(a, link->parent, size);
+            return link;
         }
         int64_t now = held + size, peak = atomic_load(&link->peak);
         while (now > peak && !atomic_compare_exchange_weak(&link->peak, &peak, now)) {}
@@ -1027,6 +1058,13 @@ EXPORT void gbd_set_current(account *a) {
     account_unref(before);
 }
 EXPORT account *gbd_current(void) { return current; }
+/* For gpubudget's pure-Python ledger, what ledger.c's ledger_claim does at one level: the
+ * ledger's word (1) stored, then the door's bytes that are not own read after it. */
+EXPORT int64_t gbd_claim(account *a, int64_t core) {
+    atomic_store(&a->core, core);
+    int64_t foreign = atomic_load(&a->held) - atomic_load(&a->own);
+    return foreign > 0 ? foreign : 0;
+}
 /* The eventfd (or pipe) that notify() writes to; -1: none. */
 EXPORT void gbd_set_notify(int fd) { atomic_store(&notify_fd, fd); }
 /* Watch `a` (its budget ended while charged) or stop watching it. */
