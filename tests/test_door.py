@@ -430,6 +430,40 @@ def test_run_without_a_command_or_a_compiler_says_so_in_one_line(lab: Path,
     assert "GPUBUDGET_DOOR_LIB=" in given.stderr and "is not a file" in given.stderr
 
 
+def test_a_door_of_another_version_is_refused_in_one_line(lab: Path, tmp_path: Path) -> None:
+    # a library built from an older door.c (before the door read the ledger's word again
+    # after its compare-and-swap) would leave the race open: run refuses it by its tag, and a
+    # process that loaded one by hand is told, once, that it is not used
+    import re
+
+    source = build.SOURCE.read_text()
+    found = re.search(r"GBD_VERSION = (\d+)", source)
+    assert found is not None and int(found.group(1)) == build.VERSION
+    assert f'"gpubudget driver door, version {build.VERSION}."' in source
+    built = run(lab, ["true"], flags=("--print-library",))
+    assert build.version_of(Path(built.stdout.strip())) == build.VERSION
+    older = tmp_path / "older.so"
+    older.write_bytes(b"\x7fELF...gpubudget driver door, version 1.\x00...")
+    for given, said in ((older, "is the driver door's version 1"),
+                        (lab / "libcuda.so.1", "is no driver door")):
+        done = run(lab, ["true"], extra={"GPUBUDGET_DOOR_LIB": str(given)})
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert said in done.stderr and f"needs version {build.VERSION}" in done.stderr
+    old = tmp_path / "old.c"  # a door whose gbd_version is 1, preloaded by hand
+    old.write_text(source.replace("GBD_VERSION = 2", "GBD_VERSION = 1"))
+    cc = build.compiler()
+    assert cc is not None
+    subprocess.run([cc, *build.FLAGS, "-o", str(tmp_path / "old.so"), str(old), *build.LIBS],
+                   check=True)
+    code = "import warnings; from gpubudget import door; print(door.loaded())"
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env=environment(lab, LD_PRELOAD=str(tmp_path / "old.so")))
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+    assert "door loaded in this process is version 1" in done.stderr
+    assert f"needs version {build.VERSION}" in done.stderr
+
+
 def test_a_cached_library_others_may_write_is_not_loaded(lab: Path) -> None:
     built = run(lab, ["true"], flags=("--print-library",))
     assert built.returncode == 0, built.stderr
@@ -823,29 +857,34 @@ def hooked(lab: Path) -> Path:
 
 
 @pytest.mark.parametrize("pure", CORES)
+@pytest.mark.parametrize("level", [0, 1])
 def test_an_allocation_between_the_doors_check_and_its_charge_is_seen(
-        lab: Path, hooked: Path, pure: bool) -> None:
-    # the door has checked 192 KiB against the model's 256 KiB, and gpubudget's allocator
-    # takes 128 KiB before the door adds them: the door reads the allocator's word again
-    # after adding, and refuses; never both, 320 KiB, in a 256 KiB budget
-    out = python(lab, """
+        lab: Path, hooked: Path, pure: bool, level: int) -> None:
+    # the door has checked 192 KiB against the room at one level of the chain (the model's
+    # 256 KiB, or the root's above a larger model), and gpubudget's allocator takes 128 KiB
+    # before the door adds them there: the door reads the allocator's word again after
+    # adding, and gives its bytes back at every level; never both, 320 KiB, in 256 KiB
+    limits = ("1MiB", "256KiB") if level == 0 else ("256KiB", "1MiB")
+    out = python(lab, f"""
         hook = ctypes.CDLL(None).gbd_test_between
-        hook.argtypes = [ctypes.c_void_p]
-        with gpu_budget("1MiB", backend="host", name="root") as root:
-            with gpu_budget("256KiB", name="model") as model:
+        hook.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        with gpu_budget("{limits[0]}", backend="host", name="root") as root:
+            with gpu_budget("{limits[1]}", name="model") as model:
                 blocks = []
                 @ctypes.CFUNCTYPE(None)
                 def between():
                     blocks.append(model.allocate(128 << 10))
-                hook(ctypes.cast(between, ctypes.c_void_p))
+                hook(ctypes.cast(between, ctypes.c_void_p), {level})
                 status, p = driver.alloc(192 << 10)
                 out["door"] = status
                 out["block"] = blocks[0] is not None
                 out["model"] = [model.report().used, held(model)]
                 out["root"] = held(root)
+                out["refused by"] = [door.numbers(model).refusals, door.numbers(root).refusals]
                 model.free(blocks[0])
     """, pure, GPUBUDGET_DOOR_LIB=str(hooked))
-    assert out == {"door": 2, "block": True, "model": [128 << 10, 0], "root": 0}
+    assert out == {"door": 2, "block": True, "model": [128 << 10, 0], "root": 0,
+                   "refused by": [1, 1] if level else [1, 0]}
 
 
 @pytest.mark.parametrize("pure", CORES)

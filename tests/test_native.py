@@ -210,11 +210,11 @@ def test_claims_agree_and_leave_the_door_the_bytes_being_charged(seed: int) -> N
                 native.charge(c, delta)
                 py_charge(py, delta)
             else:  # the arena could not place it: withdrawn
-                native.settle(c)
-                py_settle(py)
+                native.settle(c, delta)
+                py_settle(py, delta)
                 assert [(list(a), list(b)) for _, _, a, b in pairs] == before
             for a, b, wa, wb in pairs:
-                assert (a.used, a.peak) == (b.used, b.peak)
+                assert (a.used, a.peak, a.claimed) == (b.used, b.peak, 0)
                 assert list(wa) == list(wb)
                 if a.door is not None:
                     assert wa[1] == a.used  # charged or settled: the door sees ``used``
@@ -227,22 +227,46 @@ def test_a_claim_stands_until_charged_or_settled() -> None:
         (ledger.PYTHON[0], ledger.PYTHON[5], ledger.PYTHON[6], ledger.PYTHON[2])]
     for account_type, claim, settle, charge in cores:
         root = account_type("root", 1000)
-        child = account_type("child", 600, 0, root)
+        child = account_type("child", 700, 0, root)
         root_words, child_words = (memoryview(bytearray(24)).cast("q") for _ in range(2))
         root.door, child.door = root_words, child_words
-        root_words[0] = 500  # the door charged the root 500 bytes, none of them its own
-        assert claim(child, 500) is None
-        assert (child_words[1], root_words[1], child.used) == (500, 500, 0)  # shown, not used
-        settle(child)
-        assert (child_words[1], root_words[1]) == (0, 0)
-        refused = claim(child, 800)  # past the child's limit: nothing shown
+        root_words[0] = 400  # the door charged the root 400 bytes, none of them its own
+        assert claim(child, 300) is None
+        assert (child_words[1], root_words[1], child.used, child.claimed) == (300, 300, 0, 300)
+        assert claim(child, 250) is None  # a second claim, standing beside the first
+        assert (child_words[1], root_words[1], root.claimed) == (550, 550, 550)
+        assert claim(child, 100) is root  # 550 claimed + 100 + 400 the door's > 1000
+        assert (child_words[1], root_words[1], child.claimed) == (550, 550, 550)
+        charge(child, -0)  # a change of nothing keeps what is claimed shown
+        assert child_words[1] == 550
+        settle(child, 250)
+        assert (child_words[1], root_words[1], child.claimed) == (300, 300, 300)
+        refused = claim(child, 450)  # 300 + 450 past the child's 700: nothing more shown
         assert refused is not None and refused.name == "child"
-        assert claim(child, 600) is root  # 600 + 500 > 1000 at the root: the child settled
-        assert (child_words[1], root_words[1]) == (0, 0)
-        assert claim(child, 400) is None
-        charge(child, 400)
-        assert (child_words[1], root_words[1], child.used, root.used) == (400, 400, 400, 400)
-        assert claim(child, 0) is None and claim(child, -50) is None  # nothing to show
+        charge(child, 300)  # the first claim charged: used, no longer claimed
+        assert (child_words[1], root_words[1], child.used, child.claimed) == (300, 300, 300, 0)
+        assert claim(child, 0) is None and claim(child, -50) is None  # nothing to claim
+        assert (child_words[1], root.claimed) == (300, 0)
+
+
+def test_a_claim_counts_whole_above_a_reserve_floor_and_is_given_back_whole() -> None:
+    # a child with a 400-byte floor passes up only what rises above it; its claim puts the
+    # whole request on the parent (more than the charge will, never less), and the charge
+    # takes back exactly that, even when a free came in between
+    assert native is not None
+    cores: list[tuple[Any, Any, Any]] = [
+        (native.Account, native.claim, native.charge),
+        (ledger.PYTHON[0], ledger.PYTHON[5], ledger.PYTHON[2])]
+    for account_type, claim, charge in cores:
+        root = account_type("root", 1000)
+        child = account_type("child", 800, 400, root)
+        charge(root, 400)  # the floor set aside at entry
+        charge(child, 100)
+        assert claim(child, 500) is None  # 100 -> 600: 200 above the floor reach the root
+        assert (child.claimed, root.claimed) == (500, 500)
+        charge(child, -100)  # a finalizer frees a block meanwhile
+        charge(child, 500)
+        assert (child.used, root.used, child.claimed, root.claimed) == (500, 500, 0, 0)
 
 
 def test_published_words_follow_the_root() -> None:

@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from gpubudget import (
 )
 from gpubudget._core import LiveEntry
 from gpubudget.backends.host import HostBackend, HostReservation
+from gpubudget.backends.virtual import HostVirtualRange
 from gpubudget.units import KiB, MiB
 from gpubudget.adapter import hooks
 from tests.helpers import consistent, fill, free_elsewhere, holds, python_paths
@@ -331,6 +333,63 @@ def test_every_claim_the_door_was_shown_is_charged_or_withdrawn(path: str) -> No
             for block in (moved, d):
                 child.free(block)
             assert words() == [(0, 0)] * 2
+
+
+class _RangeWithAHook(HostVirtualRange):
+    """A host range that runs a function once, as it maps its next granule: what a
+    finalizer that the collector runs there would do."""
+
+    __slots__ = ("hook",)
+    hook: Callable[[], None] | None
+
+    def map(self, index: int) -> None:
+        hook, self.hook = getattr(self, "hook", None), None
+        if hook is not None:
+            hook()
+        super().map(index)
+
+
+class _HookedHost(HostBackend):
+    def reserve_virtual(self, nbytes: int, granule: int) -> HostVirtualRange:
+        self.range = _RangeWithAHook(nbytes, granule)
+        return self.range
+
+
+@pytest.mark.parametrize("nested", ["free", "allocate"])
+def test_what_runs_between_a_claim_and_its_charge_keeps_the_claim(nested: str) -> None:
+    # a growable root maps a granule between an allocation's claim and its charge (both
+    # cores: the C fast path hands such a block to Python); a finalizer running there on the
+    # same thread frees a block or allocates one: the claim stays shown to the door, and the
+    # nested allocation counts it against the limit
+    backend = _HookedHost()
+    with gpu_budget("256KiB", name="pool", backend=backend, initial=0) as pool:
+        with gpu_budget("128KiB", name="c") as child:
+            nodes: list[Any] = [pool._node, child._node]
+            for node in nodes:
+                node.account.door = memoryview(bytearray(24)).cast("q")
+            victim = _granted(child.allocate(16 * KiB))  # maps the first granule (64 KiB)
+            seen: list[object] = []
+
+            def meanwhile() -> None:
+                seen.append(nodes[1].account.door[1])
+                if nested == "free":
+                    child.free(victim)
+                else:
+                    seen.append(child.allocate(32 * KiB))  # 16 + 96 claimed + 32 > 128
+                seen.append(nodes[1].account.door[1])
+
+            backend.range.hook = meanwhile
+            block = _granted(child.allocate(96 * KiB))  # needs a second granule mapped
+            if nested == "free":
+                assert seen == [112 * KiB, 96 * KiB]  # the claim kept through the free
+                assert child.report().used == 96 * KiB
+            else:
+                assert seen == [112 * KiB, None, 112 * KiB]
+                assert child.report().denials[-1].reason == "over_limit"
+                child.free(victim)
+            assert [(n.account.door[1], n.account.claimed) for n in nodes] == [
+                (96 * KiB, 0), (96 * KiB, 0)]
+            child.free(block)
 
 
 # -- no signal handler's exception leaves the tree's lock held -----------------------------

@@ -79,14 +79,18 @@ static inline i64 door_foreign(const AccountObject *a) {
     return foreign > 0 ? foreign : 0;
 }
 
-static inline void door_store(AccountObject *a) {
-    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], a->used, __ATOMIC_RELEASE);
+/* What the door counts of this account: `used`, and the bytes claimed here not yet charged. */
+static inline i64 door_word(const AccountObject *a) {
+    return a->claimed > INT64_MAX - a->used ? INT64_MAX : a->used + a->claimed;
 }
 
-/* What the door is to count of this account until the charge or the settle: `used` plus
- * the bytes being claimed, ordered before the door's bytes are read again. */
-static inline void door_claim(AccountObject *a, i64 used) {
-    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], used, __ATOMIC_SEQ_CST);
+static inline void door_store(AccountObject *a) {
+    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], door_word(a), __ATOMIC_RELEASE);
+}
+
+/* door_store for a claim: ordered before the door's bytes are read again (ledger_claim). */
+static inline void door_claim(AccountObject *a) {
+    __atomic_store_n(&((int64_t *)a->door_words.buf)[1], door_word(a), __ATOMIC_SEQ_CST);
 }
 
 static PyObject *Account_get_door(AccountObject *self, void *closure) {
@@ -182,8 +186,13 @@ static inline i64 passed_up(const AccountObject *a, i64 used) {
  * INT64_MAX here) that used + delta passes; exact_refusal decides with Python ints. */
 #define UNDECIDED ((AccountObject *)1)
 
-/* Whether `delta` more bytes take `link` over its limit: 1 yes, 0 no, -1 undecided. */
-static inline int over(const AccountObject *link, i64 delta) {
+/* Whether `delta` more bytes take `link` over its limit, counting `claimed` bytes claimed
+ * there by allocations not yet charged: 1 yes, 0 no, -1 undecided. */
+static inline int over_by(const AccountObject *link, i64 delta, i64 claimed) {
+    if (delta > 0 && claimed > 0) {
+        if (delta > INT64_MAX - claimed) return link->limit == INT64_MAX ? -1 : 1;
+        delta += claimed;
+    }
     if (link->door != NULL && delta > 0) { /* the driver door's bytes count too */
         i64 foreign = door_foreign(link);
         if (foreign > link->limit || delta > link->limit - foreign) return 1;
@@ -192,6 +201,10 @@ static inline int over(const AccountObject *link, i64 delta) {
     if (delta <= 0) return link->used + delta > link->limit; /* used >= 0: no overflow */
     if (link->used <= link->limit - delta) return 0;
     return link->limit == INT64_MAX && link->used > INT64_MAX - delta ? -1 : 1;
+}
+
+static inline int over(const AccountObject *link, i64 delta) {
+    return over_by(link, delta, link->claimed);
 }
 
 /* The first account up the chain whose limit `delta` more bytes would exceed, NULL when all
@@ -215,37 +228,56 @@ AccountObject *ledger_refusal(AccountObject *account, i64 delta) {
     return NULL;
 }
 
-/* ledger_refusal, closing the race with the driver door: at each level under the door it
- * first shows the door the bytes it is about to charge (door_claim), then reads the door's
- * bytes again and checks. The door does the mirror image (its compare-and-swap, then the
- * ledger's word read again), so of an allocation on each side at the same moment at least
- * one sees the other: both may be refused, never both granted past the limit. A claim that
- * passes stands until ledger_charge (which stores the same number) or ledger_settle; a
- * refusal settles what it claimed. */
+static void unclaim(AccountObject *account, AccountObject *stop, i64 delta);
+
+/* ledger_refusal for an allocation about to be charged, closing the race with the driver
+ * door (which charges from any thread, without the tree's lock). At each level the claim's
+ * bytes are added to `claimed` and, under the door, shown to it (door_claim) before the
+ * door's bytes are read again for the check. The door does the mirror image (its
+ * compare-and-swap, then this word read again), so of an allocation on each side at the
+ * same moment at least one sees the other: both may be refused, never both granted past the
+ * limit. Each level is claimed the whole `delta`, even above a reserve floor that passes
+ * less up (a claim may count more than its charge will, never less), so that ledger_charge
+ * and ledger_settle give back exactly what was claimed, whatever changed meanwhile (a
+ * finalizer freeing a block of this thread's while the arena places this one). A refusal
+ * withdraws what it claimed. */
 AccountObject *ledger_claim(AccountObject *account, i64 delta) {
     if (delta <= 0) return ledger_refusal(account, delta);
-    AccountObject *node = account;
-    while (node != NULL && delta > 0) {
-        int o = over(node, delta);
-        if (!o && node->door != NULL) { /* used + delta <= limit: no overflow */
-            door_claim(node, node->used + delta);
-            o = over(node, delta);
+    i64 d = delta; /* what reaches this level, past the floors below */
+    for (AccountObject *node = account; node != NULL; node = node->parent) {
+        i64 others = node->claimed;
+        int o = d > 0 ? over_by(node, d, others) : 0;
+        if (!o && others > INT64_MAX - delta) o = 1; /* never: claims are bytes granted */
+        AccountObject *stop = node; /* the first level not claimed, on a refusal */
+        if (!o) {
+            node->claimed = others + delta;
+            stop = node->parent;
+            if (node->door != NULL) {
+                door_claim(node);
+                o = d > 0 ? over_by(node, d, others) : 0; /* the door's bytes, read again */
+            }
         }
         if (o) {
-            ledger_settle(account);
+            unclaim(account, stop, delta);
             return o > 0 ? node : UNDECIDED;
         }
-        if (!account->plain && node->reserve)
-            delta = passed_up(node, node->used + delta) - passed_up(node, node->used);
-        node = node->parent;
+        if (!account->plain && node->reserve && d > 0)
+            d = passed_up(node, node->used + d) - passed_up(node, node->used);
     }
     return NULL;
 }
 
-/* Every level's door word back to its `used`: a claim withdrawn (idempotent, cheap). */
-void ledger_settle(AccountObject *account) {
-    for (AccountObject *link = account; link != NULL; link = link->parent)
+/* A claim of `delta` given back from `account` up to (not including) `stop`. */
+static void unclaim(AccountObject *account, AccountObject *stop, i64 delta) {
+    for (AccountObject *link = account; link != stop; link = link->parent) {
+        link->claimed = link->claimed > delta ? link->claimed - delta : 0;
         if (link->door != NULL) door_store(link);
+    }
+}
+
+/* A claim of `delta` that will not be charged, withdrawn at every level. */
+void ledger_settle(AccountObject *account, i64 delta) {
+    unclaim(account, NULL, delta > 0 ? delta : 0);
 }
 
 /* ledger_refusal in Python ints, with the limits and reserves as given: for requests and
@@ -287,24 +319,29 @@ error:
     return NULL;
 }
 
+/* A positive charge follows its claim of the same `delta` (ledger_claim) and takes it back
+ * at every level, as the bytes become `used`. */
 void ledger_charge(AccountObject *account, i64 delta) {
+    i64 claimed = delta > 0 ? delta : 0;
     if (account->plain) {
         for (AccountObject *link = account; link != NULL; link = link->parent) {
             i64 used = link->used += delta;
             if (used > link->peak) link->peak = used;
             account_publish(link); /* a store or two where the account has words */
+            if (claimed) link->claimed = link->claimed > claimed ? link->claimed - claimed : 0;
             if (link->door != NULL) door_store(link);
         }
         return;
     }
-    AccountObject *node = account;
-    while (node != NULL && delta) {
-        i64 old = node->used, used = node->used = old + delta;
-        if (used > node->peak) node->peak = used;
-        account_publish(node);
+    for (AccountObject *node = account; node != NULL && (delta || claimed); node = node->parent) {
+        if (delta) {
+            i64 old = node->used, used = node->used = old + delta;
+            if (used > node->peak) node->peak = used;
+            account_publish(node);
+            if (node->reserve) delta = passed_up(node, used) - passed_up(node, old);
+        }
+        if (claimed) node->claimed = node->claimed > claimed ? node->claimed - claimed : 0;
         if (node->door != NULL) door_store(node);
-        if (node->reserve) delta = passed_up(node, used) - passed_up(node, old);
-        node = node->parent;
     }
 }
 
@@ -373,10 +410,12 @@ PyObject *py_claim(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     return result;
 }
 
-PyObject *py_settle(PyObject *module, PyObject *arg) {
-    AccountObject *a = as_account(arg);
-    if (a == NULL) return NULL;
-    ledger_settle(a);
+PyObject *py_settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    i64 delta;
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "settle(account, delta)");
+    AccountObject *a = as_account(args[0]);
+    if (a == NULL || arg_i64(args[1], &delta) < 0) return NULL;
+    ledger_settle(a, delta);
     Py_RETURN_NONE;
 }
 
@@ -420,6 +459,7 @@ static PyMemberDef Account_members[] = {
     {"used", T_LONGLONG, offsetof(AccountObject, used), 0, NULL},
     {"peak", T_LONGLONG, offsetof(AccountObject, peak), 0, NULL},
     {"refusals", T_LONGLONG, offsetof(AccountObject, refusals), 0, NULL},
+    {"claimed", T_LONGLONG, offsetof(AccountObject, claimed), 0, NULL},
     {"depth", T_LONGLONG, offsetof(AccountObject, depth), READONLY, NULL},
     {NULL}};
 

@@ -2,32 +2,39 @@
 
 An :class:`Account` holds one budget's numbers. A budget's ``used`` is its own blocks plus
 what its children pass up; a child with a ``reserve`` floor passes up ``max(used, reserve)``,
-so its reserve counts in the parent from entry on. Every change goes through two functions,
-used in this order with the tree's lock held:
+so its reserve counts in the parent from entry on. Every change goes through these
+functions, with the tree's lock held:
 
-1. :func:`refusal` -- would ``delta`` more bytes exceed a limit anywhere up the chain? It
-   changes nothing and names the first account that refuses; or :func:`claim`, the same
-   question asked for an allocation about to be made (below);
-2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain; peaks rise only here,
-   so a request that is refused, or that the arena cannot place, never moves a peak. An
-   account with words to publish into (``published``: a root registered in the host ledger,
-   :mod:`gpubudget.hostledger`, and each of its children that the ledger shows) has its
-   ``used`` stored there each time it changes, and its ``peak`` each time ``used`` is at it
-   (so after ``reset_peak()`` the published peak follows once ``used`` reaches the new one):
-   plain stores, one or two per level of the chain that has words, nothing else.
+1. :func:`claim` -- would ``delta`` more bytes exceed a limit anywhere up the chain? If not,
+   they are claimed (``claimed``, at every level) until step 2 or 3; if so, nothing changes
+   and the first account that refuses is named. (:func:`refusal` asks the same and claims
+   nothing.) What is claimed counts against the limits like what is used, so an allocation
+   made while another is between its claim and its charge (a finalizer that runs while the
+   pure arena places a block, on the same thread) cannot pass a limit with it;
+2. :func:`charge` -- apply ``delta`` (positive or negative) up the chain, a positive one
+   taking its claim back; peaks rise only here, so a request that is refused, or that the
+   arena cannot place, never moves a peak. An account with words to publish into
+   (``published``: a root registered in the host ledger, :mod:`gpubudget.hostledger`, and
+   each of its children that the ledger shows) has its ``used`` stored there each time it
+   changes, and its ``peak`` each time ``used`` is at it (so after ``reset_peak()`` the
+   published peak follows once ``used`` reaches the new one): plain stores, one or two per
+   level of the chain that has words, nothing else;
+3. :func:`settle` -- a claim that will not be charged (the arena cannot place the block, a
+   resize cannot grow in place), withdrawn.
+
+A claim puts its whole ``delta`` on every level, even above a reserve floor that passes less
+up: it may count more than its charge will for a moment, never less, and :func:`charge` and
+:func:`settle` take back exactly what it put, whatever changed meanwhile.
 
 Under the driver door (:mod:`gpubudget.door`), an account also has the door's words for its
-budget (``door``): :func:`refusal` and :func:`available` count the bytes the door charged it
-(that are not a root's own memory) against its limit, and :func:`charge` stores ``used`` into
-them, for the door to count against the same limit. Without the door ``door`` is ``None``.
-The door charges from threads of its own, without the tree's lock, so an allocation is
-checked with :func:`claim`: at each level under the door it first stores what ``used`` will
-be into the door's words, then reads the door's bytes again and checks. The door does the
-mirror image (its compare-and-swap, then this word read again), so of two allocations made
-at the same moment, one through the door and one here, at least one sees the other: both may
-be refused, never both granted past the limit. A claim that passes stands until
-:func:`charge` stores the same number, or :func:`settle` withdraws it (an allocation the
-arena cannot place, or one cut short).
+budget (``door``): :func:`refusal`, :func:`claim` and :func:`available` count the bytes the
+door charged it (that are not a root's own memory) against its limit, and every change
+stores ``used + claimed`` into them, for the door to count against the same limit. Without
+the door ``door`` is ``None``. The door charges from any thread, without the tree's lock:
+:func:`claim` stores its bytes into the door's words before it reads the door's bytes again
+to check, and the door does the mirror image (its compare-and-swap, then this word read
+again), so of two allocations made at the same moment, one through the door and one here,
+at least one sees the other: both may be refused, never both granted past the limit.
 
 Invariant ``LEDGER`` (checked by ``Budget.check()``): an account's ``used`` is the aligned size
 of its own live blocks plus, for each unreleased child, ``max(child.used, child.reserve)``;
@@ -57,7 +64,7 @@ class Account:
     """
 
     __slots__ = ("name", "limit", "reserve", "used", "peak", "refusals", "parent", "depth",
-                 "plain", "published", "door")
+                 "plain", "published", "door", "claimed")
 
     def __init__(
         self, name: str, limit: int, reserve: int = 0, parent: Account | None = None
@@ -67,6 +74,7 @@ class Account:
         self.reserve: Final = reserve
         self.used = 0  # aligned bytes charged now, children's included
         self.peak = 0  # highest ``used`` reached by granted charges
+        self.claimed = 0  # bytes claimed here by allocations not yet charged (claim)
         self.refusals = 0  # requests this limit refused (asked here or below), counted by callers
         self.parent: Final = parent
         self.depth: Final[int] = 0 if parent is None else parent.depth + 1
@@ -94,35 +102,48 @@ def _foreign(account: Account) -> int:
     return 0 if door is None else max(door[0] - door[2], 0)
 
 
+def _over(link: Account, delta: int, claimed: int) -> bool:
+    """Whether ``delta`` more bytes take ``link`` over its limit, counting ``claimed`` bytes
+    claimed there and not yet charged, and the door's bytes (for a positive ``delta``)."""
+    if delta > 0:
+        delta += claimed + _foreign(link)
+    return link.used + delta > link.limit
+
+
 def refusal(account: Account, delta: int) -> Account | None:
     """The first account of ``account``'s chain whose limit ``delta`` more bytes would
-    exceed, or ``None`` when all of them can take it. Changes nothing."""
+    exceed (counting what is claimed there, see :func:`claim`), or ``None`` when all of them
+    can take it. Changes nothing."""
     link: Account | None = account
     if account.plain:
         while link is not None:
-            if link.used + delta > link.limit or (
-                    link.door is not None and link.used + delta + _foreign(link) > link.limit):
+            if _over(link, delta, link.claimed):
                 return link
             link = link.parent
         return None
     node: Account | None = account
     while node is not None and delta > 0:
-        used = node.used + delta
-        if used + _foreign(node) > node.limit:
+        if _over(node, delta, node.claimed):
             return node
         if node.reserve:  # only what rises above the floor reaches the parent
-            delta = _passed_up(node, used) - _passed_up(node, node.used)
+            delta = _passed_up(node, node.used + delta) - _passed_up(node, node.used)
         node = node.parent
     return None
 
 
-_refusal: Final = refusal  # the Python ones, for claim below (the names become C's)
+_refusal: Final = refusal  # the Python ones, for the functions below (the names become C's)
+_WORD_MAX: Final = 2**63 - 1  # the door's words are signed 64-bit
 
 
-def _claimed(door: memoryview, used: int) -> int:
-    """Store ``used`` into ``door``'s word 1, then read the door's bytes that are not a root's
-    own, in that order for the door's threads too (the door library's ``gbd_claim``: a
-    Python store and load are not ordered against another core's compare-and-swap)."""
+def _word(account: Account) -> int:
+    """What the door counts of ``account``: ``used`` and the bytes claimed, not yet charged."""
+    return min(account.used + account.claimed, _WORD_MAX)
+
+
+def _claimed(door: memoryview, word: int) -> int:
+    """Store ``word`` into ``door``'s word 1, then read the door's bytes that are not a
+    root's own, in that order for the door's threads too (the door library's ``gbd_claim``:
+    a Python store and load are not ordered against another core's compare-and-swap)."""
     if not _gbd_claim:
         import ctypes  # here: only under the door
 
@@ -132,62 +153,77 @@ def _claimed(door: memoryview, used: int) -> int:
             found.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         _gbd_claim.append(cast("Callable[[int, int], int] | None", found))
     claim_at = _gbd_claim[0]
-    if claim_at is None:  # words no door library writes (a test's): nobody to race
-        door[1] = used
+    if claim_at is None:  # no door library in the process: words nobody else writes
+        door[1] = word
         return max(door[0] - door[2], 0)
     import ctypes
 
-    return claim_at(ctypes.addressof(ctypes.c_int64.from_buffer(door)), used)
+    return claim_at(ctypes.addressof(ctypes.c_int64.from_buffer(door)), word)
 
 
 _gbd_claim: list[Callable[[int, int], int] | None] = []  # the door's gbd_claim, once looked up
 
 
 def claim(account: Account, delta: int) -> Account | None:
-    """:func:`refusal` for an allocation about to be charged: under the door, each level's
-    word first shows the door ``used + delta`` (see the module's docstring). Call
-    :func:`charge` or :func:`settle` after a claim that passed; a refusal settles itself."""
+    """:func:`refusal` for an allocation about to be charged, which claims its bytes: each
+    level's ``claimed`` gets the whole ``delta`` (see the module's docstring), shown to the
+    door before its bytes are read again. Call :func:`charge` (which takes the claim back as
+    the bytes become ``used``) or :func:`settle` after a claim that passed; a refusal
+    withdraws what it claimed."""
     if delta <= 0:
         return _refusal(account, delta)
+    d = delta  # what reaches this level, past the floors below
     node: Account | None = account
-    while node is not None and delta > 0:
-        used = node.used + delta
-        refused = used > node.limit or (
-            node.door is not None and used + _foreign(node) > node.limit)
-        if not refused and node.door is not None:
-            refused = used + _claimed(node.door, used) > node.limit
+    while node is not None:
+        others = node.claimed
+        refused = d > 0 and _over(node, d, others)
+        stop: Account | None = node  # the first level not claimed, on a refusal
+        if not refused:
+            node.claimed = others + delta
+            stop = node.parent
+            if node.door is not None:
+                foreign = _claimed(node.door, _word(node))  # the door's bytes, read again
+                refused = d > 0 and node.used + d + others + foreign > node.limit
         if refused:
-            _settle(account)
+            _unclaim(account, stop, delta)
             return node
-        if node.reserve:  # only what rises above the floor reaches the parent
-            delta = _passed_up(node, used) - _passed_up(node, node.used)
+        if not account.plain and node.reserve and d > 0:
+            d = _passed_up(node, node.used + d) - _passed_up(node, node.used)
         node = node.parent
     return None
 
 
-def settle(account: Account) -> None:
-    """Store each level's ``used`` back into its door words: a claim withdrawn."""
+def _unclaim(account: Account, stop: Account | None, delta: int) -> None:
+    """A claim of ``delta`` given back from ``account`` up to (not including) ``stop``."""
     link: Account | None = account
-    while link is not None:
+    while link is not stop and link is not None:
+        link.claimed = max(link.claimed - delta, 0)
         if link.door is not None:
-            link.door[1] = link.used
+            link.door[1] = _word(link)
         link = link.parent
 
 
-_settle: Final = settle
+def settle(account: Account, delta: int) -> None:
+    """A claim of ``delta`` bytes that will not be charged (the arena could not place the
+    block, a resize could not grow in place), withdrawn at every level."""
+    _unclaim(account, None, max(delta, 0))
 
 
 def charge(account: Account, delta: int) -> None:
     """Add ``delta`` bytes (negative to give back) to ``account`` and, as reserves pass them
-    up, to its ancestors; raise their peaks. Call :func:`refusal` first for ``delta > 0``."""
+    up, to its ancestors; raise their peaks. A positive ``delta`` follows its
+    :func:`claim`, which it takes back at every level."""
+    claimed = delta if delta > 0 else 0
     if account.plain:
         link: Account | None = account
         while link is not None:
             used = link.used = link.used + delta
             if used > link.peak:
                 link.peak = used
+            if claimed:
+                link.claimed = max(link.claimed - claimed, 0)
             if link.door is not None:  # the driver door reads it: ledger.c does the same
-                link.door[1] = used
+                link.door[1] = _word(link)
             published = link.published
             if published is not None:
                 published[0] = used
@@ -196,25 +232,31 @@ def charge(account: Account, delta: int) -> None:
             link = link.parent
         return
     node: Account | None = account
-    while node is not None and delta:
-        old = node.used
-        used = node.used = old + delta
-        if used > node.peak:
-            node.peak = used
+    while node is not None and (delta or claimed):
+        if delta:
+            old = node.used
+            used = node.used = old + delta
+            if used > node.peak:
+                node.peak = used
+            if node.published is not None:
+                node.published[0] = used
+                if used == node.peak:
+                    node.published[1] = used
+            if node.reserve:
+                delta = _passed_up(node, used) - _passed_up(node, old)
+        if claimed:
+            node.claimed = max(node.claimed - claimed, 0)
         if node.door is not None:
-            node.door[1] = used
-        if node.published is not None:
-            node.published[0] = used
-            if used == node.peak:
-                node.published[1] = used
-        if node.reserve:
-            delta = _passed_up(node, used) - _passed_up(node, old)
+            node.door[1] = _word(node)
         node = node.parent
 
 
 def publish(account: Account) -> None:
     """Store ``account``'s ``used`` (and its ``peak``, if ``used`` is at it) into its
-    published words, as :func:`charge` does: after its numbers were set another way."""
+    published words, and what the door counts of it into the door's, as :func:`charge`
+    does: after its numbers were set another way."""
+    if account.door is not None:
+        account.door[1] = _word(account)
     published = account.published
     if published is not None:
         published[0] = account.used

@@ -106,6 +106,7 @@ typedef struct AccountObject {
     PyObject_HEAD
     PyObject *name, *limit_given, *reserve_given; /* as given; in C at most 2**63 - 1 */
     i64 limit, reserve, used, peak, refusals, depth;
+    i64 claimed; /* bytes of allocations claimed here and not yet charged (ledger_claim) */
     struct AccountObject *parent;
     char plain;
     PyObject *published; /* a writable buffer of unsigned 64-bit words, or NULL */
@@ -119,13 +120,13 @@ extern PyTypeObject AccountType;
 AccountObject *ledger_refusal(AccountObject *account, i64 delta);
 void ledger_charge(AccountObject *account, i64 delta); /* delta bytes up the chain, peaks */
 AccountObject *ledger_claim(AccountObject *account, i64 delta); /* refusal, shown to the door */
-void ledger_settle(AccountObject *account); /* a claim that was not charged, withdrawn */
+void ledger_settle(AccountObject *account, i64 delta); /* a claim not charged, withdrawn */
 /* functions of the module (_native.c) */
 PyObject *py_passed_up(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_charge(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_claim(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-PyObject *py_settle(PyObject *module, PyObject *arg);
+PyObject *py_settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_available(PyObject *module, PyObject *arg);
 
 /* -- recorder.c --------------------------------------------------------------------------- */

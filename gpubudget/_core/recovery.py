@@ -11,8 +11,9 @@ everything else agree with them again.
 - the arena holds exactly their blocks, with their sizes (rebuilt when it does not, or when
   its own invariants broke);
 - each budget's ``used`` is its own blocks plus what its unreleased children pass up (their
-  peaks raised if need be), its block count and live bytes per tag are its blocks', its count
-  of unreleased children its children's;
+  peaks raised if need be), nothing is left claimed (:func:`~.ledger.claim`), its block
+  count and live bytes per tag are its blocks', its count of unreleased children its
+  children's;
 - a growable root maps every granule its blocks touch.
 
 The operation then happened whole or not at all, as the registry says: an allocation whose
@@ -25,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .arena import Arena
-from .ledger import passed_up, publish, settle
+from .ledger import passed_up, publish
 
 if TYPE_CHECKING:
     from .node import Node
@@ -97,8 +98,9 @@ def _ledger(tree: Tree, nodes: list[Node]) -> None:
             if used > account.peak:
                 account.peak = used
     for node in nodes:  # what other processes and the driver door read, as they are now
-        publish(node.account)
-        settle(node.account)  # a claim the operation cut short made, withdrawn
+        account = node.account
+        account.claimed = 0  # what the operation cut short claimed, withdrawn
+        publish(account)
 
 
 def _counts(tree: Tree, nodes: list[Node]) -> None:

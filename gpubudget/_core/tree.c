@@ -255,13 +255,16 @@ retry:;
     AccountObject *acct = (AccountObject *)account;
     Place place;
     i64 address;
-    if (ledger_claim(acct, nbytes) != NULL || arena_reserve(p.arena) < 0 ||
-        log_reserve(p.events) < 0 || reg_reserve(p.live, 1) < 0 ||
+    if (ledger_claim(acct, nbytes) != NULL) { /* refused (and nothing left claimed) */
+        lock_leave(p.lock);
+        goto slow_labelled;
+    }
+    if (arena_reserve(p.arena) < 0 || log_reserve(p.events) < 0 || reg_reserve(p.live, 1) < 0 ||
         arena_place(p.arena, nbytes, granularity, &place) < 0 ||
         (mapping != Py_None && !mapped_already(mapping, place.address, nbytes)) ||
         (address = arena_take(p.arena, &place)) < 0) {
         PyErr_Clear();
-        ledger_settle(acct); /* the claim withdrawn: Python claims again */
+        ledger_settle(acct, nbytes); /* the claim withdrawn: Python claims again */
         lock_leave(p.lock);
         goto slow_labelled;
     }
@@ -270,7 +273,7 @@ retry:;
     where = PyLong_FromLongLong(address);
     if (where == NULL || (label != NULL && tag_add(st, label, nbytes, fresh) < 0)) {
         arena_free(p.arena, address); /* undone: the block is as it was */
-        ledger_settle(acct);
+        ledger_settle(acct, nbytes);
         lock_leave(p.lock);
         goto failed;
     }

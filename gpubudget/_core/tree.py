@@ -185,7 +185,7 @@ class Tree:
                         self.arena.free(address)
                         address = None
                 if address is None:
-                    settle(account)  # the claim withdrawn
+                    settle(account, nbytes)  # the claim withdrawn
                     self._deny_locked(node, size, align, tag, nbytes, reason, node.name, why)
                     return None
                 charge(account, nbytes)  # the commit: ledger, registry, record
@@ -340,7 +340,8 @@ class Tree:
             self.recorder.resized(owner.stats, owner.id, address, size, align, tag, old,
                                   nbytes, owner.account.used, self.root.account.used)
             return address
-        settle(owner.account)  # a claim not charged in place (the move claims again)
+        if in_place:
+            settle(owner.account, delta)  # claimed, not grown in place (a move claims again)
         return (owner, size, align, tag, stack, old, nbytes)
 
     def _unbacked(self, address: int, old: int, nbytes: int) -> bool:

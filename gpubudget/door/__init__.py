@@ -77,7 +77,15 @@ def _find() -> ctypes.CDLL | None:
     except AttributeError:
         return None
     version.restype = ctypes.c_int
-    if version() != 1:
+    from .build import VERSION
+
+    if version() != VERSION:  # gpubudget run refuses such a library: loaded by hand
+        import warnings
+
+        warnings.warn(f"the driver door loaded in this process is version {version()}; this "
+                      f"gpubudget needs version {VERSION}: it is not used (its hooks charge "
+                      f"nothing, every driver allocation counts as outside budgets)",
+                      RuntimeWarning, stacklevel=2)
         return None
     process.gbd_account_new.restype = _P
     process.gbd_account_new.argtypes = [ctypes.c_char_p, _I64, _P]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Final
 
-__all__ = ["DoorUnavailable", "LIB_ENV", "SOURCE", "compiler", "library"]
+from ..errors import raise_if_from_outside
+
+__all__ = ["DoorUnavailable", "LIB_ENV", "SOURCE", "VERSION", "compiler", "library",
+           "version_of"]
 
 SOURCE: Final = Path(__file__).with_name("door.c")
 LIB_ENV: Final = "GPUBUDGET_DOOR_LIB"
@@ -29,6 +33,9 @@ CACHE_ENV: Final = "GPUBUDGET_DOOR_CACHE"
 FLAGS: Final = ("-O2", "-fPIC", "-shared", "-fvisibility=hidden",
                 "-fno-delete-null-pointer-checks", "-Wall", "-Wno-nonnull-compare")
 LIBS: Final = ("-ldl", "-lpthread")
+VERSION: Final = 2
+"""The door's version this gpubudget needs (door.c's GBD_VERSION and its tag)."""
+_TAG: Final = re.compile(rb"gpubudget driver door, version (\d+)\.")
 
 
 class DoorUnavailable(RuntimeError):
@@ -60,6 +67,12 @@ def library() -> Path:
         path = Path(given)
         if not path.is_file():
             raise DoorUnavailable(f"{LIB_ENV}={given!r} is not a file")
+        found = version_of(path)
+        if found != VERSION:
+            said = "no driver door" if found is None else f"the driver door's version {found}"
+            raise DoorUnavailable(f"{LIB_ENV}={given!r} is {said}; this gpubudget needs "
+                                  f"version {VERSION} (build it from this gpubudget's "
+                                  f"door.c: python -m gpubudget.door.build)")
         return path
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
@@ -87,6 +100,17 @@ def library() -> Path:
         if os.path.exists(temporary):
             os.unlink(temporary)
     return target
+
+
+def version_of(path: Path) -> int | None:
+    """The door's version a library file says it is (its tag), without loading it; ``None``
+    for a file that is no door (or one older than the tag), or that cannot be read."""
+    try:
+        found = _TAG.search(path.read_bytes())
+    except OSError as exc:
+        raise_if_from_outside(exc)
+        return None
+    return None if found is None else int(found.group(1))
 
 
 def _check_owned(path: Path) -> None:

@@ -62,7 +62,11 @@ typedef void *CUstream;
 typedef void *CUpool;
 
 enum { CU_OK = 0, CU_INVALID_VALUE = 1, CU_OUT_OF_MEMORY = 2 };
-enum { GBD_VERSION = 1 };
+/* The door's version, which gpubudget's Python side checks (door/build.py's VERSION): 2
+ * since the door reads the ledger's word again after its compare-and-swap. The tag lets
+ * `gpubudget run` read it from a library's file without loading it. */
+enum { GBD_VERSION = 2 };
+EXPORT const char gbd_tag[] = "gpubudget driver door, version 2.";
 
 /* -- accounts ---------------------------------------------------------------------------- */
 
@@ -380,13 +384,18 @@ static inline int64_t room(account *a) {
 
 #ifdef GBD_TEST_HOOKS /* the tests' build only: a call between the check and the CAS */
 static void (*_Atomic test_between)(void);
-EXPORT void gbd_test_between(void (*fn)(void)) { atomic_store(&test_between, fn); }
-static void between(void) {
+static _Atomic int test_level; /* at this level of the chain (0: the innermost account) */
+EXPORT void gbd_test_between(void (*fn)(void), int level) {
+    atomic_store(&test_level, level);
+    atomic_store(&test_between, fn);
+}
+static void between(int level) {
+    if (level != atomic_load(&test_level)) return;
     void (*fn)(void) = atomic_exchange(&test_between, NULL); /* once */
     if (fn != NULL) fn();
 }
 #else
-static inline void between(void) {}
+static inline void between(int level) { (void)level; }
 #endif
 
 /* Whether `size` more bytes at `link` pass its limit, `held` the door's bytes there before
@@ -395,7 +404,7 @@ static inline void between(void) {}
 static inline int over_limit(account *link, int64_t held, int64_t size, int is_own) {
     int64_t core = atomic_load(&link->core), own = atomic_load(&link->own) + (is_own ? size : 0);
     int64_t extra = core > own ? core - own : 0, limit = atomic_load(&link->limit);
-    return size > limit || held + extra > limit - size;
+    return size > limit || held > limit - size || extra > limit - size - held;
 }
 
 /* Give `size` back from `a` up to (not including) `stop`. */
@@ -409,15 +418,15 @@ static void charge_undone(account *a, account *stop, int64_t size) {
  * stored, the door's read after), so of two allocations at the same moment, one here and one
  * through gpubudget's allocator, at least one sees the other: never both past the limit. */
 static account *charge(account *a, int64_t size, int is_own) {
-    int check = !attribute_only;
-    for (account *link = a; link != NULL; link = link->parent) {
+    int check = !attribute_only, level = 0;
+    for (account *link = a; link != NULL; link = link->parent, level++) {
         int64_t held = atomic_load(&link->held);
         for (;;) {
             if (check && over_limit(link, held, size, is_own)) {
                 charge_undone(a, link, size);
                 return link;
             }
-            between();
+            between(level);
             if (atomic_compare_exchange_weak(&link->held, &held, held + size)) break;
         }
         if (check && over_limit(link, held, size, is_own)) { /* the ledger's word, again */
