@@ -335,6 +335,22 @@ def test_every_claim_the_door_was_shown_is_charged_or_withdrawn(path: str) -> No
             assert words() == [(0, 0)] * 2
 
 
+@pytest.mark.parametrize("path", ["fast", "python"])
+def test_a_claim_beyond_64_bits_is_a_denial_and_leaves_the_door_word(path: str) -> None:
+    # the door's words are signed 64-bit: a request past them under a limit past them is
+    # refused by the pool, as without the door, and the child's word keeps its used
+    with gpu_budget("1MiB", name="pool", backend="host") as pool:
+        if path == "python":
+            python_paths(pool)
+        with gpu_budget(2**70, name="c") as child:
+            account: Any = child._node.account
+            account.door = memoryview(bytearray(24)).cast("q")
+            assert child.allocate(2**64) is None
+            denial = child.report().denials[-1]
+            assert (denial.reason, denial.refused_by) == ("over_limit", "pool")
+            assert (account.door[1], account.claimed) == (0, 0)
+
+
 class _RangeWithAHook(HostVirtualRange):
     """A host range that runs a function once, as it maps its next granule: what a
     finalizer that the collector runs there would do."""
