@@ -511,6 +511,81 @@ def part_cost(pairs: int, rounds: int) -> None:
                 f"{wall - base_wall:+,.0f}", f"{wall / base_wall:.3f}")
 
 
+def part_race(seconds: float = 20.0) -> None:
+    """Threads of one budget allocating through the door (``cuMemAlloc_v2`` from ctypes) and
+    through gpubudget's allocator at the same moments, on the real driver: both sides are
+    refused at the budget's limit, the run ends with nothing held and the ledger whole, and
+    the trace of it carries the door's line."""
+    import random
+    import tempfile
+
+    from gpubudget import bind, door, gpu_budget
+
+    context()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    alloc, free = cuda.cuMemAlloc_v2, cuda.cuMemFree_v2
+    alloc.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+    free.argtypes = [ctypes.c_uint64]
+    trace = os.path.join(tempfile.mkdtemp(), "race.jsonl")
+    counts = dict.fromkeys(("door granted", "door refused", "core granted", "core refused"), 0)
+    lock = threading.Lock()
+
+    def count(key: str) -> None:
+        with lock:
+            counts[key] += 1
+
+    with gpu_budget("2GiB", initial=0, name="race-root", trace=trace) as root:
+        with gpu_budget("256MiB", name="model") as model:
+            deadline = time.monotonic() + seconds
+
+            def driver_side(seed: int) -> None:
+                rng, live = random.Random(seed), list[int]()
+                while time.monotonic() < deadline:
+                    if live and rng.random() < 0.5:
+                        assert free(live.pop(rng.randrange(len(live)))) == 0
+                        continue
+                    pointer = ctypes.c_uint64()
+                    status = alloc(ctypes.byref(pointer), rng.randint(1, 32) * MiB)
+                    assert status in (0, 2), status  # granted, or CUDA_ERROR_OUT_OF_MEMORY
+                    if status == 0:
+                        live.append(pointer.value)
+                    count("door granted" if status == 0 else "door refused")
+                for address in live:
+                    assert free(address) == 0
+
+            def core_side(seed: int) -> None:
+                rng, live = random.Random(seed), list[int]()
+                while time.monotonic() < deadline:
+                    if live and rng.random() < 0.5:
+                        assert model.free(live.pop(rng.randrange(len(live))))
+                        continue
+                    block = model.allocate(rng.randint(1, 32) * MiB)
+                    if block is not None:
+                        live.append(block)
+                    count("core granted" if block is not None else "core refused")
+                for block in live:
+                    assert model.free(block)
+
+            sides = [driver_side, driver_side, core_side, core_side]
+            threads = [threading.Thread(target=bind(side, i)) for i, side in enumerate(sides)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            numbers = door.numbers(model)
+            model.check()
+            note(f"{seconds:.0f} s, two threads through the driver, two through the budget, "
+                 f"in one 256 MiB budget: {counts}")
+            note(f"at the end: budget used {mib(model.report().used)}, the door holds "
+                 f"{mib(numbers.held if numbers else None)} (peak "
+                 f"{mib(numbers.peak if numbers else None)}), check() passed")
+        root.trim()
+    shown = subprocess.run([sys.executable, "-m", "gpubudget", "report", trace],
+                           capture_output=True, text=True, check=False)
+    lines = [line for line in shown.stdout.splitlines() if "through the door" in line]
+    note(f"gpubudget report of the trace (exit {shown.returncode}): {lines or shown.stderr[:300]}")
+
+
 def part_serve() -> None:
     """Loading and serving a model, timed (the run without the door is the baseline)."""
     torch = need("torch")
@@ -556,6 +631,7 @@ PARTS: dict[str, tuple[Callable[[], None], dict[str, str]]] = {
     "tensorrt": (part_tensorrt, {}),
     "cost": (lambda: part_cost(20_000, 5), {}),
     "serve": (part_serve, {}),
+    "race": (part_race, {}),
 }
 WITHOUT_DOOR = ("torch", "jax-prealloc", "nccl", "serve")
 """Parts also run without the door: what the report called outside budgets there."""
