@@ -539,6 +539,7 @@ def part_race(seconds: float = 20.0) -> None:
             deadline = time.monotonic() + seconds
 
             def driver_side(seed: int) -> None:
+                context()  # the device's primary context, current in this thread too
                 rng, live = random.Random(seed), list[int]()
                 while time.monotonic() < deadline:
                     if live and rng.random() < 0.5:
@@ -566,12 +567,23 @@ def part_race(seconds: float = 20.0) -> None:
                 for block in live:
                     assert model.free(block)
 
+            errors: list[str] = []
+
+            def side(work: Callable[[int], None], seed: int) -> None:
+                try:
+                    work(seed)
+                except BaseException as exc:  # noqa: BLE001 - the part fails below
+                    errors.append(first_line(exc))
+
             sides = [driver_side, driver_side, core_side, core_side]
-            threads = [threading.Thread(target=bind(side, i)) for i, side in enumerate(sides)]
+            threads = [threading.Thread(target=bind(side, work, i))
+                       for i, work in enumerate(sides)]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
+            if errors:
+                raise AssertionError(f"a thread failed: {errors}")
             numbers = door.numbers(model)
             model.check()
             note(f"{seconds:.0f} s, two threads through the driver, two through the budget, "
