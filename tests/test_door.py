@@ -812,6 +812,25 @@ def test_a_forked_childs_frees_never_show_in_its_parents_door_file(lab: Path,
     assert shown == [("model", 100_000)]
 
 
+def test_a_boot_id_past_63_bits_makes_a_door_file_others_read(lab: Path,
+                                                               tmp_path: Path) -> None:
+    # a boot id is 64 random bits: half the machines' have the top one set (the H200's did,
+    # and the door file could not be made there: struct.error at the first root)
+    out = python(lab, """
+        import gpubudget.hostledger.procs as procs
+        from gpubudget.door.shared import read_doors
+        procs._identity.cache_clear()
+        procs.boot_id = lambda: 2**64 - 12345
+        with gpu_budget("1MiB", backend="host", name="model") as root:
+            status, a = driver.alloc(100_000)
+            found = read_doors(LEDGER)
+            out["held"] = sorted(share.held for share in found.values())
+            driver.free(a)
+    """.replace("LEDGER", repr(str(tmp_path))), GPUBUDGET_LEDGER="1",
+                 GPUBUDGET_LEDGER_DIR=str(tmp_path))
+    assert out == {"held": [100_000]}
+
+
 @pytest.mark.parametrize("pure", CORES)
 def test_the_viewer_gets_each_budgets_door_numbers_from_a_report(lab: Path, tmp_path: Path,
                                                                  pure: bool) -> None:

@@ -34,5 +34,6 @@ class DoorNumbers:
 
     @property
     def foreign(self) -> int:
-        """Bytes charged through the door that are not a root's own backend memory."""
-        return self.held - self.own
+        """Bytes charged through the door that are not a root's own backend memory (never
+        below 0: ``held`` and ``own`` are read one after the other while hooks change them)."""
+        return max(self.held - self.own, 0)

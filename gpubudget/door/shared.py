@@ -7,9 +7,9 @@ from then on keeps each budget's account in one of its rows: what ``gpubudget to
 nothing copied and no thread (the hooks write nothing more for it than they did). Layout, in
 the machine's byte order (the file never leaves the host):
 
-    bytes 0 .. 8191       header: 64-bit words ``magic, version, pid, start, pidns, boot,
-                          rows, row bytes, libraries named, attribute only``, then from byte
-                          4096 the libraries' names (64 of 64 bytes, NUL-padded; [0] is
+    bytes 0 .. 8191       header: unsigned 64-bit words ``magic, version, pid, start,
+                          pidns, boot, rows, row bytes, libraries named, attribute only``,
+                          then from byte 4096 the libraries' names (64 of 64 bytes, NUL-padded; [0] is
                           "(other)")
     8192 + 1536 * i       row i: an account's words (:data:`ROW_FIELDS`: ``state`` 1 while it
                           is a budget's), then 64 refusals per library, then 64 live bytes per
@@ -135,7 +135,8 @@ def share(lib: ctypes.CDLL) -> None:
         try:
             os.fchmod(fd, 0o600 if directory.private else 0o644)
             os.ftruncate(fd, FILE_BYTES)
-            os.pwrite(fd, struct.pack(f"={len(header)}q", *header), 0)
+            # unsigned: a boot id is 64 random bits (the rows are the door's signed words)
+            os.pwrite(fd, struct.pack(f"={len(header)}Q", *header), 0)
             os.replace(temporary, name, src_dir_fd=directory.fd, dst_dir_fd=directory.fd)
             if lib.gbd_share(fd, FILE_BYTES) != 0:
                 number = ctypes.get_errno()
@@ -187,7 +188,7 @@ def read_doors(directory: str | os.PathLike[str]) -> dict[tuple[int, int, int], 
         if data is None or len(data) < HEADER_BYTES:
             continue
         words = memoryview(data).cast("q")
-        header = dict(zip(HEADER_FIELDS, words[: len(HEADER_FIELDS)]))
+        header = dict(zip(HEADER_FIELDS, memoryview(data).cast("Q")[: len(HEADER_FIELDS)]))
         if (header["magic"] != MAGIC or header["version"] != VERSION
                 or header["row_bytes"] != ROW_BYTES or not 0 < header["rows"] <= 1 << 20):
             continue
