@@ -71,10 +71,10 @@ def _door_at_exit(budget: Budget) -> None:
     budget the door never charged nor refused (its peak and refusals 0)."""
     node = budget._node
     tree = node.tree
-    if tree is None or tree.recorder.writer is None:
-        return
+    if tree is None or tree.recorder.writer is None or not door.charged(budget):
+        return  # (charged reads ten words: the table of live allocations only if need be)
     numbers = door.numbers(budget)
-    if numbers is not None and (numbers.peak or numbers.refusals):
+    if numbers is not None:
         tree.recorder.door_at_exit(node.id, numbers)
 
 

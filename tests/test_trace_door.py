@@ -7,6 +7,7 @@ at the exit. The door itself, on the fake driver, is in tests/test_door.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,10 @@ BAD_DOOR_LINES = [
      "'attribute_only' must be true or false, got 1"),
     ("no such budget", {"b": 9}, "door event: budget 9 was not entered before this line"),
     ("bad time", {"t": -1}, "'t' must be a finite number of seconds >= 0"),
+    ("a blank last_refused_by", {"last_refused_by": "  "},
+     "'last_refused_by' must not be blank, got \"  \""),
+    ("a last refusal of none", {"refusals": 0},
+     "'last_refused' and 'last_refused_by' name a refusal where 'refusals' is 0"),
 ]
 
 
@@ -165,7 +170,32 @@ def test_a_door_line_after_its_budgets_exit_is_refused(tmp_path: Path, parser: s
                                  f"exited, at line 4; its door line comes before its exit")
 
 
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_second_door_line_for_a_budget_is_refused(tmp_path: Path, parser: str) -> None:
+    path = write(tmp_path / "twice.jsonl", [HEADER, ROOT, CHILD, DOOR, DOOR, EXIT_CHILD])
+    with TraceReader(path, parser=parser) as reader, pytest.raises(TraceError) as caught:
+        list(reader.events(door=True))
+    assert str(caught.value) == (f"{reader.name}:5: door event: budget 2 (\"model\") has a "
+                                 f"door line already, at line 4: one per budget")
+
+
 # -- what reads it -------------------------------------------------------------------------
+
+
+def test_a_replay_of_some_of_a_traces_events_skips_the_others_door_lines(
+        tmp_path: Path) -> None:
+    # a Trace whose events were cut down to one root keeps every door line; the budgets not
+    # replayed are not reported (and do not stop the replay)
+    second = {**ROOT, "t": 0.8, "b": 3, "name": "other"}
+    other_door = {**ROOT_DOOR, "t": 0.9, "b": 3}
+    path = write(tmp_path / "two.jsonl",
+                 GOOD + [second, other_door, {"ev": "exit", "t": 1.0, "b": 3}])
+    trace = read_trace(path)
+    assert {line.budget for line in trace.door} == {1, 2, 3}
+    only_other = dataclasses.replace(trace, events=[e for e in trace.events if e.budget == 3])
+    (report,) = replay(only_other).reports
+    assert report.name == "other" and report.driver_door is not None
+    assert report.driver_door.peak == 4 * MiB
 
 
 def test_the_replays_reports_carry_the_recorded_door_numbers(tmp_path: Path) -> None:
@@ -218,10 +248,9 @@ def test_the_writer_keeps_every_door_line_readable(tmp_path: Path) -> None:
     try:
         writer.enter(1, "pool", None, 16 * MiB, 256, 0, "host")
         long = "\U0001f600" * (MAX_TEXT + 5)  # 12 bytes a character in JSON
-        writer.door(1, numbers(
+        writer.exit(1, writer.door_line(1, numbers(
             held=2**70, own=-5, last_refused=2**64, last_refused_by=long,
-            libraries=tuple(DoorLibrary(f"{index}{long}", 2**65, index) for index in range(70))))
-        writer.exit(1)
+            libraries=tuple(DoorLibrary(f"{index}{long}", 2**65, index) for index in range(70)))))
     finally:
         writer.close()
     raw = path.read_bytes().splitlines()[2]
@@ -237,7 +266,13 @@ def test_the_writer_keeps_every_door_line_readable(tmp_path: Path) -> None:
 
 def _charged(monkeypatch: pytest.MonkeyPatch, found: dict[str, DoorNumbers | None]) -> None:
     """``gpubudget.door.numbers`` answers ``found[budget.name]``: the door's numbers, as if
-    it were loaded (the budget layer asks it at each traced budget's exit)."""
+    it were loaded (the budget layer asks it at each traced budget's exit, after
+    ``charged``, which says whether they would have anything)."""
+    def charged(budget: Any) -> bool:
+        known = found.get(budget.name)
+        return known is not None and bool(known.peak or known.refusals)
+
+    monkeypatch.setattr(gpubudget.door, "charged", charged)
     monkeypatch.setattr(gpubudget.door, "numbers", lambda budget: found.get(budget.name))
 
 
@@ -268,6 +303,7 @@ def test_a_traced_budget_gets_its_door_line_just_before_its_exit(
 def test_an_untraced_budget_never_asks_the_door_at_its_exit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[str] = []
+    monkeypatch.setattr(gpubudget.door, "charged", lambda budget: asked.append(budget.name))
     monkeypatch.setattr(gpubudget.door, "numbers", lambda budget: asked.append(budget.name))
     with gpu_budget("1MiB", name="pool", backend="host", trace=False):
         pass
@@ -281,6 +317,7 @@ def test_a_budget_exits_even_when_asking_the_door_is_cut_short(
     def interrupted(budget: object) -> DoorNumbers:
         raise KeyboardInterrupt
 
+    monkeypatch.setattr(gpubudget.door, "charged", lambda budget: True)
     monkeypatch.setattr(gpubudget.door, "numbers", interrupted)
     path = tmp_path / "t.jsonl"
     with pytest.raises(KeyboardInterrupt):
@@ -290,6 +327,69 @@ def test_a_budget_exits_even_when_asking_the_door_is_cut_short(
     writer_for(path).flush()
     assert [line["ev"] for line in map(json.loads, path.read_text().splitlines()[1:])] == [
         "enter", "exit"]
+
+
+def test_a_door_line_cut_short_still_leaves_the_exit_traced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The door line is made before the exit, outside the tree's lock, and queued with the
+    exit line as one text: an exception landing while it is made loses the door line only."""
+    _charged(monkeypatch, {"pool": numbers()})
+
+    def interrupted(self: TraceWriter, budget: int, found: DoorNumbers) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TraceWriter, "door_line", interrupted)
+    path = tmp_path / "t.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        with gpu_budget("1MiB", name="pool", backend="host", trace=str(path)) as pool:
+            pass
+    assert pool.state == "released"
+    writer_for(path).flush()
+    assert [line["ev"] for line in map(json.loads, path.read_text().splitlines()[1:])] == [
+        "enter", "exit"]
+
+
+def test_a_traced_budget_the_door_never_charged_is_not_asked_for_its_numbers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``charged`` (ten words read) decides; the table of live allocations is walked only
+    for a budget with a door line to write."""
+    asked: list[str] = []
+
+    def found(budget: Any) -> DoorNumbers:
+        asked.append(budget.name)
+        return numbers()
+
+    monkeypatch.setattr(gpubudget.door, "charged", lambda budget: budget.name == "model")
+    monkeypatch.setattr(gpubudget.door, "numbers", found)
+    with gpu_budget("1MiB", name="pool", backend="host", trace=str(tmp_path / "t.jsonl")):
+        with gpu_budget("64KiB", name="model"):
+            pass
+    assert asked == ["model"]
+
+
+def test_a_blank_library_name_is_written_unnamed(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    writer = TraceWriter(str(path))
+    try:
+        writer.enter(1, "pool", None, 16 * MiB, 256, 0, "host")
+        writer.exit(1, writer.door_line(1, numbers(
+            last_refused_by=" ", libraries=(DoorLibrary("", MiB, 1),))))
+    finally:
+        writer.close()
+    (line,) = door_lines(path)
+    assert (line["last_refused_by"], line["libraries"]) == ("(unnamed)", [["(unnamed)", MiB, 1]])
+    other = tmp_path / "w2.jsonl"
+    writer = TraceWriter(str(other))  # a refusal counted after its size was read: none yet
+    try:
+        writer.enter(2, "pool", None, 16 * MiB, 256, 0, "host")
+        writer.exit(2, writer.door_line(2, numbers(refusals=0)))
+    finally:
+        writer.close()
+    (last,) = door_lines(other)
+    assert (last["refusals"], last["last_refused"], last["last_refused_by"]) == (0, 0, None)
+    with TraceReader(path) as reader:  # and it reads back
+        assert [type(event).__name__ for event in reader.events(door=True)] == [
+            "Enter", "Door", "Exit"]
 
 
 def test_report_prints_a_traces_library_names_safely(tmp_path: Path,

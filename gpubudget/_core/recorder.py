@@ -170,8 +170,8 @@ class Recorder:
         self.base = 0  # where the root's blocks sit, and a growable root's granules
         self.mapping: Mapping | None = None
         self.root: int | None = None  # the root's budget id, once entered
-        # under the driver door: budget id -> what the door charged it, for its exit's trace
-        self.doors: dict[int, DoorNumbers] = {}
+        # under the driver door: budget id -> its door line, for its exit's trace
+        self.doors: dict[int, str] = {}
 
     def _now(self) -> float:
         """The clock's time for an event being recorded (the operation is already committed):
@@ -307,18 +307,18 @@ class Recorder:
 
     def door_at_exit(self, budget: int, numbers: DoorNumbers) -> None:
         """Budget ``budget``, traced and under the driver door, is about to exit: ``numbers``
-        (what the door charged it) are written on the line before its ``exit`` (see
-        :meth:`exited`). Taken by the budget layer, outside the tree's lock: the hooks
-        charge the door without it anyway."""
-        if self.writer is not None:
-            self.doors[budget] = numbers
+        (what the door charged it) are made its ``door`` line now, which :meth:`exited`
+        writes with its ``exit`` line. Called by the budget layer before the exit, outside
+        the tree's lock (the hooks charge the door without it anyway): cut short here, the
+        budget still exits, its exit traced, without the door's line."""
+        writer = self.writer
+        if writer is not None:
+            self.doors[budget] = writer.door_line(budget, numbers)
 
     def exited(self, budget: int, root: bool) -> None:
-        numbers = self.doors.pop(budget, None) if self.doors else None
-        if numbers is not None and self.writer is not None:
-            self._trace(self.writer.door, budget, numbers)
-        if self.writer is not None:
-            self._trace(self.writer.exit, budget)
+        line = self.doors.pop(budget, "") if self.doors else ""
+        if self.writer is not None:  # with the door's line first, where there is one
+            self._trace(self.writer.exit, budget, *((line,) if line else ()))
         if root and self.writer is not None:
             self._trace(self.writer.flush)
 

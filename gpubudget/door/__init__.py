@@ -36,8 +36,8 @@ if TYPE_CHECKING:  # ctypes and the numbers' dataclasses load when the door is f
     from ..budget import Budget
     from .records import DoorLibrary, DoorNumbers
 
-__all__ = ["DoorLibrary", "DoorNumbers", "device_view", "entered", "follow", "leaving",
-           "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of",
+__all__ = ["DoorLibrary", "DoorNumbers", "charged", "device_view", "entered", "follow",
+           "leaving", "loaded", "numbers", "outside", "outside_budgets", "owning", "owner_of",
            "registered"]
 
 WORDS: Final = 4
@@ -354,6 +354,20 @@ def _libraries(lib: ctypes.CDLL,
         index += 1
     return (total, tuple(sorted(found, key=lambda item: (-item.live_bytes, item.name))),
             count.value)
+
+
+def charged(budget: Budget) -> bool:
+    """Whether the door ever charged or refused ``budget`` (its peak or its refusals): ten
+    loads, where :func:`numbers` also walks the table of live allocations."""
+    lib = _door()
+    account = _accounts.get(budget)
+    if lib is None or account is None:
+        return False
+    import ctypes
+
+    out = (ctypes.c_int64 * 10)()
+    lib.gbd_account_numbers(account.address, out)
+    return bool(out[7] or out[5])
 
 
 def numbers(budget: Budget) -> DoorNumbers | None:

@@ -81,9 +81,10 @@ and what is wrong:
   ``map`` and ``unmap`` name a growable root entered earlier, and whole granules of its
   range, each not yet mapped (``map``) or mapped (``unmap``);
 - door lines: ``held``, ``own``, ``allocations``, ``peak``, ``refusals`` and
-  ``last_refused`` integers >= 0, ``last_refused_by`` a string or null, ``libraries`` a list
-  of ``[name, bytes, refusals]`` (a non-blank string, two integers >= 0), ``attribute_only``
-  true or false (absent: false); the budget entered earlier and not yet exited;
+  ``last_refused`` integers >= 0, ``last_refused_by`` a non-blank string or null (null, and
+  ``last_refused`` 0, where ``refusals`` is 0), ``libraries`` a list of ``[name, bytes,
+  refusals]`` (a non-blank string, two integers >= 0), ``attribute_only`` true or false
+  (absent: false); the budget entered earlier, not yet exited, with no door line before;
 - blocks: a granted allocation has ``bytes >= size >= 1`` and no ``reason``, at an address
   not live in the same tree (a block still live in another tree is dropped: that tree was
   garbage-collected, leaking it, and its memory was handed out again); a denied one has a ``reason`` (and ``size >= 1`` when the reason is a

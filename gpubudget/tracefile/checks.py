@@ -25,13 +25,14 @@ class Bad(Exception):
 class _Budget:
     """What the validator remembers of one entered budget."""
 
-    __slots__ = ("name", "line", "root", "exited", "granules")
+    __slots__ = ("name", "line", "root", "exited", "door", "granules")
 
     def __init__(self, name: str, line: int, root: int) -> None:
         self.name = name
         self.line = line
         self.root = root  # the id of its tree's root
         self.exited = 0  # the line of its exit, 0 while open
+        self.door = 0  # the line of its door line, 0 while none
         self.granules: _Granules | None = None  # a growable root's
 
 
@@ -361,15 +362,25 @@ class Validator:
         if entry.exited:
             raise Bad(f"{self.describe(budget)} already exited, at line {entry.exited}; its "
                       f"door line comes before its exit")
+        if entry.door:
+            raise Bad(f"{self.describe(budget)} has a door line already, at line "
+                      f"{entry.door}: one per budget")
         held, own, allocations, peak, refusals, last_refused = (
             _integer(record, key, 0) for key in ("held", "own", "allocations", "peak",
                                                  "refusals", "last_refused"))
         last_refused_by = _text(record, "last_refused_by", optional=True)
+        if last_refused_by is not None and not last_refused_by.strip():
+            raise Bad(f"'last_refused_by' must not be blank, got {_quote(last_refused_by)}")
+        if not refusals and (last_refused or last_refused_by is not None):
+            raise Bad("'last_refused' and 'last_refused_by' name a refusal where 'refusals' "
+                      "is 0")
         attribute_only = record.get("attribute_only", False)
         if type(attribute_only) is not bool:
             raise Bad(f"'attribute_only' must be true or false, got {_quote(attribute_only)}")
-        return Door(t, budget, held, own, allocations, peak, refusals, last_refused,
+        door = Door(t, budget, held, own, allocations, peak, refusals, last_refused,
                     last_refused_by, _libraries(record), attribute_only)
+        entry.door = self.line
+        return door
 
     def exit(self, record: dict[str, Any]) -> Exit:
         t = _time(record)

@@ -41,6 +41,11 @@ def _count(value: int) -> int:
     return min(max(int(value), 0), _MAX_INT)
 
 
+def _library_name(name: str) -> str:
+    """A library's name as the reader accepts it: shortened, never blank."""
+    return shortened(name) if name.strip() else "(unnamed)"
+
+
 class TraceWriter:
     """Appends events to one trace file, in the format above; thread-safe.
 
@@ -220,29 +225,41 @@ class TraceWriter:
         self._event("resize", {"b": budget, "ptr": address, "size": size, "align": align,
                                "bytes": nbytes})
 
-    def door(self, budget: int, numbers: DoorNumbers) -> None:
-        """Under the driver door: what it had charged ``budget`` when its ``with`` block
-        ended (``numbers``, :func:`gpubudget.door.numbers`' answer), on the line before the
-        budget's ``exit``. Library names are shortened as other texts are, and at most
-        64 libraries are listed (all the door tells apart)."""
-        self._event("door", {
+    def door_line(self, budget: int, numbers: DoorNumbers) -> str:
+        """The ``door`` line of ``budget``, for :meth:`exit` to write: what the driver door
+        had charged it when its ``with`` block ended (``numbers``,
+        :func:`gpubudget.door.numbers`' answer). Library names are shortened as other texts
+        are (a blank one written ``(unnamed)``), and at most 64 libraries are listed (all the
+        door tells apart)."""
+        refused = numbers.refusals > 0  # (read apart from the last one, which may be newer)
+        return json.dumps({
+            "ev": "door", "t": round(time.perf_counter() - self._t0, 9),
             "b": budget, "held": _count(numbers.held), "own": _count(numbers.own),
             "allocations": _count(numbers.live), "peak": _count(numbers.peak),
-            "refusals": _count(numbers.refusals), "last_refused": _count(numbers.last_refused),
-            "last_refused_by": (None if numbers.last_refused_by is None
-                                else shortened(numbers.last_refused_by)),
-            "libraries": [[shortened(lib.name), _count(lib.live_bytes), _count(lib.refusals)]
+            "refusals": _count(numbers.refusals),
+            "last_refused": _count(numbers.last_refused) if refused else 0,
+            "last_refused_by": (None if numbers.last_refused_by is None or not refused
+                                else _library_name(numbers.last_refused_by)),
+            "libraries": [[_library_name(lib.name), _count(lib.live_bytes),
+                           _count(lib.refusals)]
                           for lib in numbers.libraries[:_DOOR_LIBRARIES]],
-            "attribute_only": bool(numbers.attribute_only)})
+            "attribute_only": bool(numbers.attribute_only)}) + "\n"
 
-    def exit(self, budget: int) -> None:
+    def exit(self, budget: int, door_line: str = "") -> None:
         """``budget``'s ``with`` block ended; a root's last: the file is flushed and closed.
-        (The root is forgotten before its event is queued: written again after an exception,
-        the event finds it gone, and :meth:`flush` closes the file.)"""
+        Under the driver door, ``door_line`` (:meth:`door_line`, made before) goes just
+        before, the two queued as one text, so that an exception landing here never leaves
+        one without the other. (The root is forgotten before its event is queued: written
+        again after an exception, the event finds it gone, and :meth:`flush` closes the
+        file.)"""
         with self._lock:
             root = budget in self._roots
             self._roots.discard(budget)
-            self._event("exit", {"b": budget})
+            if self._closed is not None:
+                raise TraceWriteError(self._closed)
+            exit_line = json.dumps({"ev": "exit", "t": round(time.perf_counter() - self._t0, 9),
+                                    "b": budget})
+            self._queue.put(door_line + exit_line + "\n")
             if root:
                 self._flush_and_close_if_idle()
 
