@@ -310,35 +310,21 @@ def test_an_untraced_budget_never_asks_the_door_at_its_exit(
     assert asked == []
 
 
-def test_a_budget_exits_even_when_asking_the_door_is_cut_short(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An exception landing while the door is asked (a signal handler's, a Ctrl-C) still
-    leaves the budget exited, its exit traced."""
-    def interrupted(budget: object) -> DoorNumbers:
+@pytest.mark.parametrize("where", ["asking the door", "making the door line"])
+def test_a_budget_exits_even_when_its_door_line_is_cut_short(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """An exception landing while the door is asked, or while the door line is made (a
+    signal handler's, a Ctrl-C), still leaves the budget exited, its exit traced: the line
+    is made before the exit, outside the tree's lock, and queued with the exit line as one
+    text, so only the door line is lost."""
+    def interrupted(*args: object) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gpubudget.door, "charged", lambda budget: True)
-    monkeypatch.setattr(gpubudget.door, "numbers", interrupted)
-    path = tmp_path / "t.jsonl"
-    with pytest.raises(KeyboardInterrupt):
-        with gpu_budget("1MiB", name="pool", backend="host", trace=str(path)) as pool:
-            pass
-    assert pool.state == "released"
-    writer_for(path).flush()
-    assert [line["ev"] for line in map(json.loads, path.read_text().splitlines()[1:])] == [
-        "enter", "exit"]
-
-
-def test_a_door_line_cut_short_still_leaves_the_exit_traced(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The door line is made before the exit, outside the tree's lock, and queued with the
-    exit line as one text: an exception landing while it is made loses the door line only."""
     _charged(monkeypatch, {"pool": numbers()})
-
-    def interrupted(self: TraceWriter, budget: int, found: DoorNumbers) -> str:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(TraceWriter, "door_line", interrupted)
+    if where == "asking the door":
+        monkeypatch.setattr(gpubudget.door, "numbers", interrupted)
+    else:
+        monkeypatch.setattr(TraceWriter, "door_line", interrupted)
     path = tmp_path / "t.jsonl"
     with pytest.raises(KeyboardInterrupt):
         with gpu_budget("1MiB", name="pool", backend="host", trace=str(path)) as pool:

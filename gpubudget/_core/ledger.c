@@ -380,34 +380,29 @@ PyObject *py_passed_up(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromLongLong(passed_up(a, used));
 }
 
-PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    i64 delta;
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "refusal(account, delta)");
+/* refusal() or claim() from Python: `ask` up the chain, or the exact answer in Python ints
+ * where 64 bits cannot tell (nothing claimed then: the door's words are 64-bit). */
+static PyObject *asked(PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                       AccountObject *(*ask)(AccountObject *, i64)) {
+    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "%s", usage);
     AccountObject *a = as_account(args[0]);
     if (a == NULL) return NULL;
     if (!PyLong_Check(args[1])) return PyErr_Format(PyExc_TypeError, "delta must be an int");
     int ok;
-    delta = as_i64(args[1], &ok);
-    AccountObject *refused = ok ? ledger_refusal(a, delta) : UNDECIDED;
+    i64 delta = as_i64(args[1], &ok);
+    AccountObject *refused = ok ? ask(a, delta) : UNDECIDED;
     if (refused == UNDECIDED) return exact_refusal(a, args[1]);
     PyObject *result = refused ? (PyObject *)refused : Py_None;
     Py_INCREF(result);
     return result;
 }
 
+PyObject *py_refusal(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return asked(args, nargs, "refusal(account, delta)", ledger_refusal);
+}
+
 PyObject *py_claim(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    i64 delta;
-    if (nargs != 2) return PyErr_Format(PyExc_TypeError, "claim(account, delta)");
-    AccountObject *a = as_account(args[0]);
-    if (a == NULL) return NULL;
-    if (!PyLong_Check(args[1])) return PyErr_Format(PyExc_TypeError, "delta must be an int");
-    int ok;
-    delta = as_i64(args[1], &ok);
-    AccountObject *refused = ok ? ledger_claim(a, delta) : UNDECIDED;
-    if (refused == UNDECIDED) return exact_refusal(a, args[1]); /* beyond the door's words */
-    PyObject *result = refused ? (PyObject *)refused : Py_None;
-    Py_INCREF(result);
-    return result;
+    return asked(args, nargs, "claim(account, delta)", ledger_claim);
 }
 
 PyObject *py_settle(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {

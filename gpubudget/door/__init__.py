@@ -356,34 +356,39 @@ def _libraries(lib: ctypes.CDLL,
             count.value)
 
 
-def charged(budget: Budget) -> bool:
-    """Whether the door ever charged or refused ``budget`` (its peak or its refusals): ten
-    loads, where :func:`numbers` also walks the table of live allocations."""
-    lib = _door()
-    account = _accounts.get(budget)
-    if lib is None or account is None:
-        return False
-    import ctypes
-
-    out = (ctypes.c_int64 * 10)()
-    lib.gbd_account_numbers(account.address, out)
-    return bool(out[7] or out[5])
-
-
-def numbers(budget: Budget) -> DoorNumbers | None:
-    """What the door charged ``budget``, or ``None`` (the door is not loaded, or the budget
-    was never entered under it)."""
+def _words(budget: Budget) -> tuple[ctypes.CDLL, int, ctypes.Array[ctypes.c_int64]] | None:
+    """The door, ``budget``'s account in it and its numbers (``gbd_account_numbers``' ten
+    words, read now); ``None`` when the door is not loaded or the budget never entered
+    under it."""
     lib = _door()
     account = _accounts.get(budget)
     if lib is None or account is None:
         return None
     import ctypes
-    from .records import DoorNumbers
 
     out = (ctypes.c_int64 * 10)()
     lib.gbd_account_numbers(account.address, out)
+    return lib, account.address, out
+
+
+def charged(budget: Budget) -> bool:
+    """Whether the door ever charged or refused ``budget`` (its peak or its refusals): ten
+    loads, where :func:`numbers` also walks the table of live allocations."""
+    found = _words(budget)
+    return found is not None and bool(found[2][7] or found[2][5])
+
+
+def numbers(budget: Budget) -> DoorNumbers | None:
+    """What the door charged ``budget``, or ``None`` (the door is not loaded, or the budget
+    was never entered under it)."""
+    found = _words(budget)
+    if found is None:
+        return None
+    from .records import DoorNumbers
+
+    lib, address, out = found
     name = lib.gbd_library(out[9]) if out[8] else None
-    _, libraries, count = _libraries(lib, account.address)
+    _, libraries, count = _libraries(lib, address)
     return DoorNumbers(held=out[0], own=out[2], live=count, peak=out[7], refusals=out[5],
                        last_refused=out[8],
                        last_refused_by=name.decode("utf-8", "replace") if name else None,
